@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtual environment in .venv and prints its python.
+# Reused while pyproject.toml is unchanged (its hash is stored in .venv/.pins).
+# Usage: PY=$(scripts/ensure_env.sh [extras])   e.g. extras "test"
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extras="${1:-}"
+venv="$root/.venv"
+want="$(cat "$root/pyproject.toml" | sha256sum | cut -c1-16)-${extras}"
+if [[ -x "$venv/bin/python" && -f "$venv/.pins" && "$(cat "$venv/.pins")" == "$want" ]]; then
+  echo "$venv/bin/python"
+  exit 0
+fi
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+if ! "$py" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
+  echo "titan_spec needs Python 3.11; found $("$py" --version 2>&1) (set PYTHON=/path/to/python3.11)" >&2
+  exit 1
+fi
+echo "titan_spec: setting up $venv (first use; torch is large, this takes a few minutes)" >&2
+rm -rf "$venv"
+"$py" -m venv "$venv"
+spec="$root"
+[[ -n "$extras" ]] && spec="$root[$extras]"
+"$venv/bin/pip" install --quiet --disable-pip-version-check --upgrade pip >&2
+"$venv/bin/pip" install --quiet --disable-pip-version-check -e "$spec" >&2
+echo "$want" > "$venv/.pins"
+echo "$venv/bin/python"

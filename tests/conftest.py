@@ -1,0 +1,30 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(dump: str, nproc: int = 1, overrides: tuple[str, ...] = (), timeout: int = 600) -> list[dict]:
+    """Run the real entry point under torchrun (gloo on CPU); return metrics.jsonl rows."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "titan_spec.train", "--config", os.path.join(ROOT, "train_configs/debug_cpu.toml"),
+        "--job.dump_folder", dump, "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--training.seq_len", "128", "--training.local_batch_size", "4",
+        "--lr_scheduler.warmup_steps", "2", *overrides,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    if out.returncode != 0:
+        raise AssertionError(f"training failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def train():
+    return run_train

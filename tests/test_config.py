@@ -1,0 +1,95 @@
+"""Config loading: typed sections, CLI overrides, and one clear line per malformed config."""
+
+import subprocess
+import sys
+
+import pytest
+
+import titan_spec  # noqa: F401
+from titan_spec.config import ConfigError, load_config, parse_overrides
+
+DEFAULT = "train_configs/debug_cpu.toml"
+
+
+def test_default_config_loads_and_overrides_apply():
+    cfg = load_config(DEFAULT, ["--training.steps", "7", "--compile.enable", "true", "--optimizer.lr=1e-4"])
+    assert cfg.training.steps == 7
+    assert cfg.compile.enable is True
+    assert cfg.optimizer.lr == pytest.approx(1e-4)
+    assert cfg.model.name == "qwen3"
+
+
+def test_parse_overrides_types():
+    out = parse_overrides(["--model.tap_layer_ids", "[1,2,3]", "--job.dump_folder", "./x", "--a.b", "false"])
+    assert out == {"model": {"tap_layer_ids": [1, 2, 3]}, "job": {"dump_folder": "./x"}, "a": {"b": False}}
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+# (toml text or None, CLI overrides, world size, substrings the one-line message must contain)
+MALFORMED = [
+    ("[trainig]\nsteps = 3\n", [], 1, ["unknown section 'trainig'", "did you mean 'training'", "valid sections"]),
+    ("[training]\nstepz = 3\n", [], 1, ["unknown key 'training.stepz'", "did you mean 'steps'"]),
+    ("[training]\nsteps = 'three'\n", [], 1, ["training.steps", "wrong type", "an integer"]),
+    ("[training]\nsteps = 0\n", [], 1, ["training.steps = 0", ">= 1"]),
+    ("[compile]\nenable = 1\n", [], 1, ["compile.enable", "true or false"]),
+    ("[model]\nname = 'gpt2'\n", [], 1, ["model.name", "'qwen3', 'llama3'"]),
+    ("[optimizer]\nlr = -0.1\n", [], 1, ["optimizer.lr", "positive"]),
+    ("[optimizer]\nbeta2 = 1.5\n", [], 1, ["optimizer.beta2", "[0, 1)"]),
+    ("[parallelism]\ndata_parallel_shard_degree = 2\n", [], 1, ["do not multiply to the world size", "1 processes"]),
+    ("[parallelism]\ndata_parallel_shard_degree = 2\n", [], 4, ["= 2, but 4 processes"]),
+    ("[task]\noperators = '+/'\n", [], 1, ["task.operators", "subset of '+-*'"]),
+    ("[task]\nname = 'jsonl'\n", [], 1, ["task.path is empty"]),
+    ("steps = 3\n", [], 1, ["top-level key 'steps' must be inside a [section]"]),
+    ("[training\nsteps = 3\n", [], 1, ["not valid TOML"]),
+    ("[model]\nhf_checkpoint = '/nonexistent/dir'\n", [], 1, ["model.hf_checkpoint", "is not a directory"]),
+    ("", ["--training.steps"], 1, ["--training.steps has no value"]),
+    ("", ["training.steps", "3"], 1, ["is not an override"]),
+    ("", ["--model.tap_layer_ids", "[1, 'a']"], 1, ["model.tap_layer_ids", "a list of an integer"]),
+    ("[metrics]\nlog_freq = 0\n", [], 1, ["metrics.log_freq"]),
+    ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
+    ("[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["pipeline_parallel_degree = 2 is not supported yet"]),
+]
+
+
+@pytest.mark.parametrize("text,overrides,world,needles", MALFORMED)
+def test_malformed_config_gives_one_clear_line(tmp_path, text, overrides, world, needles):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, world_size=world)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/x.toml")
+
+
+@pytest.mark.parametrize("module", ["titan_spec.config", "titan_spec.train"])
+def test_cli_config_error_is_one_line_and_nonzero(tmp_path, module):
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--config", DEFAULT, "--training.stepz", "3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    err = [line for line in out.stderr.splitlines() if "titan_spec" in line]
+    assert len(err) == 1 and "unknown key 'training.stepz'" in err[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_tap_ids_out_of_range_is_a_config_error():
+    from titan_spec.train import to_trainer_config
+
+    cfg = load_config(DEFAULT, ["--model.tap_layer_ids", "[1, 3, 8]"])
+    with pytest.raises(ConfigError, match=r"out of range: the target has 8 layers"):
+        to_trainer_config(cfg)
+    cfg = load_config(DEFAULT, ["--model.tap_layer_ids", "[1, 1, 3]"])
+    with pytest.raises(ConfigError, match="distinct"):
+        to_trainer_config(cfg)

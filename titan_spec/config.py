@@ -1,0 +1,428 @@
+"""TOML -> typed config, with validation that names the file, the key and what is allowed.
+
+One TOML file is one ``TitanSpecConfig``: each top-level table is a section and each
+section is a dataclass. Where torchtitan's own config dataclass fits a section as is
+(training, parallelism, checkpoint, compile, metrics, lr_scheduler, comm, debug,
+profiler) it is used directly; titan_spec's own sections (job, model, optimizer,
+activation_checkpoint, task, draft, speculative, rollout, rl) are defined here and are
+translated to torchtitan's Trainer.Config by ``titan_spec.train``.
+
+CLI overrides ``--section.key value`` go through the same parser and checks as the
+file, so a typo on the command line fails exactly like a typo in the file.
+
+    python -m titan_spec.config --config FILE [--section.key value ...]   # check only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
+    import tomli as tomllib
+
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.tools.profiler import Profiler
+
+__all__ = ["ConfigError", "TitanSpecConfig", "load_config", "parse_overrides"]
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user (one line)."""
+
+
+# ---------------------------------------------------------------------------
+# titan_spec's own sections
+# ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    dump_folder: str = "./outputs"
+    """Where logs, TensorBoard files, checkpoints, the tokenizer and plots go."""
+
+    description: str = ""
+    """Free text, logged at start."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: Literal["qwen3", "llama3"] = "qwen3"
+    """Model family of the policy/target."""
+
+    flavor: str = "tiny"
+    """Named size (qwen3: tiny, small, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
+    hf_checkpoint is set (the checkpoint's config.json defines the architecture)."""
+
+    hf_checkpoint: str = ""
+    """Directory of an HF checkpoint (config.json + *.safetensors [+ index]) to start from."""
+
+    tap_layer_ids: list[int] = field(default_factory=list)
+    """Decoder layers whose outputs feed the draft; empty = (1, L//2-1, L-4)."""
+
+    vocab_from_tokenizer: bool = True
+    """Size the embedding to the task tokenizer (flavors only; an HF checkpoint keeps its vocab)."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    """Optimizer of the policy."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """torch.optim implementation ('fused' needs a GPU)."""
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "optimizer.lr", self.lr, "a positive number")
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
+        _check(0 <= self.beta1 < 1, "optimizer.beta1", self.beta1, "in [0, 1)")
+        _check(0 <= self.beta2 < 1, "optimizer.beta2", self.beta2, "in [0, 1)")
+        _check(self.eps > 0, "optimizer.eps", self.eps, "a positive number")
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Per-block activation checkpointing (torchtitan's FullAC / SelectiveAC)."""
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    name: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer after '####')."""
+
+    path: str = ""
+    """The JSONL file when name = 'jsonl'."""
+
+    max_operand: int = 99
+    """Largest operand of the generated problems (difficulty)."""
+
+    num_operands: int = 2
+    """Operands per generated problem."""
+
+    operators: str = "+-"
+    """Operators the generated problems use (subset of '+-*')."""
+
+    seed: int = 1234
+    """Seed of the problem generator (each data-parallel rank offsets it)."""
+
+    def validate(self) -> None:
+        _check(self.max_operand >= 1, "task.max_operand", self.max_operand, ">= 1")
+        _check(self.num_operands >= 2, "task.num_operands", self.num_operands, ">= 2")
+        _check(
+            bool(self.operators) and set(self.operators) <= set("+-*"),
+            "task.operators", self.operators, "a non-empty subset of '+-*'",
+        )
+        if self.name == "jsonl" and not self.path:
+            raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file")
+
+
+@dataclass(kw_only=True)
+class DraftConfig:
+    enable: bool = False
+    """Build and train the EAGLE-3 draft next to the policy (the draft issue fills this in)."""
+
+
+@dataclass(kw_only=True)
+class SpeculativeConfig:
+    enabled: bool = False
+    """Speculative decoding in rollouts (the rollout engine issue fills this in)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: Literal["torch", "sglang"] = "torch"
+    """Rollout engine."""
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    enable: bool = False
+    """RL post-training after the warm start (the RL issue fills this in)."""
+
+
+@dataclass(kw_only=True)
+class TitanSpecConfig:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulersContainer.Config = field(default_factory=LRSchedulersContainer.Config)
+    checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    metrics: MetricsProcessor.Config = field(default_factory=MetricsProcessor.Config)
+    comm: CommConfig = field(default_factory=CommConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    profiler: Profiler.Config = field(default_factory=Profiler.Config)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+
+    source: str = field(default="<defaults>", metadata={"internal": True})
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Checks that span sections. world_size None: read WORLD_SIZE (default 1)."""
+        for f in _fields(self):
+            sub = getattr(self, f.name)
+            if hasattr(sub, "validate"):
+                sub.validate()
+        t, p = self.training, self.parallelism
+        _check(t.steps >= 1, "training.steps", t.steps, ">= 1")
+        _check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
+        _check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, ">= 1")
+        _check(t.max_norm > 0, "training.max_norm", t.max_norm, "> 0")
+        _check(self.metrics.log_freq >= 1, "metrics.log_freq", self.metrics.log_freq, ">= 1")
+        _check(self.checkpoint.interval >= 1, "checkpoint.interval", self.checkpoint.interval, ">= 1")
+        for name in (
+            "data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+            "context_parallel_degree", "expert_parallel_degree",
+        ):
+            _check(getattr(p, name) >= 1, f"parallelism.{name}", getattr(p, name), ">= 1")
+        shard = p.data_parallel_shard_degree
+        _check(shard == -1 or shard >= 1, "parallelism.data_parallel_shard_degree", shard, "-1 (fill) or >= 1")
+        if world_size is None:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        others = (
+            p.data_parallel_replicate_degree * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree * p.context_parallel_degree
+        )
+        if shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"parallel degrees do not fit the world size: replicate*tp*pp*cp = {others} does not "
+                    f"divide the {world_size} processes (set NGPU, or the degrees, so they multiply to it)"
+                )
+        elif others * shard != world_size:
+            raise ConfigError(
+                f"parallel degrees do not multiply to the world size: dp_replicate {p.data_parallel_replicate_degree}"
+                f" x dp_shard {shard} x tp {p.tensor_parallel_degree} x pp {p.pipeline_parallel_degree}"
+                f" x cp {p.context_parallel_degree} = {others * shard}, but {world_size} processes run"
+                " (set NGPU, or the degrees, so they multiply to it)"
+            )
+        for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
+            if getattr(p, name) > 1:
+                raise ConfigError(
+                    f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
+                    "parallel (FSDP) now, context and pipeline parallelism come with their own issues"
+                )
+        if self.model.hf_checkpoint and not os.path.isdir(self.model.hf_checkpoint):
+            raise ConfigError(f"model.hf_checkpoint {self.model.hf_checkpoint!r} is not a directory")
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} is not allowed; it must be {allowed}")
+
+
+def _fields(obj_or_cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(obj_or_cls) if not f.name.startswith("_") and not f.metadata.get("internal")]
+
+
+# ---------------------------------------------------------------------------
+# Typed assignment
+# ---------------------------------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return f"a list of {_type_name(args[0]) if args else 'values'}"
+    if origin is dict:
+        return "a table"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+_NO = object()
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """value (from TOML) as type tp, or _NO."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        return value if value in typing.get_args(tp) else _NO
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            out = _coerce(value, arg)
+            if out is not _NO:
+                return out
+        return _NO
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            return _NO
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        items = [_coerce(v, args[0]) if args else v for v in value]
+        if any(i is _NO for i in items):
+            return _NO
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        return value if isinstance(value, dict) else _NO
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is float:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else _NO
+    if tp is str:
+        return value if isinstance(value, str) else _NO
+    return _NO
+
+
+def _assign(obj: Any, table: dict, where: str, path: str) -> None:
+    cls = type(obj)
+    fields = {f.name: f for f in _fields(cls)}
+    hints = _hints(cls)
+    for key, value in table.items():
+        dotted = f"{path}.{key}" if path else key
+        if key not in fields:
+            valid = sorted(fields)
+            near = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            kind = "key" if path else "section"
+            raise ConfigError(
+                f"{where}: unknown {kind} {dotted!r}{hint}; valid {kind}s"
+                f"{' of [' + path + ']' if path else ''}: {', '.join(valid)}"
+            )
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current) and not isinstance(current, type):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {dotted} must be a table [{dotted}], got {value!r}")
+            _assign(current, value, where, dotted)
+            continue
+        tp = hints[key]
+        out = _coerce(value, tp)
+        if out is _NO:
+            raise ConfigError(f"{where}: {dotted} = {value!r} has the wrong type; it must be {_type_name(tp)}")
+        setattr(obj, key, out)
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """['--training.steps', '5', '--compile.enable', 'true'] -> nested dict of TOML values."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg[2:]:
+            raise ConfigError(f"command line: {arg!r} is not an override; use --section.key value")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"command line: --{key} has no value; use --{key} VALUE")
+            raw = args[i + 1]
+            i += 2
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # bare words are strings: --job.dump_folder ./out
+        if isinstance(value, str) and raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | None, overrides: list[str] | None = None, world_size: int | None = None) -> TitanSpecConfig:
+    """Read, type-check and validate a config. Raises ConfigError with a one-line message."""
+    cfg = TitanSpecConfig()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        for key, value in data.items():
+            if not isinstance(value, dict):
+                valid = ", ".join(f.name for f in _fields(cfg))
+                raise ConfigError(f"{path}: top-level key {key!r} must be inside a [section]; sections: {valid}")
+        _assign(cfg, data, path, "")
+        cfg.source = path
+    if overrides:
+        _assign(cfg, parse_overrides(overrides), "command line", "")
+    try:
+        cfg.validate(world_size)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg.source}: {e}") from None
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            print("titan_spec: --config needs a file", file=sys.stderr)
+            return 2
+        path = argv[i + 1]
+        del argv[i : i + 2]
+    try:
+        load_config(path, argv)
+    except ConfigError as e:
+        print(f"titan_spec: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

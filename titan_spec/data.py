@@ -1,0 +1,136 @@
+"""Character tokenizer and the packed task dataloader for language-model / SFT steps.
+
+Shape legend: B = rows per batch, L = row length (training.seq_len).
+
+Both plug into torchtitan's Trainer through its Configurable contracts
+(``tokenizer.build(tokenizer_path=...)``, ``dataloader.build(dp_rank=..., ...)``).
+The tokenizer is made locally (no hub) and saved with the run, so a checkpoint and
+its exported model always come with the ids they were trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.tokenizer import BaseTokenizer
+
+from titan_spec.config import TaskConfig
+from titan_spec.rl.packing import Document, pack_documents
+from titan_spec.rl.tasks import build_task
+
+__all__ = ["CharTokenizer", "TaskDataLoader", "sft_document"]
+
+_SPECIALS = ("<pad>", "<bos>", "<eos>")
+# Printable ASCII minus the three whitespace controls nobody writes (\r \x0b \x0c).
+_CHARS = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
+
+
+class CharTokenizer(BaseTokenizer):
+    """One id per printable ASCII character plus <pad>, <bos>, <eos>."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config | None = None, tokenizer_path: str | None = None):
+        super().__init__()
+        vocab = list(_SPECIALS) + list(_CHARS)
+        if tokenizer_path and os.path.isfile(os.path.join(tokenizer_path, "tokenizer.json")):
+            with open(os.path.join(tokenizer_path, "tokenizer.json")) as f:
+                vocab = json.load(f)["vocab"]
+        self.vocab = vocab
+        self.stoi = {s: i for i, s in enumerate(vocab)}
+        self.pad_id, self.bos_id, self.eos_id = (self.stoi[s] for s in _SPECIALS)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        unknown = sorted({c for c in text if c not in self.stoi})
+        if unknown:
+            raise ValueError(f"characters {unknown!r} are not in the tokenizer's vocabulary (printable ASCII)")
+        ids = [self.stoi[c] for c in text]
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocab[i] for i in ids if i >= len(_SPECIALS))
+
+    def get_vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def save(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, "tokenizer.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"type": "char", "vocab": self.vocab}, f)
+        os.replace(tmp, os.path.join(folder, "tokenizer.json"))
+
+
+def sft_document(tok: CharTokenizer, prompt: str, answer: str) -> Document:
+    """<bos> prompt answer <eos>, trained on the answer and <eos> only."""
+    p = tok.encode(prompt, add_bos=True)
+    return Document(tokens=p + tok.encode(answer, add_eos=True), loss_from=len(p))
+
+
+class TaskDataLoader(BaseDataLoader):
+    """Infinite packed SFT batches of the task, deterministic in (seed, batch index).
+
+    Its checkpoint state is the batch index, so a resumed run sees exactly the batches
+    the uninterrupted run would have seen.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        task: TaskConfig = field(default_factory=TaskConfig)
+        """The task section of the titan_spec config."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: CharTokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        **_: object,
+    ):
+        self.task_cfg = config.task
+        self.task = build_task(config.task)
+        self.tokenizer = tokenizer
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.rows, self.row_len = local_batch_size, seq_len
+        self.batch_index = 0
+
+    def _batch(self, index: int):
+        # Pack the GLOBAL batch and keep this rank's rows: the data of a step does not
+        # depend on how it is split, so dp=2 x 4 rows trains on exactly dp=1 x 8 rows.
+        rng = random.Random(self.task_cfg.seed * 1_000_003 + index)
+        rows = self.rows * self.dp_world_size
+        docs: list[Document] = []
+        budget, total = rows * self.row_len, 0
+        while total < budget:
+            prob = self.task.sample(rng)
+            docs.append(sft_document(self.tokenizer, prob.prompt, prob.answer))
+            total += len(docs[-1].tokens)
+        packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id)
+        mine = slice(self.dp_rank * self.rows, (self.dp_rank + 1) * self.rows)
+        return {"input": packed.input_BL[mine], "positions": packed.positions_BL[mine]}, packed.labels_BL[mine]
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            batch = self._batch(self.batch_index)
+            self.batch_index += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {f"dp_rank_{self.dp_rank}": self.batch_index, "world_size": self.dp_world_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        key = f"dp_rank_{self.dp_rank}"
+        if key in state_dict:
+            self.batch_index = int(state_dict[key])

@@ -1,0 +1,138 @@
+"""HF checkpoint import/export for the target, through torchtitan's state-dict adapters.
+
+A checkpoint directory is ``config.json`` plus ``model.safetensors`` or shards named
+by ``model.safetensors.index.json``. Reading checks the files and the architecture
+before touching the model; writing goes to a temporary directory that is renamed
+into place, so an interrupted export never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_config, build_target_config
+
+__all__ = ["read_hf_arch", "read_hf_state_dict", "load_hf_into", "load_full_state_dict", "save_hf", "HFCheckpointError"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class HFCheckpointError(ValueError):
+    """A checkpoint directory that cannot be used, phrased for the user."""
+
+
+def read_hf_arch(path: str) -> Arch:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise HFCheckpointError(f"HF checkpoint {path!r} is not a directory")
+    if not os.path.isfile(cfg_path):
+        raise HFCheckpointError(f"HF checkpoint {path!r} has no config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise HFCheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    try:
+        return arch_from_hf_config(cfg, where=cfg_path)
+    except ValueError as e:
+        raise HFCheckpointError(str(e)) from None
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise HFCheckpointError(f"{path}: {_INDEX} names missing shard(s): {', '.join(missing)}")
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, _SINGLE)
+    if os.path.isfile(single):
+        return [single]
+    raise HFCheckpointError(f"{path}: no {_SINGLE} and no {_INDEX}; only safetensors checkpoints are read")
+
+
+def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        sd.update(load_file(file))
+    return sd
+
+
+def _adapter(arch: Arch, model_config):
+    if arch.family == "qwen3":
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as A
+    else:
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as A
+    return A(model_config, None)
+
+
+def load_hf_into(model: nn.Module, path: str, arch: Arch) -> None:
+    """Load an HF checkpoint into a (possibly FSDP-sharded) target built for ``arch``."""
+    found = read_hf_arch(path)
+    if found != arch:
+        diff = [f"{k}: checkpoint {getattr(found, k)!r} vs model {getattr(arch, k)!r}"
+                for k in arch.__dataclass_fields__ if getattr(found, k) != getattr(arch, k)]
+        raise HFCheckpointError(f"{path} does not match the target: {'; '.join(diff)}")
+    hf_sd = read_hf_state_dict(path)
+    sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).from_hf(hf_sd)
+    try:
+        load_full_state_dict(model, sd)
+    except ValueError as e:
+        raise HFCheckpointError(f"{path}: {e}") from None
+
+
+def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Load full (unsharded) tensors into a model whose params may be FSDP DTensors."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not match the target (missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+            f"unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''})"
+        )
+    out = {}
+    for key, ref in own.items():
+        value = sd[key].to(dtype=ref.dtype)
+        if isinstance(ref, DTensor):
+            # FSDP-sharded parameter: every rank holds the full tensor, keeps its own shard.
+            value = distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements)
+        out[key] = value
+    model.load_state_dict(out, strict=True)
+
+
+def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.float32) -> None:
+    """Write ``model`` as an HF checkpoint at ``path`` (atomically: tmp dir, then rename).
+
+    Collective under FSDP (every rank must call it); rank 0 writes.
+    """
+    sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in model.state_dict().items()}
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    hf_sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).to_hf(sd)
+    hf_sd = {k: v.detach().to(dtype).contiguous() for k, v in hf_sd.items()}
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+    try:
+        save_file(hf_sd, os.path.join(tmp, _SINGLE), metadata={"format": "pt"})
+        cfg = arch_to_hf_config(arch)
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

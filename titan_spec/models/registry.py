@@ -1,0 +1,198 @@
+"""Target architectures: named flavors and HF ``config.json`` -> torchtitan model configs.
+
+An ``Arch`` is the handful of numbers that define a dense Qwen3 / Llama3 decoder. Named
+flavors (ours for CPU, torchtitan's up to 8B) and HF checkpoints both become an
+``Arch``, and one builder turns an ``Arch`` into torchtitan's model config, so a
+checkpoint and a flavor of the same shape build the same module tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.nn_modules import RMSNorm
+
+from titan_spec.models.target import set_norm_eps, to_tapped_config, use_doc_attention
+
+__all__ = ["Arch", "FAMILIES", "flavor_arch", "arch_from_hf_config", "arch_to_hf_config", "build_target_config"]
+
+FAMILIES = ("qwen3", "llama3")
+
+
+@dataclass(frozen=True)
+class Arch:
+    family: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    rope_theta: float
+    max_seq_len: int
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    rope_scaling: tuple[tuple[str, float], ...] = ()
+    """Llama-3 style rope scaling (factor, low/high_freq_factor, original_max_position_embeddings)."""
+
+
+# CPU flavors. 8 layers so the default tap ids (1, L//2-1, L-4) = (1, 3, 4) are distinct.
+_FLAVORS: dict[str, dict[str, Arch]] = {
+    "qwen3": {
+        "tiny": Arch("qwen3", 256, 64, 8, 4, 2, 16, 192, 1e6, 2048, tie_embeddings=True),
+        "small": Arch("qwen3", 256, 128, 8, 4, 2, 32, 384, 1e6, 4096, tie_embeddings=True),
+        "0.6B": Arch("qwen3", 151936, 1024, 28, 16, 8, 128, 3072, 1e6, 40960, tie_embeddings=True),
+        "1.7B": Arch("qwen3", 151936, 2048, 28, 16, 8, 128, 6144, 1e6, 40960, tie_embeddings=True),
+        "4B": Arch("qwen3", 151936, 2560, 36, 32, 8, 128, 9728, 1e6, 40960, tie_embeddings=True),
+        "8B": Arch("qwen3", 151936, 4096, 36, 32, 8, 128, 12288, 1e6, 40960),
+    },
+    "llama3": {
+        "tiny": Arch("llama3", 256, 64, 8, 4, 2, 16, 192, 5e5, 2048, norm_eps=1e-5),
+        "1B": Arch("llama3", 128256, 2048, 16, 32, 8, 64, 8192, 5e5, 131072, 1e-5, True, (("factor", 32.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))),
+        "8B": Arch("llama3", 128256, 4096, 32, 32, 8, 128, 14336, 5e5, 131072, 1e-5, False, (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))),
+    },
+}
+
+
+def flavor_arch(family: str, flavor: str) -> Arch:
+    if family not in _FLAVORS:
+        raise ValueError(f"model.name {family!r} is not known; allowed: {', '.join(FAMILIES)}")
+    if flavor not in _FLAVORS[family]:
+        raise ValueError(
+            f"model.flavor {flavor!r} is not a {family} flavor; allowed: {', '.join(_FLAVORS[family])}"
+        )
+    return _FLAVORS[family][flavor]
+
+
+def flavor_names(family: str) -> list[str]:
+    return list(_FLAVORS.get(family, {}))
+
+
+def arch_from_hf_config(cfg: dict, where: str = "config.json") -> Arch:
+    """HF ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` config -> Arch (dense models only)."""
+    model_type = cfg.get("model_type")
+    family = {"qwen3": "qwen3", "llama": "llama3"}.get(model_type)
+    if family is None:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; allowed: 'qwen3', 'llama'")
+    try:
+        n_heads = int(cfg["num_attention_heads"])
+        dim = int(cfg["hidden_size"])
+        scaling = cfg.get("rope_scaling") or {}
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3",):
+            raise ValueError(f"{where}: rope_scaling {scaling} is not supported (only llama3)")
+        return Arch(
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            hidden_dim=int(cfg["intermediate_size"]),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=tuple(
+                (k, float(scaling[k]))
+                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                if k in scaling
+            ),
+        )
+    except KeyError as e:
+        raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def arch_to_hf_config(arch: Arch) -> dict:
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM" if arch.family == "qwen3" else "LlamaForCausalLM"],
+        "model_type": "qwen3" if arch.family == "qwen3" else "llama",
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.dim,
+        "num_hidden_layers": arch.n_layers,
+        "num_attention_heads": arch.n_heads,
+        "num_key_value_heads": arch.n_kv_heads,
+        "head_dim": arch.head_dim,
+        "intermediate_size": arch.hidden_dim,
+        "rope_theta": arch.rope_theta,
+        "max_position_embeddings": arch.max_seq_len,
+        "rms_norm_eps": arch.norm_eps,
+        "tie_word_embeddings": arch.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+    if arch.rope_scaling:
+        cfg["rope_scaling"] = {"rope_type": "llama3", **dict(arch.rope_scaling)}
+    return cfg
+
+
+def _rope(arch: Arch, max_seq_len: int):
+    if arch.family == "qwen3":
+        return CosSinRoPE.Config(dim=arch.head_dim, max_seq_len=max_seq_len, theta=arch.rope_theta)
+    scaling = dict(arch.rope_scaling)
+    if not scaling:
+        return ComplexRoPE.Config(dim=arch.head_dim, max_seq_len=max_seq_len, theta=arch.rope_theta)
+    return ComplexRoPE.Config(
+        dim=arch.head_dim,
+        max_seq_len=max_seq_len,
+        theta=arch.rope_theta,
+        scaling="llama",
+        scaling_factor=scaling.get("factor", 8.0),
+        low_freq_factor=scaling.get("low_freq_factor", 1.0),
+        high_freq_factor=scaling.get("high_freq_factor", 4.0),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq_len: int | None = None):
+    """Arch -> torchtitan (tapped) model config with titan_spec's document attention."""
+    # torchtitan's layer builders are the single source of the block structure and inits.
+    # Separate wq/wk/wv (fuse_qkv=False): the fused layout renames keys in state-dict
+    # hooks, which breaks loading full HF tensors into FSDP-sharded (DTensor) params.
+    seq = max_seq_len or arch.max_seq_len
+    if arch.family == "qwen3":
+        from torchtitan.models import qwen3 as fam
+        from torchtitan.models.qwen3.model import Qwen3Model as ModelCls
+
+        layers = fam._build_qwen3_layers(
+            n_layers=arch.n_layers, dim=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+            head_dim=arch.head_dim, hidden_dim=arch.hidden_dim, attn_backend="flex", rope=_rope(arch, seq),
+            fuse_qkv=False,
+        )
+        lin_init, emb_init = fam._LINEAR_INIT, fam._EMBEDDING_SKIP_INIT if arch.tie_embeddings else fam._EMBEDDING_INIT
+        norm_init = fam._NORM_INIT
+    elif arch.family == "llama3":
+        from torchtitan.models import llama3 as fam
+        from torchtitan.models.llama3.model import Llama3Model as ModelCls
+
+        if arch.head_dim * arch.n_heads != arch.dim:
+            raise ValueError("llama3 needs head_dim * n_heads == dim")
+        layers = fam._build_llama3_layers(
+            n_layers=arch.n_layers, dim=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+            hidden_dim=arch.hidden_dim, attn_backend="flex", rope=_rope(arch, seq), fuse_qkv=False,
+        )
+        lin_init, emb_init = fam._LINEAR_INIT, fam._EMBEDDING_SKIP_INIT if arch.tie_embeddings else fam._EMBEDDING_INIT
+        norm_init = fam._NORM_INIT
+    else:
+        raise ValueError(f"model family {arch.family!r} is not known; allowed: {', '.join(FAMILIES)}")
+    config = ModelCls.Config(
+        vocab_size=arch.vocab_size,
+        dim=arch.dim,
+        norm=RMSNorm.Config(normalized_shape=arch.dim, eps=arch.norm_eps, param_init=norm_init),
+        enable_weight_tying=arch.tie_embeddings,
+        tok_embeddings=Embedding.Config(num_embeddings=arch.vocab_size, embedding_dim=arch.dim, param_init=emb_init),
+        lm_head=Linear.Config(in_features=arch.dim, out_features=arch.vocab_size, param_init=lin_init),
+        layers=layers,
+    )
+    set_norm_eps(config, arch.norm_eps)
+    # Qwen3's q/k norms are over head_dim with the same eps (HF uses rms_norm_eps for both).
+    use_doc_attention(config)
+    return to_tapped_config(config, tap_layer_ids)
+
+
+def with_vocab(arch: Arch, vocab_size: int) -> Arch:
+    return dataclasses.replace(arch, vocab_size=vocab_size)

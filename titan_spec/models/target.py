@@ -1,0 +1,129 @@
+"""The policy / target model: torchtitan's Qwen3 or Llama3 decoder with feature taps.
+
+Shape legend: B = batch rows, L = row length, D = model dim, V = vocab.
+
+One forward yields the logits AND the hidden states of the tap layers, so the draft's
+training signal costs no second pass. Tap id k is the OUTPUT of decoder layer k
+(0-based) = HF ``hidden_states[k+1]`` = SGLang ``layers_to_capture = k+1``.
+
+Taps are read in the eager loop between decoder blocks. torchtitan compiles and
+activation-checkpoints per block, so the taps sit outside every compiled or
+checkpointed region: no graph break, nothing replayed on recompute.
+
+Like torchtitan's ``_skip_lm_head``, tapping is a module attribute and not a forward
+argument: pipeline stages call ``.requires_grad`` on every forward input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torchtitan.models.common.attention import AttentionMasksType, FlexAttention, VarlenAttention
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.llama3 import Llama3Model
+from torchtitan.models.qwen3 import Qwen3Model
+
+from titan_spec.models.attention import DocCausalAttention, DocMetadata, doc_metadata_from_positions
+
+__all__ = [
+    "TappedQwen3Model",
+    "TappedLlama3Model",
+    "default_tap_layer_ids",
+    "validate_tap_layer_ids",
+    "to_tapped_config",
+    "use_doc_attention",
+]
+
+
+def default_tap_layer_ids(n_layers: int) -> tuple[int, int, int]:
+    """SpecForge / SGLang / NeMo-RL default: low, middle and late layer outputs."""
+    return (1, n_layers // 2 - 1, n_layers - 4)
+
+
+def validate_tap_layer_ids(ids: tuple[int, ...], n_layers: int) -> None:
+    bad = [i for i in ids if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(
+            f"tap layer ids {list(bad)} are out of range: the target has {n_layers} layers, "
+            f"so ids must be in 0..{n_layers - 1}"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"tap layer ids {list(ids)} repeat a layer; they must be distinct")
+
+
+class _TapMixin:
+    """forward() and get_attention_masks() shared by the tapped Qwen3 and Llama3."""
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_masks: AttentionMasksType | None = None,
+    ):
+        """Returns logits_BLV, or (logits_BLV, taps) with taps a tuple of h_BLD in
+        ``tap_layer_ids`` order when the model was configured with tap ids."""
+        tap_ids = self.config.tap_layer_ids
+        taps: dict[int, torch.Tensor] = {}
+        h_BLD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # Under PP a stage holds a slice of the layers; keys keep the global layer ids.
+        for key, layer in self.layers.items():
+            h_BLD = layer(h_BLD, attention_masks, positions)
+            if int(key) in tap_ids:
+                taps[int(key)] = h_BLD
+        h_BLD = self.norm(h_BLD) if self.norm is not None else h_BLD
+        out = h_BLD
+        if not self._skip_lm_head and self.lm_head is not None:
+            out = self.lm_head(h_BLD)
+        if not tap_ids:
+            return out
+        return out, tuple(taps[i] for i in tap_ids if i in taps)
+
+    def get_attention_masks(self, positions: torch.Tensor) -> AttentionMasksType | None:
+        attn = self.config.first_attention
+        if attn is not None and isinstance(attn.inner_attention, DocCausalAttention.Config):
+            return doc_metadata_from_positions(positions)
+        return super().get_attention_masks(positions)
+
+
+class TappedQwen3Model(_TapMixin, Qwen3Model):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Qwen3Model.Config):
+        tap_layer_ids: tuple[int, ...] = ()
+        """Decoder layers whose outputs the forward also returns (empty: logits only)."""
+
+
+class TappedLlama3Model(_TapMixin, Llama3Model):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Llama3Model.Config):
+        tap_layer_ids: tuple[int, ...] = ()
+        """Decoder layers whose outputs the forward also returns (empty: logits only)."""
+
+
+_TAPPED = {Qwen3Model.Config: TappedQwen3Model.Config, Llama3Model.Config: TappedLlama3Model.Config}
+
+
+def to_tapped_config(config, tap_layer_ids: tuple[int, ...] = ()):
+    """torchtitan's Qwen3/Llama3 config -> the tapped subclass (same fields + tap ids)."""
+    tapped_cls = _TAPPED.get(type(config))
+    if tapped_cls is None:
+        raise TypeError(f"no tapped target for {type(config).__name__}; use Qwen3 or Llama3")
+    validate_tap_layer_ids(tuple(tap_layer_ids), len(config.layers))
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return tapped_cls(**values, tap_layer_ids=tuple(tap_layer_ids))
+
+
+def use_doc_attention(config) -> None:
+    """Swap every inner attention for titan_spec's document-causal attention (in place).
+
+    torchtitan's flex backend has no backward on CPU and its varlen backend is
+    CUDA/bf16 only; ours runs on both and returns the LSE that CP and TTT merge on.
+    """
+    for _, _, parent, attr in config.traverse((FlexAttention.Config, VarlenAttention.Config)):
+        setattr(parent, attr, DocCausalAttention.Config())
+
+
+def set_norm_eps(config, eps: float) -> None:
+    for _, norm, _, _ in config.traverse(RMSNorm.Config):
+        norm.eps = eps

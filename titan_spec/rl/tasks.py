@@ -1,0 +1,77 @@
+"""Verifiable tasks: prompts with exact-match answers, generated locally or read from JSONL.
+
+The default task is generated arithmetic ("37+5-12=" -> "30"), so the embedded default
+trains with no download. A user's GSM8K-style JSONL file ({"question": ..., "answer":
+"... #### 42"}) is read with per-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+__all__ = ["Problem", "ArithmeticTask", "JsonlTask", "build_task", "exact_match_reward"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class ArithmeticTask:
+    """Left-to-right integer arithmetic over ``num_operands`` operands in [0, max_operand]."""
+
+    def __init__(self, max_operand: int = 99, num_operands: int = 2, operators: str = "+-"):
+        self.max_operand = max_operand
+        self.num_operands = num_operands
+        self.operators = operators
+
+    def sample(self, rng: random.Random) -> Problem:
+        value = rng.randint(0, self.max_operand)
+        text = str(value)
+        for _ in range(self.num_operands - 1):
+            op = rng.choice(self.operators)
+            x = rng.randint(0, self.max_operand)
+            value = value + x if op == "+" else value - x if op == "-" else value * x
+            text += f"{op}{x}"
+        return Problem(prompt=f"{text}=", answer=str(value))
+
+
+class JsonlTask:
+    """GSM8K-style lines: {"question": str, "answer": str with the final answer after '####'}."""
+
+    def __init__(self, path: str, on_error: str = "raise"):
+        self.problems: list[Problem] = []
+        self.errors: list[str] = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    answer = str(row["answer"]).split("####")[-1].strip()
+                    if "####" not in str(row["answer"]) or not answer:
+                        raise ValueError("answer has no final value after '####'")
+                    self.problems.append(Problem(prompt=str(row["question"]).strip() + "\n", answer=answer))
+                except (ValueError, KeyError, TypeError) as e:
+                    why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                    self.errors.append(f"{path}:{lineno}: {why}")
+        if self.errors and on_error == "raise":
+            raise ValueError(f"{len(self.errors)} malformed line(s), first: {self.errors[0]}")
+        if not self.problems:
+            raise ValueError(f"{path}: no usable problems")
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.problems[rng.randrange(len(self.problems))]
+
+
+def build_task(task_cfg):
+    if task_cfg.name == "arithmetic":
+        return ArithmeticTask(task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators)
+    return JsonlTask(task_cfg.path)
+
+
+def exact_match_reward(completion: str, answer: str) -> float:
+    return 1.0 if completion.strip() == answer.strip() else 0.0
