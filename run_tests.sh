@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Runs the test suite; sets up .venv (with the test extra) on first use.
+# Runs the test suite; sets up .venv on first use.
 # Usage: ./run_tests.sh [pytest args]      e.g. ./run_tests.sh -k config -x
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-PY=$(scripts/ensure_env.sh test)
+PY=$(scripts/ensure_env.sh)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PY" -m pytest "$@"

@@ -83,6 +83,13 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _cpu_seconds() -> float:
+    # user + sys of this process: less sensitive than wall time to other jobs
+    # sharing the cores, though not to cache / memory-bandwidth contention.
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
@@ -112,7 +119,9 @@ def _worker(args: argparse.Namespace) -> dict:
     def step_ttt(j: int) -> torch.Tensor:
         kb_JSKH = torch.stack(k_SKH[1 : j + 1]) if j else k_SKH[0].new_empty(0, S, K, H)
         vb_JSKH = torch.stack(v_SKH[1 : j + 1]) if j else v_SKH[0].new_empty(0, S, K, H)
-        return ttt_attention(q_SNH[j], k_SKH[0], v_SKH[0], kb_JSKH, vb_JSKH, meta, scale)
+        return ttt_attention(
+            q_SNH[j], k_SKH[0], v_SKH[0], kb_JSKH, vb_JSKH, meta, scale
+        )
 
     def step_mask_SA(j: int) -> torch.Tensor:
         eye_SS = torch.eye(S, dtype=torch.bool)
@@ -131,7 +140,8 @@ def _worker(args: argparse.Namespace) -> dict:
         k_1KAH = torch.cat(k_SKH[: j + 1]).transpose(0, 1).unsqueeze(0)
         v_1KAH = torch.cat(v_SKH[: j + 1]).transpose(0, 1).unsqueeze(0)
         out_1NSH = F.scaled_dot_product_attention(
-            q_1NSH, k_1KAH, v_1KAH, attn_mask=step_mask_SA(j), scale=scale, enable_gqa=True
+            q_1NSH, k_1KAH, v_1KAH,
+            attn_mask=step_mask_SA(j), scale=scale, enable_gqa=True,
         )
         return out_1NSH[0].transpose(0, 1)
 
@@ -152,14 +162,17 @@ def _worker(args: argparse.Namespace) -> dict:
     cold_s = time.perf_counter() - t0
     peak_delta = _peak_rss_bytes() - base
 
-    times = []
+    times, cpu_times = [], []
     for _ in range(args.iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_seconds()
         unroll()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(_cpu_seconds() - c0)
+    median = lambda xs: sorted(xs)[len(xs) // 2]
     return {
         "status": "ok",
-        "time_s": sorted(times)[len(times) // 2] if times else cold_s,
+        "time_s": median(times) if times else cold_s,
+        "cpu_s": median(cpu_times) if cpu_times else None,
         "cold_time_s": cold_s,
         "peak_mem_gib": peak_delta / GIB,
         "threads": torch.get_num_threads(),
@@ -176,7 +189,8 @@ def _run_config(variant: str, S: int, args: argparse.Namespace) -> dict:
     est = estimate_bytes(variant, S, args)
     row["est_gib"] = est / GIB
     if est > args.mem_limit_gib * GIB:
-        row.update(status="skipped", note=f"skipped (would allocate {est / GIB:.1f} GiB)")
+        note = f"skipped (would allocate {est / GIB:.1f} GiB)"
+        row.update(status="skipped", note=note)
         return row
     cmd = [
         sys.executable, __file__, "--worker", "--variant", variant, "--seqlen", str(S),
@@ -197,24 +211,33 @@ def _run_config(variant: str, S: int, args: argparse.Namespace) -> dict:
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(
-        f"TTT attention fwd+bwd, one unroll = {args.steps} steps (j = 0..{args.steps - 1}), "
+        f"TTT attention fwd+bwd, one unroll = {args.steps} steps "
+        f"(j = 0..{args.steps - 1}), "
         f"N={args.heads} K={args.kv_heads} H={args.head_dim}, fp32, CPU, "
         f"doc_len={'S' if not args.doc_len else args.doc_len}"
     )
     print(
-        "time: median of --iters warm unrolls. peak mem: RSS high-water mark "
-        "(getrusage ru_maxrss) minus RSS before the first unroll, fresh process per row\n"
+        "time: median of --iters warm unrolls, wall and process CPU (user+sys) "
+        "seconds.\npeak mem: RSS high-water mark (getrusage ru_maxrss) minus RSS "
+        "before the first unroll, fresh process per row\n"
         "(torch CPU tensors live outside tracemalloc; the cold unroll sets the peak)."
     )
-    header = f"{'S':>6}  {'variant':<11}  {'time s/unroll':>13}  {'peak mem GiB':>12}  note"
+    header = (
+        f"{'S':>6}  {'variant':<11}  {'wall s/unroll':>13}  {'cpu s/unroll':>12}  "
+        f"{'peak mem GiB':>12}  note"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         if r["status"] == "ok":
-            t, m = f"{r['time_s']:.3f}", f"{r['peak_mem_gib']:.3f}"
+            t, c = f"{r['time_s']:.3f}", f"{r['cpu_s']:.3f}"
+            m = f"{r['peak_mem_gib']:.3f}"
         else:
-            t, m = "-", "-"
-        print(f"{r['seqlen']:>6}  {r['variant']:<11}  {t:>13}  {m:>12}  {r.get('note', '')}")
+            t, c, m = "-", "-", "-"
+        print(
+            f"{r['seqlen']:>6}  {r['variant']:<11}  {t:>13}  {c:>12}  {m:>12}  "
+            f"{r.get('note', '')}"
+        )
 
 
 def main(argv=None) -> None:
@@ -228,13 +251,16 @@ def main(argv=None) -> None:
     for S in seqlens:
         for variant in variants:
             rows.append(_run_config(variant, S, args))
-            print(f"  done S={S} {variant}: {rows[-1]['status']}", file=sys.stderr, flush=True)
+            status = rows[-1]["status"]
+            print(f"  done S={S} {variant}: {status}", file=sys.stderr, flush=True)
     _print_table(rows, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("worker", "variant", "seqlen")}
+    hidden = ("worker", "variant", "seqlen")
+    config = {k: v for k, v in vars(args).items() if k not in hidden}
     method = "peak mem = ru_maxrss - RSS before first unroll, fresh subprocess per row"
-    out.write_text(json.dumps({"config": config, "method": method, "results": rows}, indent=2))
+    report = {"config": config, "method": method, "results": rows}
+    out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 
 

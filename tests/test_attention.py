@@ -144,7 +144,8 @@ def test_branch_part_and_merge_match_dense_lse(J):
     cu_host, N, K, H = LAYOUTS["mixed"], 4, 2, 8
     T, scale = cu_host[-1], 0.3
     gen = torch.Generator().manual_seed(J)
-    q, k0, v0 = _rand(T, N, H, gen=gen), _rand(T, K, H, gen=gen), _rand(T, K, H, gen=gen)
+    q = _rand(T, N, H, gen=gen)
+    k0, v0 = _rand(T, K, H, gen=gen), _rand(T, K, H, gen=gen)
     kb, vb = _rand(J, T, K, H, gen=gen), _rand(J, T, K, H, gen=gen)
 
     out_t, lse_t = doc_attention(q, k0, v0, _meta(cu_host), scale)
@@ -209,7 +210,9 @@ def test_doc_attn_bwd_uses_given_merged_out_and_lse(backend, heads):
             dout, q, k, v, out_m, lse_m, meta.cu_seqlens, list(cu_host), scale
         )
     else:
-        dq, dk, dv = attn_mod._math_bwd(dout, q, k, v, out_m, lse_m, list(cu_host), scale)
+        dq, dk, dv = attn_mod._math_bwd(
+            dout, q, k, v, out_m, lse_m, list(cu_host), scale
+        )
     _close(dq, dq_ref, "dq")
     _close(dk, dk_ref, "dk")
     _close(dv, dv_ref, "dv")
@@ -259,7 +262,10 @@ def test_merge_partials_all_neg_inf_row_is_zero_not_nan():
     lse_PNT = torch.stack([l.detach() for l in lses]).double()
     ref_lse = torch.logsumexp(lse_PNT, 0)
     w_PNT = torch.exp(lse_PNT - ref_lse).nan_to_num(0.0)
-    ref_out = sum(w.t()[..., None] * o.detach().double().nan_to_num(0.0) for w, o in zip(w_PNT, outs))
+    ref_out = sum(
+        w.t()[..., None] * o.detach().double().nan_to_num(0.0)
+        for w, o in zip(w_PNT, outs)
+    )
     for t in (0, 2):
         _close(out[t], ref_out[t], f"out row {t}")
         _close(lse[:, t], ref_lse[:, t], f"lse row {t}")
@@ -295,7 +301,8 @@ def test_doc_causal_attention_module_matches_dense():
     rq, rk, rv = flat(q), flat(k), flat(v)
     mask = dense_mask_TS(meta.cu_seqlens_host, 0)
     ref_out, _ = dense_attention(rq, rk, rv, mask, 1.0 / math.sqrt(H))
-    ref_grads = torch.autograd.grad((ref_out * w.double().reshape(B * L, N, H)).sum(), (rq, rk, rv))
+    ref_loss = (ref_out * w.double().reshape(B * L, N, H)).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (rq, rk, rv))
     _close(out.reshape(B * L, N, H), ref_out, "out")
     for g, rg in zip(grads, ref_grads):
         _close(g.reshape(rg.shape), rg, "grad")
@@ -317,7 +324,8 @@ def test_compile_fullgraph_aot_eager():
         # Module output feeds TTT attention as its queries: both ops in one graph.
         out = module(q, k, v, attention_masks=meta, scale=0.3, enable_gqa=True)
         out_TNH = ttt_attention(
-            out.reshape(T, 4, 8), k.reshape(T, 2, 8), v.reshape(T, 2, 8), kb, vb, meta, 0.3
+            out.reshape(T, 4, 8), k.reshape(T, 2, 8), v.reshape(T, 2, 8),
+            kb, vb, meta, 0.3,
         )
         return (out_TNH * out_TNH).sum()
 
@@ -341,11 +349,34 @@ def test_custom_ops_opcheck():
     k, v = (_rand(T, K, H, gen=gen).requires_grad_() for _ in range(2))
     cu = torch.tensor(cu_host, dtype=torch.int32)
     fwd_args = (q, k, v, cu, list(cu_host), 0.3)
-    # lse is non-differentiable by design, so skip the autograd-registration
-    # test utility that expects every float output to carry grad.
-    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(torch.ops.titan_spec.doc_attn_fwd.default, fwd_args, test_utils=tests)
-    out, lse = torch.ops.titan_spec.doc_attn_fwd(*fwd_args)
+    tests = (
+        "test_schema", "test_autograd_registration", "test_faketensor",
+        "test_aot_dispatch_dynamic",
+    )
+    fwd_op = torch.ops.titan_spec.doc_attn_fwd
+    bwd_op = torch.ops.titan_spec.doc_attn_bwd
+    torch.library.opcheck(fwd_op.default, fwd_args, test_utils=tests)
+    out, lse = fwd_op(*fwd_args)
     bwd_args = (_rand(T, N, H, gen=gen), q.detach(), k.detach(), v.detach(),
                 out.detach(), lse, cu, list(cu_host), 0.3)
-    torch.library.opcheck(torch.ops.titan_spec.doc_attn_bwd.default, bwd_args, test_utils=tests)
+    torch.library.opcheck(bwd_op.default, bwd_args, test_utils=tests)
+
+
+def test_expanded_and_transposed_dout():
+    # out.sum() hands the backward a stride-0 expanded dout; layouts like that
+    # must give the same gradients as a dense dout of ones.
+    cu_host, N, K, H, J = LAYOUTS["mixed"], 4, 2, 8, 2
+    T = cu_host[-1]
+    gen = torch.Generator().manual_seed(9)
+    inputs = [
+        _rand(T, N, H, gen=gen), _rand(T, K, H, gen=gen), _rand(T, K, H, gen=gen),
+        _rand(J, T, K, H, gen=gen), _rand(J, T, K, H, gen=gen),
+    ]
+    inputs = [x.requires_grad_() for x in inputs]
+    meta = _meta(cu_host)
+    g_expanded = torch.autograd.grad(ttt_attention(*inputs, meta, 0.3).sum(), inputs)
+    ones = torch.ones(N, T, H).transpose(0, 1)
+    loss = (ttt_attention(*inputs, meta, 0.3) * ones).sum()
+    g_dense = torch.autograd.grad(loss, inputs)
+    for a, b in zip(g_expanded, g_dense):
+        _close(a, b, "grad")

@@ -20,8 +20,8 @@ def test_default_config_loads_and_overrides_apply():
 
 
 def test_parse_overrides_types():
-    out = parse_overrides(["--model.tap_layer_ids", "[1,2,3]", "--job.dump_folder", "./x", "--a.b", "false"])
-    assert out == {"model": {"tap_layer_ids": [1, 2, 3]}, "job": {"dump_folder": "./x"}, "a": {"b": False}}
+    out = parse_overrides(["--draft.tap_layer_ids", "[1,2,3]", "--job.dump_folder", "./x", "--a.b", "false"])
+    assert out == {"draft": {"tap_layer_ids": [1, 2, 3]}, "job": {"dump_folder": "./x"}, "a": {"b": False}}
 
 
 def _write(tmp_path, text):
@@ -49,7 +49,9 @@ MALFORMED = [
     ("[model]\nhf_checkpoint = '/nonexistent/dir'\n", [], 1, ["model.hf_checkpoint", "is not a directory"]),
     ("", ["--training.steps"], 1, ["--training.steps has no value"]),
     ("", ["training.steps", "3"], 1, ["is not an override"]),
-    ("", ["--model.tap_layer_ids", "[1, 'a']"], 1, ["model.tap_layer_ids", "a list of an integer"]),
+    ("", ["--draft.tap_layer_ids", "[1, 'a']"], 1, ["draft.tap_layer_ids", "a list of an integer"]),
+    ("", ["--draft.tap_layer_ids", "[1, 2]"], 1, ["draft.tap_layer_ids = [1, 2] must be three distinct"]),
+    ("", ["--draft.loss_decay", "0"], 1, ["draft.loss_decay", "(0, 1]"]),
     ("[metrics]\nlog_freq = 0\n", [], 1, ["metrics.log_freq"]),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
     ("[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["pipeline_parallel_degree = 2 is not supported yet"]),
@@ -87,9 +89,14 @@ def test_cli_config_error_is_one_line_and_nonzero(tmp_path, module):
 def test_tap_ids_out_of_range_is_a_config_error():
     from titan_spec.train import to_trainer_config
 
-    cfg = load_config(DEFAULT, ["--model.tap_layer_ids", "[1, 3, 8]"])
+    cfg = load_config(DEFAULT, ["--draft.tap_layer_ids", "[1, 3, 8]"])
     with pytest.raises(ConfigError, match=r"out of range: the target has 8 layers"):
         to_trainer_config(cfg)
-    cfg = load_config(DEFAULT, ["--model.tap_layer_ids", "[1, 1, 3]"])
-    with pytest.raises(ConfigError, match="distinct"):
+
+
+def test_draft_vocab_larger_than_target_is_an_error():
+    from titan_spec.train import to_trainer_config
+
+    cfg = load_config(DEFAULT, ["--draft.enable", "true", "--draft.draft_vocab_size", "100000"])
+    with pytest.raises(ConfigError, match=r"draft.draft_vocab_size = 100000 must be in 1\.\.98"):
         to_trainer_config(cfg)

@@ -57,8 +57,9 @@ def test_logits_and_taps_match_transformers(tmp_path, family):
         logits, taps = model(tok, pos, model.get_attention_masks(pos))
         ref = hf(tok, output_hidden_states=True)
     torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
-    assert len(taps) == 3
-    for k, tap in zip((1, 2, 4), taps):
+    assert len(taps.hidden) == 3
+    torch.testing.assert_close(taps.embeds_BLD, ref.hidden_states[0], atol=0, rtol=0)
+    for k, tap in zip((1, 2, 4), taps.hidden):
         torch.testing.assert_close(tap, ref.hidden_states[k + 1], atol=1e-4, rtol=0)
 
 

@@ -1,6 +1,7 @@
 """The trainer end to end through torchrun: loss falls, FSDP parity, exact resume."""
 
 import os
+import torch
 
 import pytest
 
@@ -30,3 +31,32 @@ def test_fsdp_dp2_matches_dp1_and_resume_is_exact(tmp_path, train):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # metrics.jsonl appended by both runs
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(one[step], abs=1e-6, rel=1e-6), (step, one, resumed)
+
+
+def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, train):
+    from safetensors.torch import load_file
+
+    from titan_spec.models.draft import Eagle3Draft
+    from titan_spec.models.draft_io import load_draft_into, read_draft_arch
+
+    # A policy to distil from.
+    policy = str(tmp_path / "policy")
+    train(policy, 1, ("--training.steps", "4", "--checkpoint.enable", "false", "--job.export_hf", "hf"))
+    hf = os.path.join(policy, "hf")
+    offline = ("--model.hf_checkpoint", hf, "--draft.enable", "true", "--draft.offline", "true",
+               "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3", "--checkpoint.enable", "false",
+               "--job.export_hf", "hf_after")
+    dump = str(tmp_path / "offline")
+    rows = train(dump, 1, ("--training.steps", "8", "--draft.lr", "1e-2", *offline))
+    assert rows[-1]["draft/loss"] < rows[0]["draft/loss"]
+    assert {"draft/acc_0", "draft/acc_1", "draft/acc_2"} <= set(rows[-1])
+    # The target did not move.
+    before = load_file(os.path.join(hf, "model.safetensors"))
+    after = load_file(os.path.join(dump, "hf_after", "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    # The exported draft loads, and a new run can start from it.
+    arch = read_draft_arch(os.path.join(dump, "draft"))
+    assert arch.draft_vocab_size == 24 and arch.tap_layer_ids == (1, 3, 4)
+    load_draft_into(Eagle3Draft(arch), os.path.join(dump, "draft"))
+    again = train(str(tmp_path / "again"), 1, ("--training.steps", "1", "--draft.init_from", os.path.join(dump, "draft"), *offline))
+    assert again[0]["draft/loss"] == pytest.approx(rows[-1]["draft/loss"], rel=0.5)

@@ -52,6 +52,9 @@ class JobConfig:
     dump_folder: str = "./outputs"
     """Where logs, TensorBoard files, checkpoints, the tokenizer and plots go."""
 
+    export_hf: str = ""
+    """Write the trained policy as an HF checkpoint here at the end, relative to dump_folder ('' = no export)."""
+
     description: str = ""
     """Free text, logged at start."""
 
@@ -67,9 +70,6 @@ class ModelConfig:
 
     hf_checkpoint: str = ""
     """Directory of an HF checkpoint (config.json + *.safetensors [+ index]) to start from."""
-
-    tap_layer_ids: list[int] = field(default_factory=list)
-    """Decoder layers whose outputs feed the draft; empty = (1, L//2-1, L-4)."""
 
     vocab_from_tokenizer: bool = True
     """Size the embedding to the task tokenizer (flavors only; an HF checkpoint keeps its vocab)."""
@@ -146,7 +146,54 @@ class TaskConfig:
 @dataclass(kw_only=True)
 class DraftConfig:
     enable: bool = False
-    """Build and train the EAGLE-3 draft next to the policy (the draft issue fills this in)."""
+    """Build the EAGLE-3 draft and train it from the policy's training forward."""
+
+    offline: bool = False
+    """Offline draft training: the target is frozen and only the draft trains on its taps and
+    logits (the usual warm start of a draft before RL)."""
+
+    tap_layer_ids: list[int] = field(default_factory=list)
+    """Target layers whose outputs feed the draft (three distinct ids); empty = (1, L//2-1, L-4)."""
+
+    draft_vocab_size: int = 0
+    """Draft vocabulary: the most frequent target tokens of the training data; 0 = the whole target vocab."""
+
+    vocab_count_batches: int = 16
+    """Batches of training data counted to pick the draft vocabulary."""
+
+    ttt_steps: int = 7
+    """Training-time-test unroll length T."""
+
+    loss_decay: float = 0.8
+    """Weight of TTT step j is loss_decay**j."""
+
+    loss_weight: float = 1.0
+    """lambda in total = policy loss + lambda * draft loss."""
+
+    lr: float = 3e-3
+    """Learning rate of the draft's own AdamW (warmup and decay follow [lr_scheduler])."""
+
+    max_norm: float = 1.0
+    """Gradient clipping of the draft, separate from the policy's."""
+
+    init_from: str = ""
+    """A SpecForge/SGLang draft directory to start from (checked against the target)."""
+
+    export_dir: str = "draft"
+    """Where the SGLang-loadable draft is written at the end, relative to job.dump_folder ('' = no export)."""
+
+    def validate(self) -> None:
+        _check(self.ttt_steps >= 1, "draft.ttt_steps", self.ttt_steps, ">= 1")
+        _check(0 < self.loss_decay <= 1, "draft.loss_decay", self.loss_decay, "in (0, 1]")
+        _check(self.loss_weight > 0, "draft.loss_weight", self.loss_weight, "> 0")
+        _check(self.lr > 0, "draft.lr", self.lr, "a positive number")
+        _check(self.max_norm > 0, "draft.max_norm", self.max_norm, "> 0")
+        _check(self.draft_vocab_size >= 0, "draft.draft_vocab_size", self.draft_vocab_size, ">= 0 (0 = target vocab)")
+        _check(self.vocab_count_batches >= 1, "draft.vocab_count_batches", self.vocab_count_batches, ">= 1")
+        if self.tap_layer_ids and (len(self.tap_layer_ids) != 3 or len(set(self.tap_layer_ids)) != 3):
+            raise ConfigError(f"draft.tap_layer_ids = {self.tap_layer_ids} must be three distinct layer ids")
+        if self.init_from and not os.path.isdir(self.init_from):
+            raise ConfigError(f"draft.init_from {self.init_from!r} is not a directory")
 
 
 @dataclass(kw_only=True)

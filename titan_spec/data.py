@@ -106,9 +106,9 @@ class TaskDataLoader(BaseDataLoader):
         self.rows, self.row_len = local_batch_size, seq_len
         self.batch_index = 0
 
-    def _batch(self, index: int):
-        # Pack the GLOBAL batch and keep this rank's rows: the data of a step does not
-        # depend on how it is split, so dp=2 x 4 rows trains on exactly dp=1 x 8 rows.
+    def _global_batch(self, index: int):
+        # Every rank packs the GLOBAL batch and keeps its own rows: the data of a step does
+        # not depend on how it is split, so dp=2 x 4 rows trains on exactly dp=1 x 8 rows.
         rng = random.Random(self.task_cfg.seed * 1_000_003 + index)
         rows = self.rows * self.dp_world_size
         docs: list[Document] = []
@@ -118,8 +118,20 @@ class TaskDataLoader(BaseDataLoader):
             docs.append(sft_document(self.tokenizer, prob.prompt, prob.answer))
             total += len(docs[-1].tokens)
         packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id)
+        return packed
+
+    def _batch(self, index: int):
+        packed = self._global_batch(index)
         mine = slice(self.dp_rank * self.rows, (self.dp_rank + 1) * self.rows)
         return {"input": packed.input_BL[mine], "positions": packed.positions_BL[mine]}, packed.labels_BL[mine]
+
+    def token_counts(self, num_batches: int, vocab_size: int) -> torch.Tensor:
+        """How often each token is a training target in the first batches (all ranks' rows)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for index in range(num_batches):
+            labels = self._global_batch(index).labels_BL
+            counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)[:vocab_size]
+        return counts
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:

@@ -18,6 +18,7 @@ One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,7 +39,9 @@ from titan_spec import platform
 from titan_spec.config import ConfigError, TitanSpecConfig, load_config
 from titan_spec.data import CharTokenizer, TaskDataLoader
 from titan_spec.models.attention import DocCausalAttention
-from titan_spec.models.hf_io import load_hf_into, read_hf_arch
+from titan_spec.draft_training import DraftTraining, draft_export_path
+from titan_spec.models.draft import DraftArch
+from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_ids
 
@@ -64,12 +67,21 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int):
 
 
 def tap_ids_for(cfg: TitanSpecConfig, n_layers: int) -> tuple[int, ...]:
-    ids = tuple(cfg.model.tap_layer_ids) or default_tap_layer_ids(n_layers)
+    ids = tuple(cfg.draft.tap_layer_ids) or default_tap_layer_ids(n_layers)
     try:
         validate_tap_layer_ids(ids, n_layers)
     except ValueError as e:
-        raise ConfigError(f"model.tap_layer_ids: {e}") from None
+        raise ConfigError(f"draft.tap_layer_ids: {e}") from None
     return ids
+
+
+def draft_arch_for(cfg: TitanSpecConfig, arch) -> DraftArch:
+    d = DraftArch.from_target(arch, tap_ids_for(cfg, arch.n_layers), cfg.draft.draft_vocab_size)
+    try:
+        d.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return d
 
 
 def _parallelize(parallelize_fn):
@@ -86,8 +98,8 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
     tok = CharTokenizer()
     arch = resolve_arch(cfg, tok.get_vocab_size())
     # Taps are read only when the draft trains from them; the LM step returns logits.
-    taps = tap_ids_for(cfg, arch.n_layers) if cfg.draft.enable else ()
-    tap_ids_for(cfg, arch.n_layers)  # validate the ids even when unused
+    draft_arch = draft_arch_for(cfg, arch)  # validates tap ids and draft vocab even when unused
+    taps = draft_arch.tap_layer_ids if cfg.draft.enable else ()
     if cfg.training.seq_len > arch.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}"
@@ -122,6 +134,7 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
     return SpecTrainer.Config(
         spec=cfg,
         arch=arch,
+        draft_arch=draft_arch if cfg.draft.enable else None,
         model_spec=spec,
         hf_assets_path=cfg.model.hf_checkpoint or cfg.job.dump_folder,
         dump_folder=cfg.job.dump_folder,
@@ -154,11 +167,16 @@ class SpecTrainer(Trainer):
         arch: Any = None
         """The target's resolved architecture (titan_spec.models.registry.Arch)."""
 
+        draft_arch: Any = None
+        """The draft's architecture (titan_spec.models.draft.DraftArch), None without a draft."""
+
         def to_dict(self) -> dict[str, Any]:
             # The parent logs and saves this; the nested titan_spec config is plain data.
             out = Trainer.Config.to_dict(self)
             out["spec"] = dataclasses.asdict(self.spec)
-            out["arch"] = dataclasses.asdict(self.arch) if self.arch is not None else None
+            for name in ("arch", "draft_arch"):
+                value = getattr(self, name)
+                out[name] = dataclasses.asdict(value) if value is not None else None
             return out
 
     def __init__(self, config: Config):
@@ -173,12 +191,91 @@ class SpecTrainer(Trainer):
             for part in self.model_parts:
                 load_hf_into(part, spec.model.hf_checkpoint, config.arch)
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
+        self.draft_training = self._build_draft_training() if spec.draft.enable else None
+
+    def _build_draft_training(self) -> DraftTraining:
+        spec, pd = self.config.spec, self.parallel_dims
+        if spec.draft.offline:
+            # Offline draft training: the policy is a frozen teacher.
+            for part in self.model_parts:
+                part.requires_grad_(False)
+        dp_mesh = pd.get_optional_mesh("fsdp") if pd.dp_shard_enabled else None
+        counts = None
+        if not spec.draft.init_from:
+            counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, self.config.arch.vocab_size)
+        return DraftTraining(
+            spec.draft,
+            self.config.draft_arch,
+            device=self.device,
+            dp_mesh=dp_mesh,
+            lr_scheduler_cfg=self.config.lr_scheduler,
+            training_steps=self.config.training.steps,
+            token_counts_V=counts,
+            seed=self.config.debug.seed or 0,
+        )
+
+    def train_step(self, data_iterator):
+        # The draft's optimizer steps right after the policy's, with its own clipping.
+        if self.draft_training is not None:
+            self.draft_training.zero_grad()
+        super().train_step(data_iterator)
+        if self.draft_training is not None:
+            self.draft_training.step()
+
+    def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
+        """ONE forward of the policy; its detached taps and logits also train the draft."""
+        if self.draft_training is None:
+            return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
+        spec = self.config.spec
+        frozen = spec.draft.offline
+        with self.train_context():
+            with torch.no_grad() if frozen else contextlib.nullcontext():
+                logits, taps = self.model_parts[0](inputs, **extra_kwargs)
+                policy_loss, _ = self.loss_fn(logits, labels, global_valid_tokens)
+            draft = self.draft_training.loss(
+                logits, taps, extra_kwargs["positions"], labels, extra_kwargs["attention_masks"]
+            )
+            total = spec.draft.loss_weight * draft.loss
+            if not frozen:
+                total = total + policy_loss
+            total.backward()
+        return policy_loss.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        if self.draft_training is not None:
+            sd["draft"] = self.draft_training.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.draft_training is not None and "draft" in state_dict:
+            self.draft_training.load_state_dict(state_dict["draft"])
+
+    def train(self):
+        super().train()
+        self.export()
+
+    def export(self) -> None:
+        """End-of-run exports: the policy as an HF checkpoint, the draft for SGLang."""
+        job, spec = self.config.spec.job, self.config.spec
+        if job.export_hf:
+            path = draft_export_path(self.config.dump_folder, job.export_hf)
+            for part in self.model_parts:
+                save_hf(part, path, self.config.arch)
+            logger.info(f"Exported the policy (HF format) to {path}")
+        if self.draft_training is not None and spec.draft.export_dir:
+            path = draft_export_path(self.config.dump_folder, spec.draft.export_dir)
+            self.draft_training.export(path)
+            logger.info(f"Exported the draft (SGLang LlamaForCausalLMEagle3 format) to {path}")
 
     def _log_jsonl(self, log):
         """Wrap MetricsProcessor.log to also append full-precision metrics to metrics.jsonl."""
         path = os.path.join(self.config.dump_folder, "metrics.jsonl")
 
         def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            if self.draft_training is not None:
+                extra_metrics = {**(extra_metrics or {}), **self.draft_training.metrics()}
             log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
             if torch.distributed.get_rank() == 0:
                 row = {"step": step, "loss": global_avg_loss, "max_loss": global_max_loss, "grad_norm": grad_norm}

@@ -158,7 +158,7 @@ def _cpu_bwd(dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_host, scale):
 def _math_scores(q_TNH, k_TKH, s, e, scale):
     K = k_TKH.shape[1]
     L, N, H = e - s, q_TNH.shape[1], q_TNH.shape[2]
-    q_LKGH = q_TNH[s:e].float().view(L, K, N // K, H)
+    q_LKGH = q_TNH[s:e].float().reshape(L, K, N // K, H)
     s_KGLL = torch.einsum("lkgh,mkh->kglm", q_LKGH, k_TKH[s:e].float()) * scale
     future_LL = torch.ones(L, L, dtype=torch.bool, device=q_TNH.device).triu(1)
     return s_KGLL.masked_fill(future_LL, -math.inf)
@@ -192,12 +192,12 @@ def _math_bwd(dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_host, scale):
         # The given (possibly merged) lse, never a recomputed one.
         lse_KGL = lse_NT[:, s:e].float().reshape(K, G, L)
         p_KGLL = torch.exp(s_KGLL - lse_KGL.unsqueeze(-1))
-        dout_LKGH = dout_TNH[s:e].float().view(L, K, G, Hv)
-        out_LKGH = out_TNH[s:e].float().view(L, K, G, Hv)
+        dout_LKGH = dout_TNH[s:e].float().reshape(L, K, G, Hv)
+        out_LKGH = out_TNH[s:e].float().reshape(L, K, G, Hv)
         delta_KGL = (dout_LKGH * out_LKGH).sum(-1).permute(1, 2, 0)
         dp_KGLL = torch.einsum("lkgh,mkh->kglm", dout_LKGH, v_TKH[s:e].float())
         ds_KGLL = p_KGLL * (dp_KGLL - delta_KGL.unsqueeze(-1)) * scale
-        q_LKGH = q_TNH[s:e].float().view(L, K, G, H)
+        q_LKGH = q_TNH[s:e].float().reshape(L, K, G, H)
         dq_LKGH = torch.einsum("kglm,mkh->lkgh", ds_KGLL, k_TKH[s:e].float())
         dq_TNH[s:e] = dq_LKGH.reshape(L, N, H)
         dk_TKH[s:e] = torch.einsum("kglm,lkgh->mkh", ds_KGLL, q_LKGH)
@@ -206,59 +206,71 @@ def _math_bwd(dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_host, scale):
 
 
 # ---------------------------------------------------------------------------
-# CUDA: the FA2 varlen kernels bundled with the PyTorch CUDA wheel (the same
-# ones torch.nn.attention.varlen uses). They take GQA natively, return lse as
-# [N, T] fp32, and their backward consumes the given (out, lse) just like the
-# flash_attn package's _flash_attn_varlen_backward does, without depending on
-# that package's private, version-dependent signatures.
+# CUDA (fp16/bf16): FA2 varlen kernels, which take GQA natively, return lse as
+# [N, T] fp32, and whose backward consumes the given (out, lse) rather than
+# recomputing them. Prefer the flash_attn package (pinned 2.8.x in the `gpu`
+# extra); otherwise the FA2 build bundled in the PyTorch CUDA wheel, the one
+# torch.nn.attention.varlen calls. Untested here: no GPU on the CI machines.
 # ---------------------------------------------------------------------------
+
+try:
+    from flash_attn.flash_attn_interface import (
+        _wrapped_flash_attn_varlen_backward as _fa_varlen_bwd,
+        _wrapped_flash_attn_varlen_forward as _fa_varlen_fwd,
+    )
+except (ImportError, OSError):  # not installed, or built for another CUDA
+    _fa_varlen_fwd = _fa_varlen_bwd = None
 
 
 def _use_cuda_flash(q_TNH: torch.Tensor) -> bool:
     return q_TNH.is_cuda and q_TNH.dtype in (torch.float16, torch.bfloat16)
 
 
+def _max_len(cu_host: list[int]) -> int:
+    return max((e - s for s, e in _doc_ranges(cu_host)), default=0)
+
+
 def _cuda_fwd(q_TNH, k_TKH, v_TKH, cu_seqlens, cu_host, scale):
-    max_len = max((e - s for s, e in _doc_ranges(cu_host)), default=0)
+    q_TNH, k_TKH, v_TKH = (x.contiguous() for x in (q_TNH, k_TKH, v_TKH))
+    L = _max_len(cu_host)
+    if _fa_varlen_fwd is not None and q_TNH.shape[-1] % 8 == 0:
+        out_TNH, lse_NT, _, _ = _fa_varlen_fwd(
+            q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens, L, L,
+            dropout_p=0.0, softmax_scale=scale, causal=True,
+        )
+        return out_TNH, lse_NT
     out_TNH, lse_NT, _, _, _ = torch.ops.aten._flash_attention_forward(
-        q_TNH.contiguous(),
-        k_TKH.contiguous(),
-        v_TKH.contiguous(),
-        cu_seqlens,
-        cu_seqlens,
-        max_len,
-        max_len,
-        0.0,
-        True,
-        False,
+        q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens, L, L, 0.0, True, False,
         scale=scale,
     )
     return out_TNH, lse_NT.float()
 
 
-def _cuda_bwd(dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_host, scale):
-    max_len = max((e - s for s, e in _doc_ranges(cu_host)), default=0)
+def _cuda_bwd(
+    dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_host, scale
+):
+    dtype = q_TNH.dtype
+    dout_TNH, out_TNH = dout_TNH.to(dtype).contiguous(), out_TNH.to(dtype).contiguous()
+    q_TNH, k_TKH, v_TKH = (x.contiguous() for x in (q_TNH, k_TKH, v_TKH))
+    lse_NT = lse_NT.float().contiguous()
+    L = _max_len(cu_host)
+    if _fa_varlen_bwd is not None and q_TNH.shape[-1] % 8 == 0:
+        dq, dk, dv = (torch.empty_like(x) for x in (q_TNH, k_TKH, v_TKH))
+        _fa_varlen_bwd(  # writes dq, dk, dv in place
+            dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, dq, dk, dv,
+            cu_seqlens, cu_seqlens, L, L,
+            dropout_p=0.0, softmax_scale=scale, causal=True,
+            window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, deterministic=False,
+        )
+        return dq, dk, dv
     # No dropout, so the rng state is never read; it only has to exist.
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q_TNH.device)
     unused = torch.empty(0, device=q_TNH.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout_TNH.to(q_TNH.dtype).contiguous(),
-        q_TNH.contiguous(),
-        k_TKH.contiguous(),
-        v_TKH.contiguous(),
-        out_TNH.to(q_TNH.dtype).contiguous(),
-        lse_NT.float().contiguous(),
-        cu_seqlens,
-        cu_seqlens,
-        max_len,
-        max_len,
-        0.0,
-        True,
-        rng_state,
-        unused,
-        scale=scale,
+    return torch.ops.aten._flash_attention_backward(
+        dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens,
+        L, L, 0.0, True, rng_state, unused, scale=scale,
     )
-    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------

@@ -37,16 +37,25 @@ __all__ = [
 
 def _heads_split(x_TNH: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     T, N, H = x_TNH.shape
-    return x_TNH.float().view(T, num_kv_heads, N // num_kv_heads, H)
+    return x_TNH.float().reshape(T, num_kv_heads, N // num_kv_heads, H)
+
+
+# The branch math is a handful (J <= TTT steps) of per-row dot products. As
+# einsum it lowers to a bmm over T*K tiny (G x H) @ (H x J) matrices, which on
+# CPU was ~100x slower than the flash trunk; a short loop over J of broadcast
+# multiply + reduce is fast everywhere and keeps temporaries at q's size.
+
+
+def _row_dot(a_TKGH: torch.Tensor, b_TKH: torch.Tensor) -> torch.Tensor:
+    return (a_TKGH * b_TKH.float().unsqueeze(2)).sum(-1)
 
 
 def _branch_scores(
-    q_TNH: torch.Tensor, kb_JTKH: torch.Tensor, scale: float
+    q_TKGH: torch.Tensor, kb_JTKH: torch.Tensor, scale: float
 ) -> torch.Tensor:
     # Query head n reads kv head n // G: split N into (K, G) instead of
-    # repeating kv heads, so kb is read once per row.
-    q_TKGH = _heads_split(q_TNH, kb_JTKH.shape[2])
-    return torch.einsum("tkgh,jtkh->jtkg", q_TKGH, kb_JTKH.float()) * scale
+    # repeating kv heads.
+    return torch.stack([_row_dot(q_TKGH, kb_TKH) for kb_TKH in kb_JTKH]) * scale
 
 
 def _lse_TKG(lse_NT: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -71,10 +80,13 @@ def branch_part(
         out_TNH = q_TNH.new_zeros(T, N, Hv)
         lse_NT = q_TNH.new_full((N, T), -math.inf, dtype=torch.float32)
         return out_TNH, lse_NT
-    s_JTKG = _branch_scores(q_TNH, kb_JTKH, scale)
+    s_JTKG = _branch_scores(_heads_split(q_TNH, K), kb_JTKH, scale)
     lse_TKG = torch.logsumexp(s_JTKG, 0)
     p_JTKG = torch.exp(s_JTKG - lse_TKG)
-    out_TKGH = torch.einsum("jtkg,jtkh->tkgh", p_JTKG, vb_JTKH.float())
+    out_TKGH = sum(
+        p_TKG.unsqueeze(-1) * vb_TKH.float().unsqueeze(2)
+        for p_TKG, vb_TKH in zip(p_JTKG, vb_JTKH)
+    )
     out_TNH = out_TKGH.reshape(T, N, Hv).to(q_TNH.dtype)
     return out_TNH, lse_TKG.reshape(T, N).t().contiguous()
 
@@ -95,20 +107,23 @@ def branch_backward(
     """
     J, T, K, Hv = vb_JTKH.shape
     if J == 0:
-        return torch.zeros_like(q_TNH), torch.zeros_like(kb_JTKH), torch.zeros_like(vb_JTKH)
-    s_JTKG = _branch_scores(q_TNH, kb_JTKH, scale)
-    p_JTKG = torch.exp(s_JTKG - _lse_TKG(lse_NT, K))
+        return tuple(torch.zeros_like(x) for x in (q_TNH, kb_JTKH, vb_JTKH))
+    q_TKGH = _heads_split(q_TNH, K)
     dout_TKGH = _heads_split(dout_TNH, K)
+    lse_TKG = _lse_TKG(lse_NT, K)
     delta_TKG = (dout_TKGH * _heads_split(out_TNH, K)).sum(-1)
-    dp_JTKG = torch.einsum("tkgh,jtkh->jtkg", dout_TKGH, vb_JTKH.float())
-    ds_JTKG = p_JTKG * (dp_JTKG - delta_TKG) * scale
-    dq_TKGH = torch.einsum("jtkg,jtkh->tkgh", ds_JTKG, kb_JTKH.float())
-    dkb_JTKH = torch.einsum("jtkg,tkgh->jtkh", ds_JTKG, _heads_split(q_TNH, K))
-    dvb_JTKH = torch.einsum("jtkg,tkgh->jtkh", p_JTKG, dout_TKGH)
+    dq_TKGH = torch.zeros_like(q_TKGH)
+    dkb, dvb = [], []
+    for kb_TKH, vb_TKH in zip(kb_JTKH, vb_JTKH):
+        p_TKG = torch.exp(_row_dot(q_TKGH, kb_TKH) * scale - lse_TKG)
+        ds_TKG = p_TKG * (_row_dot(dout_TKGH, vb_TKH) - delta_TKG) * scale
+        dq_TKGH = dq_TKGH + ds_TKG.unsqueeze(-1) * kb_TKH.float().unsqueeze(2)
+        dkb.append((ds_TKG.unsqueeze(-1) * q_TKGH).sum(2))
+        dvb.append((p_TKG.unsqueeze(-1) * dout_TKGH).sum(2))
     return (
         dq_TKGH.reshape(q_TNH.shape).to(q_TNH.dtype),
-        dkb_JTKH.to(kb_JTKH.dtype),
-        dvb_JTKH.to(vb_JTKH.dtype),
+        torch.stack(dkb).to(kb_JTKH.dtype),
+        torch.stack(dvb).to(vb_JTKH.dtype),
     )
 
 
@@ -150,7 +165,9 @@ def trunk_backward(
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_seqlens, cu_host, scale):
+    def forward(
+        ctx, q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_seqlens, cu_host, scale
+    ):
         partials = trunk_partials(q_TNH, k0_TKH, v0_TKH, cu_seqlens, cu_host, scale)
         partials.append(branch_part(q_TNH, kb_JTKH, vb_JTKH, scale))
         out_TNH, lse_NT = merge_partials(

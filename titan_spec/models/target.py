@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torchtitan.models.common.attention import AttentionMasksType, FlexAttention, VarlenAttention
@@ -28,6 +29,7 @@ from torchtitan.models.qwen3 import Qwen3Model
 from titan_spec.models.attention import DocCausalAttention, DocMetadata, doc_metadata_from_positions
 
 __all__ = [
+    "Taps",
     "TappedQwen3Model",
     "TappedLlama3Model",
     "default_tap_layer_ids",
@@ -53,6 +55,15 @@ def validate_tap_layer_ids(ids: tuple[int, ...], n_layers: int) -> None:
         raise ValueError(f"tap layer ids {list(ids)} repeat a layer; they must be distinct")
 
 
+class Taps(NamedTuple):
+    """What the draft reads from the target's training forward (detach before use)."""
+
+    embeds_BLD: torch.Tensor
+    """Token embeddings of the input (the draft shares the target's embedding)."""
+    hidden: tuple[torch.Tensor, ...]
+    """h_BLD of each tap layer, in tap_layer_ids order."""
+
+
 class _TapMixin:
     """forward() and get_attention_masks() shared by the tapped Qwen3 and Llama3."""
 
@@ -62,11 +73,11 @@ class _TapMixin:
         positions: torch.Tensor | None = None,
         attention_masks: AttentionMasksType | None = None,
     ):
-        """Returns logits_BLV, or (logits_BLV, taps) with taps a tuple of h_BLD in
-        ``tap_layer_ids`` order when the model was configured with tap ids."""
+        """Returns logits_BLV, or (logits_BLV, Taps) when the model has tap ids."""
         tap_ids = self.config.tap_layer_ids
         taps: dict[int, torch.Tensor] = {}
         h_BLD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        embeds_BLD = h_BLD
         # Under PP a stage holds a slice of the layers; keys keep the global layer ids.
         for key, layer in self.layers.items():
             h_BLD = layer(h_BLD, attention_masks, positions)
@@ -78,7 +89,7 @@ class _TapMixin:
             out = self.lm_head(h_BLD)
         if not tap_ids:
             return out
-        return out, tuple(taps[i] for i in tap_ids if i in taps)
+        return out, Taps(embeds_BLD, tuple(taps[i] for i in tap_ids if i in taps))
 
     def get_attention_masks(self, positions: torch.Tensor) -> AttentionMasksType | None:
         attn = self.config.first_attention

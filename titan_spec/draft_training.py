@@ -1,0 +1,160 @@
+"""The draft's side of a training step: its model, optimizer, schedule, metrics, state, export.
+
+SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
+
+    loss(taps, logits, ...)   TTT loss from the policy forward's detached taps and logits,
+                              normalized by the valid rows of all data-parallel ranks
+    step()                    the draft's own clipping, AdamW step and LR schedule
+
+The draft is small and is trained data-parallel with the policy: FSDP2 over the same
+mesh (sum-reduced; the loss is already normalized by the global count).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from titan_spec import platform
+from titan_spec.config import DraftConfig
+from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping
+from titan_spec.models.draft_io import load_draft_into, save_draft
+from titan_spec.models.target import Taps
+from titan_spec.models.ttt import TTTResult, ttt_targets
+
+__all__ = ["DraftTraining"]
+
+
+class DraftTraining(Stateful):
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        arch: DraftArch,
+        *,
+        device: torch.device,
+        dp_mesh,
+        lr_scheduler_cfg,
+        training_steps: int,
+        token_counts_V: torch.Tensor | None,
+        seed: int,
+    ):
+        self.cfg = cfg
+        with torch.random.fork_rng(devices=[]):
+            # Same init on every rank, independent of the policy's RNG stream.
+            torch.manual_seed(seed + 1)
+            draft = Eagle3Draft(arch)
+            draft.reset_parameters()
+        if token_counts_V is not None and arch.draft_vocab_size < arch.vocab_size:
+            draft.set_vocab_mapping(*build_vocab_mapping(token_counts_V, arch.draft_vocab_size))
+        if cfg.init_from:
+            load_draft_into(draft, cfg.init_from)
+        draft.to(device)
+        self.dp_mesh = dp_mesh
+        if dp_mesh is not None:
+            fully_shard(draft, mesh=dp_mesh)
+            draft.set_gradient_divide_factor(1.0)  # the loss is normalized by the global count
+            platform.force_sum_reduction(draft)
+        self.draft = draft
+        self.optimizer = torch.optim.AdamW(
+            draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True
+        )
+        self.scheduler = lr_scheduler_cfg.build(optimizers=[self.optimizer], training_steps=training_steps)
+        self._acc: dict[str, torch.Tensor] = {}
+        self.last_grad_norm = 0.0
+
+    # --- per step ----------------------------------------------------------------------
+
+    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta) -> TTTResult:
+        draft = self.draft
+        T = positions_BL.numel()
+        logits_TV = logits_BLV.detach().reshape(T, -1)
+        positions_T, labels_T = positions_BL.reshape(T), labels_BL.reshape(T)
+        targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps)
+        count_S = torch.stack([valid.sum() for _, valid, _ in targets])
+        if self.dp_mesh is not None:
+            count_S = count_S.clone()
+            dist.all_reduce(count_S, group=self.dp_mesh.get_group())
+        hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
+        result = draft(
+            hidden, taps.embeds_BLD.detach().reshape(T, -1), positions_T, meta, targets,
+            self.cfg.loss_decay, count_S,
+        )
+        self._accumulate(result)
+        return result
+
+    def step(self) -> None:
+        params = [p for p in self.draft.parameters()]
+        norm = clip_grad_norm_(params, self.cfg.max_norm, foreach=True)
+        self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- metrics -----------------------------------------------------------------------
+
+    def _accumulate(self, r: TTTResult) -> None:
+        for name, value in (("loss_sum", r.loss_sum_S), ("count", r.count_S), ("correct", r.correct_S)):
+            v = value.detach().to(torch.float64)
+            self._acc[name] = self._acc[name] + v if name in self._acc else v
+
+    def metrics(self) -> dict[str, float]:
+        """Mean draft loss and accuracy per TTT step since the last call (all ranks)."""
+        if not self._acc:
+            return {}
+        stacked = torch.stack([self._acc["loss_sum"], self._acc["count"], self._acc["correct"]])
+        if self.dp_mesh is not None:
+            dist.all_reduce(stacked, group=self.dp_mesh.get_group())
+        loss_sum, count, correct = stacked.cpu()
+        self._acc = {}
+        n = count.clamp(min=1)
+        out = {"draft/grad_norm": self.last_grad_norm, "draft/lr": self.scheduler.schedulers[0].get_last_lr()[0]}
+        out["draft/loss"] = float((loss_sum / n).mean())
+        for j in range(len(count)):
+            out[f"draft/acc_{j}"] = float(correct[j] / n[j])
+        return out
+
+    # --- state -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.draft),
+            "optim": get_optimizer_state_dict(self.draft, self.optimizer),
+            "lr": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_model_state_dict(self.draft, sd["model"])
+        set_optimizer_state_dict(self.draft, self.optimizer, sd["optim"])
+        self.scheduler.load_state_dict(sd["lr"])
+
+    def export(self, path: str) -> None:
+        """Write the SGLang-loadable draft directory (collective under FSDP; rank 0 writes)."""
+        full = get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        copy = Eagle3Draft(self.draft.arch)
+        copy.load_state_dict(full)
+        save_draft(copy, path)
+
+    @property
+    def is_sharded(self) -> bool:
+        return isinstance(self.draft, FSDPModule)
+
+
+def draft_export_path(dump_folder: str, export_dir: str) -> str:
+    return export_dir if os.path.isabs(export_dir) else os.path.join(dump_folder, export_dir)

@@ -1,0 +1,177 @@
+"""The EAGLE-3 draft, laid out exactly as SGLang's ``LlamaForCausalLMEagle3`` / SpecForge.
+
+Shape legend: T = packed tokens, H = draft hidden, Ht = target hidden, N = query heads,
+K = kv heads, Hd = head dim, Vd = draft vocab, V = target vocab.
+
+    fc:        Linear(3*Ht -> H)            the three tapped target features -> draft hidden
+    midlayer:  one decoder layer whose q/k/v read cat(input_layernorm(embed(tok)), hidden_norm(h))
+    norm, lm_head: H -> Vd
+    d2t[i]:    target id of draft id i is i + d2t[i];   t2d[v]: target id v is in the draft vocab
+
+Module names are the export names, so the exported safetensors are this state dict.
+The embedding is the target's (shared, never trained by the draft) and is passed in.
+
+A draft step is split in two halves around attention, ``qkv`` and ``finish``, because
+the attention differs by caller: training-time test uses branch attention over a
+packed batch (models/ttt.py), the rollout engine a KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["DraftArch", "Eagle3Draft", "build_vocab_mapping", "apply_rotary"]
+
+
+@dataclass(frozen=True)
+class DraftArch:
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    target_hidden: int
+    vocab_size: int
+    """Target vocabulary size (the embedding's rows)."""
+    draft_vocab_size: int
+    rope_theta: float
+    norm_eps: float
+    max_seq_len: int
+    tap_layer_ids: tuple[int, int, int]
+
+    @staticmethod
+    def from_target(arch, tap_layer_ids, draft_vocab_size: int) -> "DraftArch":
+        """SpecForge's default: the draft layer has the target's width and heads."""
+        return DraftArch(
+            hidden=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim,
+            intermediate=arch.hidden_dim, target_hidden=arch.dim, vocab_size=arch.vocab_size,
+            draft_vocab_size=draft_vocab_size or arch.vocab_size, rope_theta=arch.rope_theta,
+            norm_eps=arch.norm_eps, max_seq_len=arch.max_seq_len, tap_layer_ids=tuple(tap_layer_ids),
+        )
+
+    def validate(self) -> None:
+        ids = self.tap_layer_ids
+        if len(ids) != 3 or len(set(ids)) != 3:
+            raise ValueError(f"draft.tap_layer_ids {list(ids)} must be three distinct target layers")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft.draft_vocab_size = {self.draft_vocab_size} must be in 1..{self.vocab_size} "
+                "(the target vocabulary)"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"draft heads {self.n_heads} must be a multiple of kv heads {self.n_kv_heads}")
+
+
+def apply_rotary(x_TNH: torch.Tensor, pos_T: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half (NeoX / HF Llama) rotary embedding, as SGLang's Llama attention uses."""
+    hd = x_TNH.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x_TNH.device, dtype=torch.float32) / hd))
+    ang_TF = pos_T.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([ang_TF, ang_TF], -1).cos()[:, None, :], torch.cat([ang_TF, ang_TF], -1).sin()[:, None, :]
+    x = x_TNH.float()
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rot * sin).to(x_TNH.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, a: DraftArch):
+        super().__init__()
+        self.q_proj = nn.Linear(2 * a.hidden, a.n_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * a.hidden, a.n_kv_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * a.hidden, a.n_kv_heads * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.hidden, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, a: DraftArch):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden, a.intermediate, bias=False)
+        self.up_proj = nn.Linear(a.hidden, a.intermediate, bias=False)
+        self.down_proj = nn.Linear(a.intermediate, a.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, a: DraftArch):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+        self.hidden_norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+        self.self_attn = _Attention(a)
+        self.post_attention_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+        self.mlp = _MLP(a)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, arch: DraftArch):
+        super().__init__()
+        arch.validate()
+        self.arch = arch
+        self.fc = nn.Linear(3 * arch.target_hidden, arch.hidden, bias=False)
+        self.midlayer = _MidLayer(arch)
+        self.norm = nn.RMSNorm(arch.hidden, eps=arch.norm_eps)
+        self.lm_head = nn.Linear(arch.hidden, arch.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+        t2d[: arch.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def forward(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay: float = 0.8, count_S=None):
+        """The training-time-test loss (models/ttt.py). Going through forward (not a helper
+        function) lets FSDP's hooks gather the sharded parameters."""
+        from titan_spec.models.ttt import ttt_unroll
+
+        return ttt_unroll(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay, count_S)
+
+    # --- one draft step, split around attention -------------------------------------
+
+    def qkv(self, h_TH: torch.Tensor, emb_TH: torch.Tensor, pos_T: torch.Tensor):
+        """Returns (q_TNH, k_TKH, v_TKH) with rotary applied at positions pos_T."""
+        a, layer = self.arch, self.midlayer
+        x = torch.cat([layer.input_layernorm(emb_TH), layer.hidden_norm(h_TH)], dim=-1)
+        T = x.shape[0]
+        q = layer.self_attn.q_proj(x).view(T, a.n_heads, a.head_dim)
+        k = layer.self_attn.k_proj(x).view(T, a.n_kv_heads, a.head_dim)
+        v = layer.self_attn.v_proj(x).view(T, a.n_kv_heads, a.head_dim)
+        return apply_rotary(q, pos_T, a.rope_theta), apply_rotary(k, pos_T, a.rope_theta), v
+
+    def finish(self, h_TH: torch.Tensor, attn_TNH: torch.Tensor):
+        """Returns (hidden_TH fed to the next step, logits_TVd)."""
+        layer = self.midlayer
+        r = h_TH + layer.self_attn.o_proj(attn_TNH.flatten(1))
+        out = r + layer.mlp(layer.post_attention_layernorm(r))
+        return out, self.lm_head(self.norm(out))
+
+
+def build_vocab_mapping(token_counts_V: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``draft_vocab_size`` target ids by frequency (ties: lower id) -> (d2t, t2d)."""
+    V = token_counts_V.numel()
+    if not 1 <= draft_vocab_size <= V:
+        raise ValueError(f"draft vocab size {draft_vocab_size} must be in 1..{V} (the target vocabulary)")
+    # Stable sort on -count keeps lower ids first among equal counts.
+    order = torch.sort(-token_counts_V.to(torch.float64), stable=True).indices[:draft_vocab_size]
+    ids = torch.sort(order).values
+    d2t = ids - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t.to(torch.long), t2d
