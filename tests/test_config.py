@@ -98,5 +98,5 @@ def test_draft_vocab_larger_than_target_is_an_error():
     from titan_spec.train import to_trainer_config
 
     cfg = load_config(DEFAULT, ["--draft.enable", "true", "--draft.draft_vocab_size", "100000"])
-    with pytest.raises(ConfigError, match=r"draft.draft_vocab_size = 100000 must be in 1\.\.98"):
+    with pytest.raises(ConfigError, match=r"draft.draft_vocab_size = 100000 must be in 1\.\.100"):
         to_trainer_config(cfg)
