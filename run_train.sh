@@ -13,7 +13,7 @@ LOG_RANK=${LOG_RANK:-0}
 PY=$(scripts/ensure_env.sh)
 export HF_HUB_OFFLINE=1
 # Check the config in one process first: a config error prints one line and never starts a run.
-WORLD_SIZE=$NGPU "$PY" -m titan_spec.config --config "$CONFIG_FILE" "$@"
+WORLD_SIZE=$NGPU "$PY" -m titan_spec.train --check --config "$CONFIG_FILE" "$@"
 if [[ "$("$PY" -c 'import torch; print(torch.cuda.is_available())')" == "False" ]]; then
   # CPU: split the cores between the processes.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}

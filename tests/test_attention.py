@@ -66,8 +66,8 @@ def dense_ttt(q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_host, scale):
 
 
 def _meta(cu_host: tuple[int, ...]) -> DocMetadata:
-    lens = [e - s for s, e in zip(cu_host[:-1], cu_host[1:])]
-    return DocMetadata(torch.tensor(cu_host, dtype=torch.int32), cu_host, max(lens))
+    cu = torch.tensor(cu_host, dtype=torch.int32)
+    return DocMetadata(cu, cu.clone())
 
 
 def _rand(*shape, gen):
@@ -207,7 +207,7 @@ def test_doc_attn_bwd_uses_given_merged_out_and_lse(backend, heads):
     meta = _meta(cu_host)
     if backend == "op":
         dq, dk, dv = torch.ops.titan_spec.doc_attn_bwd(
-            dout, q, k, v, out_m, lse_m, meta.cu_seqlens, list(cu_host), scale
+            dout, q, k, v, out_m, lse_m, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
         )
     else:
         dq, dk, dv = attn_mod._math_bwd(
@@ -221,7 +221,7 @@ def test_doc_attn_bwd_uses_given_merged_out_and_lse(backend, heads):
     # SpecForge #536 bug): the test above would be vacuous otherwise.
     out_p, lse_p = doc_attention(q, k, v, meta, scale)
     dq_bad, _, _ = torch.ops.titan_spec.doc_attn_bwd(
-        dout, q, k, v, out_p, lse_p, meta.cu_seqlens, list(cu_host), scale
+        dout, q, k, v, out_p, lse_p, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
     )
     assert (dq_bad.double() - dq_ref).abs().max() > 1e-2
 
@@ -348,7 +348,7 @@ def test_custom_ops_opcheck():
     q = _rand(T, N, H, gen=gen).requires_grad_()
     k, v = (_rand(T, K, H, gen=gen).requires_grad_() for _ in range(2))
     cu = torch.tensor(cu_host, dtype=torch.int32)
-    fwd_args = (q, k, v, cu, list(cu_host), 0.3)
+    fwd_args = (q, k, v, cu, cu.clone(), 0.3)
     tests = (
         "test_schema", "test_autograd_registration", "test_faketensor",
         "test_aot_dispatch_dynamic",
@@ -358,7 +358,7 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(fwd_op.default, fwd_args, test_utils=tests)
     out, lse = fwd_op(*fwd_args)
     bwd_args = (_rand(T, N, H, gen=gen), q.detach(), k.detach(), v.detach(),
-                out.detach(), lse, cu, list(cu_host), 0.3)
+                out.detach(), lse, cu, cu.clone(), 0.3)
     torch.library.opcheck(bwd_op.default, bwd_args, test_utils=tests)
 
 

@@ -1,7 +1,7 @@
 """Config loading: typed sections, CLI overrides, and one clear line per malformed config."""
 
+import os
 import subprocess
-import sys
 
 import pytest
 
@@ -74,16 +74,25 @@ def test_missing_config_file():
         load_config("/nonexistent/x.toml")
 
 
-@pytest.mark.parametrize("module", ["titan_spec.config", "titan_spec.train"])
-def test_cli_config_error_is_one_line_and_nonzero(tmp_path, module):
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--training.stepz", "3"], "unknown key 'training.stepz'"),
+        (["--model.hf_checkpoint", "/tmp"], "has no config.json"),
+        (["--draft.enable", "true", "--draft.tap_layer_ids", "[1, 2, 9]"], "out of range"),
+    ],
+)
+def test_run_train_config_error_is_one_line_and_starts_nothing(tmp_path, args, needle):
+    """Through ./run_train.sh: one line, exit 2, no torchrun, no output folder."""
+    dump = tmp_path / "never"
     out = subprocess.run(
-        [sys.executable, "-m", module, "--config", DEFAULT, "--training.stepz", "3"],
-        capture_output=True, text=True, timeout=120,
+        ["./run_train.sh", "--job.dump_folder", str(dump), *args],
+        capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)) or ".",
     )
-    assert out.returncode == 2
-    err = [line for line in out.stderr.splitlines() if "titan_spec" in line]
-    assert len(err) == 1 and "unknown key 'training.stepz'" in err[0], out.stderr
-    assert "Traceback" not in out.stderr
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "register_constant" not in line]
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert not dump.exists()
 
 
 def test_tap_ids_out_of_range_is_a_config_error():

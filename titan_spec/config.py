@@ -9,16 +9,16 @@ translated to torchtitan's Trainer.Config by ``titan_spec.train``.
 
 CLI overrides ``--section.key value`` go through the same parser and checks as the
 file, so a typo on the command line fails exactly like a typo in the file.
-
-    python -m titan_spec.config --config FILE [--section.key value ...]   # check only
+``python -m titan_spec.train --check --config FILE [overrides]`` checks without training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import logging
 import os
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.tools.logging import logger as tt_logger
 from torchtitan.tools.profiler import Profiler
 
 __all__ = ["ConfigError", "TitanSpecConfig", "load_config", "parse_overrides"]
@@ -129,8 +130,11 @@ class TaskConfig:
     operators: str = "+-"
     """Operators the generated problems use (subset of '+-*')."""
 
+    show_work: bool = False
+    """Arithmetic completions restate the expression before the result ("3+4?" -> "3+4=7")."""
+
     seed: int = 1234
-    """Seed of the problem generator (each data-parallel rank offsets it)."""
+    """Seed of the problem generator."""
 
     def validate(self) -> None:
         _check(self.max_operand >= 1, "task.max_operand", self.max_operand, ">= 1")
@@ -427,9 +431,22 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _quiet_torchtitan():
+    # torchtitan's default CheckpointManager.Config warns about its own default
+    # (initial_load_model_only without initial_load_path) each time one is built.
+    level = tt_logger.level
+    tt_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tt_logger.setLevel(level)
+
+
 def load_config(path: str | None, overrides: list[str] | None = None, world_size: int | None = None) -> TitanSpecConfig:
     """Read, type-check and validate a config. Raises ConfigError with a one-line message."""
-    cfg = TitanSpecConfig()
+    with _quiet_torchtitan():
+        cfg = TitanSpecConfig()
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
@@ -451,25 +468,3 @@ def load_config(path: str | None, overrides: list[str] | None = None, world_size
     except ConfigError as e:
         raise ConfigError(f"{cfg.source}: {e}") from None
     return cfg
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = None
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            print("titan_spec: --config needs a file", file=sys.stderr)
-            return 2
-        path = argv[i + 1]
-        del argv[i : i + 2]
-    try:
-        load_config(path, argv)
-    except ConfigError as e:
-        print(f"titan_spec: config error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -294,8 +294,12 @@ class SpecTrainer(Trainer):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``--check``: validate the config (and the HF/draft directories it names) and exit;
+    run_train.sh does this in one process before torchrun starts any rank."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    init_logger()
+    check_only = "--check" in argv
+    if check_only:
+        argv.remove("--check")
     path = None
     if "--config" in argv:
         i = argv.index("--config")
@@ -307,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"titan_spec: config error: {e}", file=sys.stderr)
         return 2
+    if check_only:
+        return 0
+    init_logger()
     trainer = None
     try:
         trainer = trainer_config.build()

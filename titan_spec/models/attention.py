@@ -33,14 +33,22 @@ class DocMetadata(NamedTuple):
     """Document boundaries of a packed token stream.
 
     cu_seqlens: int32 [D+1] on the compute device, 0 .. T.
-    cu_seqlens_host: the same offsets as Python ints, so per-document loops
-        and kernel launch parameters need no device sync.
-    max_seqlen: longest document, needed by varlen flash kernels.
+    cu_seqlens_cpu: the same offsets in a CPU tensor, so per-document loops and
+        kernel launch parameters need no device sync. A tensor, not a tuple of
+        ints: torch.compile would guard on every int and recompile for each new
+        packing layout, while tensors flow into the (opaque) custom ops as data.
     """
 
     cu_seqlens: torch.Tensor
-    cu_seqlens_host: tuple[int, ...]
-    max_seqlen: int
+    cu_seqlens_cpu: torch.Tensor
+
+    @property
+    def cu_seqlens_host(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.cu_seqlens_cpu.tolist())
+
+    @property
+    def max_seqlen(self) -> int:
+        return int((self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).max())
 
 
 def doc_metadata_from_positions(positions_BL: torch.Tensor) -> DocMetadata:
@@ -55,9 +63,8 @@ def doc_metadata_from_positions(positions_BL: torch.Tensor) -> DocMetadata:
     starts_T = starts_BL.reshape(-1).nonzero().squeeze(1)
     end = torch.tensor([B * L], device=positions_BL.device, dtype=starts_T.dtype)
     cu_seqlens = torch.cat([starts_T, end]).to(torch.int32)
-    cu_host = tuple(int(x) for x in cu_seqlens.tolist())
-    max_seqlen = max(e - s for s, e in zip(cu_host[:-1], cu_host[1:]))
-    return DocMetadata(cu_seqlens, cu_host, max_seqlen)
+    # A distinct tensor even on CPU: autograd.Function under dynamo rejects one tensor passed twice.
+    return DocMetadata(cu_seqlens, cu_seqlens.to("cpu", copy=True))
 
 
 def _doc_ranges(cu_host: list[int]) -> list[tuple[int, int]]:
@@ -285,7 +292,7 @@ def doc_attn_fwd(
     k_TKH: torch.Tensor,
     v_TKH: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    cu_seqlens_host: list[int],
+    cu_seqlens_cpu: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Document-causal attention. Returns (out_TNH, lse_NT fp32).
@@ -293,15 +300,16 @@ def doc_attn_fwd(
     Rows with no key (impossible for causal self-attention, but possible for
     empty documents in cu_seqlens) get out = 0 and lse = -inf.
     """
+    cu_host = cu_seqlens_cpu.tolist()
     if _use_cuda_flash(q_TNH):
-        return _cuda_fwd(q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens_host, scale)
+        return _cuda_fwd(q_TNH, k_TKH, v_TKH, cu_seqlens, cu_host, scale)
     if q_TNH.device.type == "cpu":
-        return _cpu_fwd(q_TNH, k_TKH, v_TKH, cu_seqlens_host, scale)
-    return _math_fwd(q_TNH, k_TKH, v_TKH, cu_seqlens_host, scale)
+        return _cpu_fwd(q_TNH, k_TKH, v_TKH, cu_host, scale)
+    return _math_fwd(q_TNH, k_TKH, v_TKH, cu_host, scale)
 
 
 @doc_attn_fwd.register_fake
-def _doc_attn_fwd_fake(q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens_host, scale):
+def _doc_attn_fwd_fake(q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens_cpu, scale):
     T, N, _ = q_TNH.shape
     out_TNH = q_TNH.new_empty(T, N, v_TKH.shape[-1])
     lse_NT = q_TNH.new_empty(N, T, dtype=torch.float32)
@@ -317,7 +325,7 @@ def doc_attn_bwd(
     out_TNH: torch.Tensor,
     lse_NT: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    cu_seqlens_host: list[int],
+    cu_seqlens_cpu: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of document-causal attention.
@@ -327,38 +335,38 @@ def doc_attn_bwd(
     yields this part's exact contribution to the merged softmax's gradient.
     """
     args = (dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT)
+    cu_host = cu_seqlens_cpu.tolist()
     if _use_cuda_flash(q_TNH):
-        return _cuda_bwd(*args, cu_seqlens, cu_seqlens_host, scale)
+        return _cuda_bwd(*args, cu_seqlens, cu_host, scale)
     if q_TNH.device.type == "cpu":
-        return _cpu_bwd(*args, cu_seqlens_host, scale)
-    return _math_bwd(*args, cu_seqlens_host, scale)
+        return _cpu_bwd(*args, cu_host, scale)
+    return _math_bwd(*args, cu_host, scale)
 
 
 @doc_attn_bwd.register_fake
 def _doc_attn_bwd_fake(
-    dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens_host, scale
+    dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens_cpu, scale
 ):
     return torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
 
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
-    q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens_host, scale = inputs
+    q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens_cpu, scale = inputs
     out_TNH, lse_NT = output
     # lse is an output for merging, not a differentiable one: a dlse term
     # cannot be fed to the fused flash backward. Callers that merge partials
     # must use an explicit backward with the merged lse (see
     # branch_attention.py) instead of autograd through merge_partials.
     ctx.mark_non_differentiable(lse_NT)
-    ctx.save_for_backward(q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens)
-    ctx.cu_seqlens_host = cu_seqlens_host
+    ctx.save_for_backward(q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens_cpu)
     ctx.scale = scale
 
 
 def _fwd_backward(ctx, dout_TNH, _dlse_NT):
-    q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens = ctx.saved_tensors
+    q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
     dq, dk, dv = torch.ops.titan_spec.doc_attn_bwd(
         dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT,
-        cu_seqlens, ctx.cu_seqlens_host, ctx.scale,
+        cu_seqlens, cu_seqlens_cpu, ctx.scale,
     )
     return dq, dk, dv, None, None, None
 
@@ -379,7 +387,7 @@ def doc_attention(
     non-differentiable (requires_grad=False) and exists for exact merging.
     """
     return torch.ops.titan_spec.doc_attn_fwd(
-        q_TNH, k_TKH, v_TKH, meta.cu_seqlens, list(meta.cu_seqlens_host), scale
+        q_TNH, k_TKH, v_TKH, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
     )
 
 

@@ -132,7 +132,7 @@ def trunk_partials(
     k0_TKH: torch.Tensor,
     v0_TKH: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    cu_seqlens_host: list[int],
+    cu_seqlens_cpu: torch.Tensor,
     scale: float,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Trunk (document-causal) attention as a list of (out_TNH, lse_NT) partials.
@@ -140,7 +140,7 @@ def trunk_partials(
     One partial locally; a ring implementation returns one per kv chunk.
     """
     out_TNH, lse_NT = torch.ops.titan_spec.doc_attn_fwd(
-        q_TNH, k0_TKH, v0_TKH, cu_seqlens, cu_seqlens_host, scale
+        q_TNH, k0_TKH, v0_TKH, cu_seqlens, cu_seqlens_cpu, scale
     )
     return [(out_TNH, lse_NT)]
 
@@ -153,13 +153,13 @@ def trunk_backward(
     out_TNH: torch.Tensor,
     lse_NT: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    cu_seqlens_host: list[int],
+    cu_seqlens_cpu: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trunk's share of the merged-softmax gradient, fed the MERGED (out, lse)."""
     return torch.ops.titan_spec.doc_attn_bwd(
         dout_TNH, q_TNH, k0_TKH, v0_TKH, out_TNH, lse_NT,
-        cu_seqlens, cu_seqlens_host, scale,
+        cu_seqlens, cu_seqlens_cpu, scale,
     )
 
 
@@ -174,20 +174,19 @@ class _TTTAttention(torch.autograd.Function):
             [out for out, _ in partials], [lse for _, lse in partials]
         )
         ctx.save_for_backward(
-            q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_seqlens, out_TNH, lse_NT
+            q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_seqlens, cu_host, out_TNH, lse_NT
         )
-        ctx.cu_host = cu_host
         ctx.scale = scale
         return out_TNH
 
     @staticmethod
     def backward(ctx, dout_TNH):
-        q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_seqlens, out_TNH, lse_NT = (
+        q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_seqlens, cu_host, out_TNH, lse_NT = (
             ctx.saved_tensors
         )
         dq_trunk_TNH, dk0_TKH, dv0_TKH = trunk_backward(
             dout_TNH, q_TNH, k0_TKH, v0_TKH, out_TNH, lse_NT,
-            cu_seqlens, ctx.cu_host, ctx.scale,
+            cu_seqlens, cu_host, ctx.scale,
         )
         dq_branch_TNH, dkb_JTKH, dvb_JTKH = branch_backward(
             dout_TNH, q_TNH, kb_JTKH, vb_JTKH, out_TNH, lse_NT, ctx.scale
@@ -213,5 +212,5 @@ def ttt_attention(
     """
     return _TTTAttention.apply(
         q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH,
-        meta.cu_seqlens, list(meta.cu_seqlens_host), scale,
+        meta.cu_seqlens, meta.cu_seqlens_cpu, scale,
     )

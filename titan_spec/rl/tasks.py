@@ -21,12 +21,19 @@ class Problem:
 
 
 class ArithmeticTask:
-    """Left-to-right integer arithmetic over ``num_operands`` operands in [0, max_operand]."""
+    """Left-to-right integer arithmetic over ``num_operands`` operands in [0, max_operand].
 
-    def __init__(self, max_operand: int = 99, num_operands: int = 2, operators: str = "+-"):
+    With ``show_work`` the completion restates the expression before the result
+    ("37+5-12?" -> "37+5-12=30"), like a model writing out its working: most of the
+    completion is predictable from the prompt and a few tokens need the computation,
+    which is the mix speculative decoding meets in real rollouts.
+    """
+
+    def __init__(self, max_operand: int = 99, num_operands: int = 2, operators: str = "+-", show_work: bool = False):
         self.max_operand = max_operand
         self.num_operands = num_operands
         self.operators = operators
+        self.show_work = show_work
 
     def sample(self, rng: random.Random) -> Problem:
         value = rng.randint(0, self.max_operand)
@@ -36,6 +43,8 @@ class ArithmeticTask:
             x = rng.randint(0, self.max_operand)
             value = value + x if op == "+" else value - x if op == "-" else value * x
             text += f"{op}{x}"
+        if self.show_work:
+            return Problem(prompt=f"{text}?", answer=f"{text}={value}")
         return Problem(prompt=f"{text}=", answer=str(value))
 
 
@@ -69,7 +78,7 @@ class JsonlTask:
 
 def build_task(task_cfg):
     if task_cfg.name == "arithmetic":
-        return ArithmeticTask(task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators)
+        return ArithmeticTask(task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators, task_cfg.show_work)
     return JsonlTask(task_cfg.path)
 
 

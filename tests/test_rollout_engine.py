@@ -1,0 +1,388 @@
+"""The built-in rollout engine: lossless speculative decoding (greedy token for token, sampled
+by chi-square), behaviour log-probs, spec statistics, weight pushes, bad inputs.
+
+Models are tiny and random (vocab 32 so that sampled distributions can be tested with
+few samples); a "good" draft is fitted to the target in a few dozen TTT steps.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import titan_spec  # noqa: F401
+from titan_spec.models.attention import doc_metadata_from_positions
+from titan_spec.models.draft import DraftArch, Eagle3Draft
+from titan_spec.models.draft_io import EXPORT_KEYS
+from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
+from titan_spec.models.ttt import ttt_targets
+from titan_spec.rl.rollout import RolloutEngine, SamplingParams, TorchEngineConfig, TorchRolloutEngine
+
+V = 32
+TAPS = (1, 3, 4)
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny matmuls: a second thread only adds sync cost, and much more when the machine is busy.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_target(seed: int, family: str = "qwen3", logit_scale: float = 1.0):
+    torch.manual_seed(seed)
+    arch = with_vocab(flavor_arch(family, "tiny"), V)
+    model = build_target_config(arch, tap_layer_ids=TAPS, max_seq_len=MAX_LEN).build()
+    model.init_weights(buffer_device=None)
+    # torchtitan's init makes near-uniform, degenerate outputs; unit-variance projections give
+    # peaked, varied distributions, which make both the greedy and the sampled tests sharper.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+        model.norm.weight.mul_(logit_scale)
+    return model.eval(), arch
+
+
+def make_draft(arch, seed: int, draft_vocab: int = V) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    d = Eagle3Draft(DraftArch.from_target(arch, TAPS, draft_vocab))
+    d.reset_parameters()
+    return d.eval()
+
+
+def random_prompts(n: int, seed: int, lo: int = 1, hi: int = 9) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, V, (k,), generator=g).tolist() for k in lens]
+
+
+def fit_draft(model, arch, steps: int = 40, seed: int = 0) -> Eagle3Draft:
+    """A draft fitted to the target by TTT on the target's own sampled completions."""
+    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    prompts = random_prompts(24, seed + 100)
+    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(1.0, max_new_tokens=40, seed=seed))]
+    seqs += [r.prompt_ids + r.output_ids for r in plain.generate(prompts[:8], SamplingParams(0.0, max_new_tokens=40))]
+    tok_1T = torch.tensor([t for s in seqs for t in s])[None]
+    pos_1T = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    meta = doc_metadata_from_positions(pos_1T)
+    with torch.no_grad():
+        logits, taps = model(tok_1T, pos_1T, meta)
+        emb_TD = model.tok_embeddings(tok_1T)[0]
+    draft = make_draft(arch, seed)
+    draft.train()
+    targets = ttt_targets(draft, pos_1T[0], tok_1T[0], logits[0], 4)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    hidden = tuple(h[0] for h in taps.hidden)
+    for _ in range(steps):
+        loss = draft(hidden, emb_TD, pos_1T[0], meta, targets).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model, arch = make_target(0)
+    return model, arch, fit_draft(model, arch)
+
+
+def full_logits(model, seq: list[int]) -> torch.Tensor:
+    tok = torch.tensor([seq])
+    pos = torch.arange(len(seq))[None]
+    with torch.no_grad():
+        return model(tok, pos, model.get_attention_masks(pos))[0][0]
+
+
+def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(full_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def check_stats(rollouts, K):
+    for r in rollouts:
+        assert r.verify_steps >= 1 and 0 <= r.accepted_tokens <= K * r.verify_steps
+        assert r.acceptance_length == pytest.approx(len(r.output_ids) / r.verify_steps)
+        assert len(r.logprobs) == len(r.output_ids)
+
+
+# --- greedy: token for token ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_plain_greedy_equals_naive_full_forwards(family):
+    model, _ = make_target(1, family)
+    engine = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    prompts = random_prompts(4, seed=2)
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24))
+    for p, r in zip(prompts, out):
+        assert r.output_ids == naive_greedy(model, p, 24)
+        assert r.finish_reason == "length" and r.verify_steps == 24 and r.accepted_tokens == 0
+
+
+def _with_stops(plain_out):
+    # Stop tokens that occur mid-way in some rows, so rows end at different steps.
+    stops = {plain_out[0].output_ids[5], plain_out[2].output_ids[11]}
+    return tuple(sorted(stops))
+
+
+@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("which", ["random", "fitted"])
+def test_greedy_speculative_equals_plain(pair, which, K):
+    model, arch, fitted = pair
+    draft = fitted if which == "fitted" else make_draft(arch, 7, draft_vocab=20)
+    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    spec = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K))
+    total_tokens = total_steps = 0
+    for seed in (3, 4, 5):
+        prompts = random_prompts(6, seed)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=30)
+        ref = plain.generate(prompts, sp)
+        stops = _with_stops(ref)
+        sp_stop = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=stops)
+        ref_stop = plain.generate(prompts, sp_stop)
+        for full, cut in zip(ref, ref_stop):
+            first = next((i for i, t in enumerate(full.output_ids) if t in stops), None)
+            want = full.output_ids if first is None else full.output_ids[: first + 1]
+            assert cut.output_ids == want
+            assert cut.finish_reason == ("length" if first is None else "stop")
+        assert any(r.finish_reason == "stop" for r in ref_stop)
+        for sp_, want_out in ((sp, ref), (sp_stop, ref_stop)):
+            got = spec.generate(prompts, sp_)
+            check_stats(got, K)
+            for g, w in zip(got, want_out):
+                assert g.output_ids == w.output_ids
+                assert g.finish_reason == w.finish_reason
+                torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+                total_tokens += len(g.output_ids)
+                total_steps += g.verify_steps
+    if which == "fitted" and K == 4:
+        # The trained pair really speculates (so the equality above is not vacuous).
+        assert total_tokens / total_steps > 2.0
+
+
+def test_batching_and_chunking_do_not_change_greedy_output(pair):
+    model, _, draft = pair
+    prompts = random_prompts(5, seed=9)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20)
+    whole = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3)).generate(prompts, sp)
+    chunked = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3, max_batch_size=2)).generate(prompts, sp)
+    single = [TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3)).generate([p], sp)[0] for p in prompts]
+    for a, b, c in zip(whole, chunked, single):
+        assert a.output_ids == b.output_ids == c.output_ids
+
+
+# --- sampled: the policy's distribution, whatever the draft -------------------------------
+
+
+def chi2_pvalue(stat: float, df: int) -> float:
+    # Survival function of chi-square(df): the regularized upper incomplete gamma Q(df/2, x/2).
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def chi2_groups(groups) -> tuple[float, int]:
+    """Sum of Pearson statistics over (observed counts, expected probs) groups; bins with an
+    expected count below 5 are pooled into one."""
+    stat, df = 0.0, 0
+    for obs_V, p_V in groups:
+        n = obs_V.sum()
+        if n < 20:
+            continue
+        exp_V = p_V.double() * n
+        small = exp_V < 5
+        o = torch.cat([obs_V[~small].double(), obs_V[small].double().sum()[None]])
+        e = torch.cat([exp_V[~small], exp_V[small].sum()[None]])
+        keep = e > 0
+        if (o[~keep] > 0).any():
+            return math.inf, max(df, 1)  # a sample where the policy has zero mass
+        o, e = o[keep], e[keep]
+        if e[-1] < 5 and e.numel() > 1:  # pooled bin still tiny: fold it into the largest
+            j = int(e[:-1].argmax())
+            o[j] += o[-1]
+            e[j] += e[-1]
+            o, e = o[:-1], e[:-1]
+        stat += float(((o - e) ** 2 / e).sum())
+        df += e.numel() - 1
+    return stat, df
+
+
+def policy_probs(model, contexts: list[list[int]], sp: SamplingParams) -> torch.Tensor:
+    from titan_spec.rl.rollout.torch_engine import filtered_probs
+
+    return torch.stack([filtered_probs(full_logits(model, c)[-1], sp) for c in contexts])
+
+
+def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17, 5)):
+    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K))
+    out = engine.generate([list(prompt)] * n, sp)
+    toks = torch.tensor([r.output_ids for r in out])  # [n, 3]
+    prompt = list(prompt)
+    results = {}
+    # token 1 (from the prefill), token 2 | token 1, token 3 | tokens 1-2 (the speculative ones)
+    p1 = policy_probs(model, [prompt], sp)[0]
+    results[1] = chi2_groups([(torch.bincount(toks[:, 0], minlength=V), p1)])
+    firsts = toks[:, 0].unique().tolist()
+    p2 = policy_probs(model, [prompt + [f] for f in firsts], sp)
+    results[2] = chi2_groups([(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2[i]) for i, f in enumerate(firsts)])
+    pairs, counts = toks[:, :2].unique(dim=0, return_counts=True)
+    common = [pr.tolist() for pr, c in zip(pairs, counts) if c >= 100]
+    p3 = policy_probs(model, [prompt + pr for pr in common], sp)
+    sel = [((toks[:, 0] == a) & (toks[:, 1] == b)) for a, b in common]
+    results[3] = chi2_groups([(torch.bincount(toks[m, 2], minlength=V), p3[i]) for i, m in enumerate(sel)])
+    # Power: the same samples against a slightly different temperature must be rejected.
+    hot = SamplingParams(sp.temperature * 1.3 or 1.3, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=3)
+    p2_hot = policy_probs(model, [prompt + [f] for f in firsts], hot)
+    results["power"] = chi2_groups([(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2_hot[i]) for i, f in enumerate(firsts)])
+    accepted = sum(r.accepted_tokens for r in out)
+    return results, accepted / n
+
+
+def _bad_draft(model, arch):
+    """A draft that always proposes one token the policy rarely picks (draft vocab of one)."""
+    d = make_draft(arch, 11, draft_vocab=1)
+    with torch.no_grad():
+        least = int(full_logits(model, [3, 17, 5])[-1].argmin())
+        d.d2t.fill_(least)
+        d.t2d.zero_()
+        d.t2d[least] = True
+    return d
+
+
+@pytest.mark.parametrize(
+    "which,K,sp",
+    [
+        ("fitted", 3, SamplingParams(1.0, max_new_tokens=3, seed=0)),
+        ("bad", 2, SamplingParams(1.0, max_new_tokens=3, seed=1)),
+        ("random", 2, SamplingParams(0.8, top_k=10, top_p=0.9, max_new_tokens=3, seed=2)),
+    ],
+)
+def test_sampled_tokens_follow_the_policy(pair, which, K, sp):
+    model, arch, fitted = pair
+    draft = {"fitted": fitted, "bad": _bad_draft(model, arch), "random": make_draft(arch, 5, draft_vocab=24)}[which]
+    res, accepted_per_row = sampled_tokens_distribution_check(model, draft, K, sp)
+    for k in (1, 2, 3):
+        stat, df = res[k]
+        assert df >= 5, (k, df)
+        assert chi2_pvalue(stat, df) > 1e-3, f"token {k}: chi2 = {stat:.1f} on {df} df"
+    stat, df = res["power"]
+    assert chi2_pvalue(stat, df) < 1e-6, "the test cannot tell T from 1.3 T: no power"
+    if which == "fitted":
+        assert accepted_per_row > 0.5  # both acceptance and rejection paths are exercised
+    if which == "bad":
+        assert accepted_per_row < 0.3
+
+
+# --- log-probs and statistics ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_behaviour_logprobs_equal_a_full_forward(pair, temperature):
+    model, _, draft = pair
+    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3))
+    prompts = random_prompts(4, seed=21)
+    out = engine.generate(prompts, SamplingParams(temperature, top_k=12, max_new_tokens=25, seed=3))
+    check_stats(out, 3)
+    t = temperature or 1.0  # greedy reports T = 1 log-probs
+    for r in out:
+        logits = full_logits(model, r.prompt_ids + r.output_ids)
+        want = torch.log_softmax(logits / t, -1)[len(r.prompt_ids) - 1 : -1].gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=1e-5, rtol=0)
+
+
+def test_plain_engine_stats_and_protocol(pair):
+    model, _, _ = pair
+    engine = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    assert isinstance(engine, RolloutEngine)
+    out = engine.generate(random_prompts(3, seed=1), SamplingParams(1.0, max_new_tokens=7, seed=0))
+    for r in out:
+        assert r.verify_steps == 7 and r.accepted_tokens == 0 and r.acceptance_length == 1.0
+    assert engine.generate([], SamplingParams()) == []
+
+
+# --- weight pushes ------------------------------------------------------------------------
+
+
+def test_weight_updates_change_outputs_and_bump_versions(pair):
+    model, arch, fitted = pair
+    other, _ = make_target(42)
+    prompts = random_prompts(4, seed=31)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20)
+    own_target, _ = make_target(0)
+    engine = TorchRolloutEngine(own_target, make_draft(arch, 3), TorchEngineConfig(num_draft_tokens=3))
+    before = engine.generate(prompts, sp)
+    assert {(r.policy_version, r.draft_version) for r in before} == {(0, 0)}
+
+    engine.update_policy_weights(other.state_dict(), version=3)
+    after = engine.generate(prompts, sp)
+    fresh = TorchRolloutEngine(other, None, TorchEngineConfig(num_draft_tokens=0)).generate(prompts, sp)
+    assert [r.output_ids for r in after] == [r.output_ids for r in fresh]
+    assert [r.output_ids for r in after] != [r.output_ids for r in before]
+    assert {r.policy_version for r in after} == {3}
+
+    # Back to the first policy, streamed as (name, tensor) pairs; then the fitted draft.
+    engine.update_policy_weights(iter(model.state_dict().items()), version=4)
+    low = engine.generate(prompts, sp)
+    sd = fitted.state_dict()
+    engine.update_draft_weights({k: sd[k] for k in EXPORT_KEYS}, version=5)
+    high = engine.generate(prompts, sp)
+    assert [r.output_ids for r in low] == [r.output_ids for r in high] == [r.output_ids for r in before]
+    assert sum(r.accepted_tokens for r in high) > sum(r.accepted_tokens for r in low)
+    assert {(r.policy_version, r.draft_version) for r in high} == {(4, 5)}
+
+    # A bad push changes nothing: not the weights, not the version.
+    bad = dict(model.state_dict())
+    bad["layers.0.attention.wo.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_policy_weights(bad, version=6)
+    with pytest.raises(ValueError, match="unknown name"):
+        engine.update_draft_weights({"nope.weight": torch.zeros(1)}, version=7)
+    again = engine.generate(prompts, sp)
+    assert [r.output_ids for r in again] == [r.output_ids for r in high]
+    assert {(r.policy_version, r.draft_version) for r in again} == {(4, 5)}
+
+
+# --- bad inputs ---------------------------------------------------------------------------
+
+
+def test_bad_inputs_give_clear_errors_and_the_engine_keeps_working(pair):
+    model, arch, draft = pair
+    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=2))
+    prompts = random_prompts(3, seed=41)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12)
+    ref = engine.generate(prompts, sp)
+
+    def one_line(exc_info):
+        assert "\n" not in str(exc_info.value)
+
+    cases = [
+        (lambda: engine.generate([[1, 2], []], sp), "prompt 1 is empty"),
+        (lambda: engine.generate([[1] * 250], SamplingParams(0.0, max_new_tokens=10)), "max length 256"),
+        (lambda: engine.generate([[1, V + 3]], sp), "outside the vocabulary"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_k=-3), "top_k"),
+        (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        (lambda: TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=-1)), "num_draft_tokens"),
+        (lambda: TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=2)), "needs a draft"),
+    ]
+    wrong_vocab = Eagle3Draft(DraftArch.from_target(with_vocab(arch, V + 8), TAPS, 16))
+    wrong_hidden = Eagle3Draft(dataclasses.replace(DraftArch.from_target(arch, TAPS, 16), hidden=48, target_hidden=48))
+    cases += [
+        (lambda: TorchRolloutEngine(model, wrong_vocab, TorchEngineConfig(num_draft_tokens=2)), "draft vocab 40 != target vocab 32"),
+        (lambda: TorchRolloutEngine(model, wrong_hidden, TorchEngineConfig(num_draft_tokens=2)), "target_hidden 48 != target dim 64"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg) as e:
+            fn()
+        one_line(e)
+        assert [r.output_ids for r in engine.generate(prompts, sp)] == [r.output_ids for r in ref]
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(prompts, sp)

@@ -1,0 +1,418 @@
+"""The built-in PyTorch rollout engine: batched, KV-cached, lossless EAGLE-3 speculative decoding.
+
+Shape legend: B = active requests, P = longest prompt, K = draft tokens per round,
+L = K + 1 verified tokens, V = target vocab, Vd = draft vocab, C = tap layers, D = dim.
+
+One round for every active request (all requests of the batch together):
+
+  1. draft: the trunk rows of the positions committed by the last round (one batched
+     ``extend``), then K-1 chain ``step``s, proposing d_1..d_K with distributions q_1..q_K
+  2. verify: ONE target forward over [y, d_1..d_K] (y = the pending, not yet processed
+     token) gives p_1..p_{K+1} and the tap features of those positions
+  3. accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+     sample from normalize(max(0, p_i - q_i)); if all K pass, sample a bonus token from
+     p_{K+1}. Greedy (T = 0) is the one-hot case: accept iff d_i == argmax p_i.
+  4. commit a+1 tokens; the taps of the a+1 verified-and-kept positions feed the next
+     round's draft trunk.
+
+This is Leviathan et al. / Chen et al. speculative sampling, so the output follows the
+target's (tempered, top-k/top-p filtered) distribution exactly, whatever the draft; the
+draft only changes how many tokens one target forward yields. K = 0 is plain
+autoregressive decoding in the same code path (verify a single token, no draft).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titan_spec.models.draft import Eagle3Draft
+from titan_spec.rl.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
+from titan_spec.rl.rollout.kv_cache import CachedDraft, CachedTarget
+
+__all__ = ["TorchEngineConfig", "TorchRolloutEngine", "filtered_probs"]
+
+
+@dataclass
+class TorchEngineConfig:
+    """Settings of the built-in engine (sampling settings come per call, in SamplingParams)."""
+
+    num_draft_tokens: int = 4
+    """K: draft tokens proposed and verified per round (chain drafting); 0 = no speculation."""
+    max_batch_size: int = 0
+    """Requests decoded together; larger calls are split. 0 = the whole call at once."""
+    compile: bool = False
+    """torch.compile the target and draft step functions (dynamic shapes). Off by default:
+    on CPU the tiny models gain little and the first call pays the compile."""
+    progress: bool = False
+    """Show a tqdm bar per batch (tokens/s and the running acceptance length)."""
+
+
+def filtered_probs(logits_NV: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The sampling distribution: softmax(logits / T) after top-k and top-p; one-hot at T = 0."""
+    if sampling.greedy:
+        return torch.zeros_like(logits_NV, dtype=torch.float32).scatter_(-1, logits_NV.argmax(-1, keepdim=True), 1.0)
+    logits_NV = logits_NV.float() / sampling.temperature
+    V = logits_NV.shape[-1]
+    if 0 < sampling.top_k < V:
+        kth_N1 = logits_NV.topk(sampling.top_k, dim=-1).values[..., -1:]
+        logits_NV = logits_NV.masked_fill(logits_NV < kth_N1, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_NV, order_NV = logits_NV.sort(dim=-1, descending=True)
+        p_sorted_NV = sorted_NV.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
+        drop_NV = (p_sorted_NV.cumsum(-1) - p_sorted_NV) >= sampling.top_p
+        logits_NV = logits_NV.scatter(-1, order_NV, sorted_NV.masked_fill(drop_NV, float("-inf")))
+    return logits_NV.softmax(-1)
+
+
+def _behaviour_logprobs(logits_NLV: torch.Tensor, tokens_NL: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    # log_softmax(logits / T); greedy uses T = 1 (a one-hot would give 0 / -inf, useless to RL).
+    t = sampling.temperature if not sampling.greedy else 1.0
+    logp_NLV = torch.log_softmax(logits_NLV.float() / t, dim=-1)
+    return logp_NLV.gather(-1, tokens_NL[..., None])[..., 0]
+
+
+class _Request:
+    __slots__ = ("index", "prompt", "out", "logprobs", "verify_steps", "accepted", "finish")
+
+    def __init__(self, index: int, prompt: list[int]):
+        self.index, self.prompt = index, prompt
+        self.out: list[int] = []
+        self.logprobs: list[float] = []
+        self.verify_steps = self.accepted = 0
+        self.finish: str | None = None
+
+
+class TorchRolloutEngine:
+    """Engine protocol (rl/rollout/base.py) over a torchtitan target and an EAGLE-3 draft.
+
+    The engine owns ``target`` and ``draft`` (pass copies if the trainer keeps training
+    them; the trainer pushes new weights with update_*_weights). Both are put in eval mode.
+    """
+
+    def __init__(self, target: nn.Module, draft: Eagle3Draft | None = None, config: TorchEngineConfig | None = None):
+        config = config or TorchEngineConfig()
+        if int(config.num_draft_tokens) != config.num_draft_tokens or config.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens = {config.num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)")
+        if config.max_batch_size < 0:
+            raise ValueError(f"max_batch_size = {config.max_batch_size} must be >= 0 (0 = no limit)")
+        if config.num_draft_tokens > 0 and draft is None:
+            raise ValueError(f"num_draft_tokens = {config.num_draft_tokens} needs a draft model (or set it to 0)")
+        self.config = config
+        self.K = int(config.num_draft_tokens)
+        self.target = target.eval()
+        # Taps cost a stack per forward; compute them only when a draft will read them.
+        tap_ids = tuple(draft.arch.tap_layer_ids) if draft is not None and self.K else ()
+        self._target = CachedTarget(self.target, tap_ids)
+        self.device = self.target.tok_embeddings.weight.device
+        self.draft: Eagle3Draft | None = None
+        self._draft: CachedDraft | None = None
+        if draft is not None:
+            self._check_draft_fits(draft)
+            self.draft = draft.to(self.device).eval()
+            self._draft = CachedDraft(self.draft, self._target.embed)
+        self.policy_version = 0
+        self.draft_version = 0
+        self._closed = False
+        self._fwd_target, self._draft_extend, self._draft_step = self._target.forward, None, None
+        if self._draft is not None:
+            self._draft_extend, self._draft_step = self._draft.extend, self._draft.step
+        if config.compile:
+            self._fwd_target = torch.compile(self._fwd_target, dynamic=True)
+            if self._draft is not None:
+                self._draft_extend = torch.compile(self._draft_extend, dynamic=True)
+                self._draft_step = torch.compile(self._draft_step, dynamic=True)
+
+    @classmethod
+    def from_pretrained(
+        cls, policy_path: str, draft_path: str | None = None, config: TorchEngineConfig | None = None,
+        max_seq_len: int | None = None, device: str | torch.device = "cpu",
+    ) -> "TorchRolloutEngine":
+        """An engine over an HF policy directory and a SpecForge/SGLang draft directory."""
+        from titan_spec.models.draft_io import load_draft_into, read_draft_arch
+        from titan_spec.models.hf_io import load_hf_into, read_hf_arch
+        from titan_spec.models.registry import build_target_config
+
+        arch = read_hf_arch(policy_path)
+        with torch.device(device):
+            target = build_target_config(arch, max_seq_len=max_seq_len).build()
+            target.init_weights(buffer_device=None)
+        load_hf_into(target, policy_path, arch)
+        draft = None
+        if draft_path:
+            draft = Eagle3Draft(read_draft_arch(draft_path)).to(device)
+            load_draft_into(draft, draft_path)
+        return cls(target, draft, config)
+
+    # --- validation ---------------------------------------------------------------------
+
+    def _check_draft_fits(self, draft: Eagle3Draft) -> None:
+        a, t = draft.arch, self._target
+        bad = []
+        if a.vocab_size != t.vocab_size:
+            bad.append(f"draft vocab {a.vocab_size} != target vocab {t.vocab_size}")
+        if a.target_hidden != t.dim:
+            bad.append(f"draft target_hidden {a.target_hidden} != target dim {t.dim}")
+        if a.hidden != t.dim:
+            bad.append(f"draft hidden {a.hidden} != target embedding dim {t.dim} (the draft reads the target's embeddings)")
+        if bad:
+            raise ValueError(f"the draft does not fit the target: {'; '.join(bad)}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this rollout engine is closed")
+
+    def _check_prompts(self, prompts, sampling: SamplingParams) -> list[list[int]]:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        V, max_len = self._target.vocab_size, self._target.max_seq_len
+        out = []
+        for i, p in enumerate(prompts):
+            p = [int(t) for t in p]
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{V - 1}")
+            if len(p) + sampling.max_new_tokens > max_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens = {sampling.max_new_tokens} that is "
+                    f"{len(p) + sampling.max_new_tokens} > the model's max length {max_len}"
+                )
+            out.append(p)
+        return out
+
+    # --- protocol -----------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        self._check_open()
+        prompts = self._check_prompts(prompts, sampling)
+        if not prompts:
+            return []
+        gen = torch.Generator(device=self.device)
+        if sampling.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(sampling.seed))
+        chunk = self.config.max_batch_size or len(prompts)
+        out: list[Rollout] = []
+        with torch.inference_mode():
+            for s in range(0, len(prompts), chunk):
+                out += self._generate_batch(prompts[s : s + chunk], sampling, gen)
+        return out
+
+    def update_policy_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        self._check_open()
+        _load_named(self.target, named_tensors, "policy")
+        self.policy_version = int(version)
+
+    def update_draft_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        self._check_open()
+        if self.draft is None:
+            raise ValueError("this engine has no draft (num_draft_tokens = 0); there are no draft weights to update")
+        d2t_before = self.draft.d2t.clone()
+        _load_named(self.draft, named_tensors, "draft")
+        ids = self.draft.draft_to_target_ids()
+        if ids.min() < 0 or ids.max() >= self._target.vocab_size or ids.unique().numel() != ids.numel():
+            self.draft.d2t.copy_(d2t_before)
+            raise ValueError("the draft's d2t maps draft ids outside the target vocabulary or onto repeated ids")
+        self.draft_version = int(version)
+
+    def close(self) -> None:
+        self._closed = True
+        self._target.cache = None
+        if self._draft is not None:
+            self._draft.cache = None
+
+    # --- one batch ----------------------------------------------------------------------
+
+    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator) -> list[Rollout]:
+        dev, K, B = self.device, self.K, len(prompts)
+        reqs = [_Request(i, p) for i, p in enumerate(prompts)]
+        done: list[_Request] = []
+        P_B = torch.tensor([len(p) for p in prompts], device=dev)
+        P = int(max(len(p) for p in prompts))
+        # Slots: prompt + completion, plus room for a final verify window that overshoots.
+        slots = P + sp.max_new_tokens + K + 1
+        self._target.new_cache(B, slots)
+        if K:
+            self._draft.new_cache(B, slots)
+        tokens_BP = torch.zeros(B, P, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            tokens_BP[b, : len(p)] = torch.tensor(p, device=dev)
+        stop_S = torch.tensor(sp.stop_token_ids or [-1], device=dev)
+        bar = self._progress_bar(B * sp.max_new_tokens)
+        try:
+            # Prefill: the whole prompt, logits at its last token -> the first completion token.
+            logits_BV, taps_BPCD = self._fwd_target(tokens_BP, torch.zeros_like(P_B), P_B - 1)
+            y_B = self._sample(filtered_probs(logits_BV, sp), gen)
+            lp_B1 = _behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
+            a_B = torch.zeros_like(P_B)
+            keep = self._emit(reqs, done, y_B[:, None], a_B, lp_B1, stop_S, sp, bar)
+            c_B = P_B  # target positions processed; y_B sits at position c_B
+            pend = None
+            if K:
+                # The draft's pending trunk rows t = 0..P-1 read x[t+1]: the prompt shifted by one, then y.
+                pend_tok_BP = torch.roll(tokens_BP, -1, dims=1)
+                pend_tok_BP[torch.arange(B, device=dev), P_B - 1] = y_B
+                pend = (taps_BPCD, pend_tok_BP, torch.zeros_like(P_B), P_B)
+            while reqs:
+                if keep is not None:
+                    reqs = [reqs[i] for i in keep.tolist()]
+                    c_B, y_B = c_B[keep], y_B[keep]
+                    self._target.cache.keep(keep)
+                    if K:
+                        pend = tuple(x[keep] for x in pend)
+                        self._draft.cache.keep(keep)
+                    if not reqs:
+                        break
+                d_BK = q_BKVd = d_idx_BK = None
+                if K:
+                    d_BK, d_idx_BK, q_BKVd = self._propose(pend, c_B, y_B, sp, gen)
+                    verify_BL = torch.cat([y_B[:, None], d_BK], dim=1)
+                else:
+                    verify_BL = y_B[:, None]
+                logits_BLV, taps_BLCD = self._fwd_target(verify_BL, c_B)
+                a_B, new_BL = self._accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, sp, gen)
+                lp_BL = _behaviour_logprobs(logits_BLV, new_BL, sp)
+                keep = self._emit(reqs, done, new_BL, a_B, lp_BL, stop_S, sp, bar)
+                if K:
+                    pend = (taps_BLCD, new_BL, c_B, a_B + 1)
+                y_B = new_BL.gather(1, a_B[:, None])[:, 0]
+                c_B = c_B + a_B + 1
+        finally:
+            self._target.cache = None
+            if K:
+                self._draft.cache = None
+            if bar is not None:
+                bar.close()
+        done.sort(key=lambda r: r.index)
+        return [
+            Rollout(
+                prompt_ids=r.prompt, output_ids=r.out, logprobs=r.logprobs, finish_reason=r.finish,
+                verify_steps=r.verify_steps, accepted_tokens=r.accepted,
+                policy_version=self.policy_version, draft_version=self.draft_version if K else 0,
+            )
+            for r in done
+        ]
+
+    # --- draft, verify, emit --------------------------------------------------------------
+
+    def _propose(self, pend, c_B, y_B, sp: SamplingParams, gen):
+        """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy)."""
+        taps_BLCD, tok_BL, start_B, n_B = pend
+        d2t_Vd = self.draft.draft_to_target_ids()
+        h_BH, logits_BVd = self._draft_extend(taps_BLCD, tok_BL, start_B, n_B)
+        d, d_idx, q = [], [], []
+        for j in range(self.K):
+            if j:
+                h_BH, logits_BVd = self._draft_step(h_BH, d[-1], c_B - 1 + j)
+            if sp.greedy:
+                idx_B = logits_BVd.argmax(-1)
+            else:
+                q_BVd = filtered_probs(logits_BVd, sp)
+                idx_B = self._sample(q_BVd, gen)
+                q.append(q_BVd)
+            d_idx.append(idx_B)
+            d.append(d2t_Vd[idx_B])
+        return torch.stack(d, 1), torch.stack(d_idx, 1), (torch.stack(q, 1) if q else None)
+
+    def _accept(self, logits_BLV, d_BK, d_idx_BK, q_BKVd, sp: SamplingParams, gen):
+        """Returns (a_B accepted draft tokens, new_BL: the a+1 committed tokens, left-aligned)."""
+        B, L, V = logits_BLV.shape
+        K = L - 1
+        if sp.greedy:
+            arg_BL = logits_BLV.argmax(-1)
+            if K == 0:
+                return torch.zeros(B, dtype=torch.long, device=arg_BL.device), arg_BL
+            # Accepted draft tokens equal the target's argmax, and so does the token after them.
+            match_BK = (d_BK == arg_BL[:, :K]).long()
+            return match_BK.cumprod(1).sum(1), arg_BL
+        p_BLV = filtered_probs(logits_BLV, sp)
+        rows_B = torch.arange(B, device=p_BLV.device)
+        if K == 0:
+            return torch.zeros(B, dtype=torch.long, device=p_BLV.device), self._sample(p_BLV[:, 0], gen)[:, None]
+        p_d_BK = p_BLV[:, :K].gather(-1, d_BK[..., None])[..., 0]
+        q_d_BK = q_BKVd.gather(-1, d_idx_BK[..., None])[..., 0]  # > 0: d was sampled from q
+        u_BK = torch.rand(B, K, device=p_BLV.device, generator=gen)
+        ok_BK = (u_BK * q_d_BK < p_d_BK).long()  # u < p/q, i.e. accept with prob min(1, p/q)
+        a_B = ok_BK.cumprod(1).sum(1)
+        # Residual at the first rejection a < K: max(0, p_a - q_a) with q mapped to target ids;
+        # at a == K the padded q row is zero, so the residual is p_{K+1}: the bonus token.
+        q_pad_BLVd = torch.cat([q_BKVd, q_BKVd.new_zeros(B, 1, q_BKVd.shape[-1])], dim=1)
+        q_a_BV = torch.zeros(B, V, device=p_BLV.device, dtype=p_BLV.dtype)
+        q_a_BV.scatter_(1, self.draft.draft_to_target_ids().expand(B, -1), q_pad_BLVd[rows_B, a_B])
+        p_a_BV = p_BLV[rows_B, a_B]
+        r_BV = (p_a_BV - q_a_BV).clamp(min=0)
+        # p == q up to rounding: a rejection (probability ~0) falls back to p itself.
+        r_BV = torch.where(r_BV.sum(-1, keepdim=True) > 0, r_BV, p_a_BV)
+        y_B = self._sample(r_BV, gen)
+        new_BL = torch.cat([d_BK, d_BK[:, :1]], dim=1)
+        new_BL[rows_B, a_B] = y_B
+        return a_B, new_BL
+
+    @staticmethod
+    def _sample(probs_NV: torch.Tensor, gen) -> torch.Tensor:
+        return torch.multinomial(probs_NV, 1, generator=gen)[:, 0]
+
+    def _emit(self, reqs, done, new_BL, a_B, lp_BL, stop_S, sp: SamplingParams, bar):
+        """Appends each row's committed tokens (cut after a stop token or at the budget).
+        Returns the rows still running, or None when all are."""
+        B, L = new_BL.shape
+        idx_L = torch.arange(L, device=new_BL.device)
+        is_stop_BL = torch.isin(new_BL, stop_S) & (idx_L[None] <= a_B[:, None])
+        first_stop_B = torch.where(is_stop_BL.any(1), is_stop_BL.float().argmax(1), L)
+        budget_B = torch.tensor([sp.max_new_tokens - len(r.out) for r in reqs], device=new_BL.device)
+        n_B = torch.minimum(torch.minimum(a_B + 1, first_stop_B + 1), budget_B)
+        stopped_B = first_stop_B < n_B
+        n, a, stopped = n_B.tolist(), a_B.tolist(), stopped_B.tolist()
+        toks, lps = new_BL.tolist(), lp_BL.tolist()
+        running = []
+        for b, r in enumerate(reqs):
+            r.out += toks[b][: n[b]]
+            r.logprobs += lps[b][: n[b]]
+            r.verify_steps += 1
+            r.accepted += min(a[b], n[b])
+            if stopped[b] or len(r.out) >= sp.max_new_tokens:
+                r.finish = "stop" if stopped[b] else "length"
+                done.append(r)
+            else:
+                running.append(b)
+        if bar is not None:
+            bar.update(sum(n))
+            steps = sum(r.verify_steps for r in reqs)
+            toks_total = sum(len(r.out) for r in reqs)
+            bar.set_postfix(accept_len=f"{toks_total / max(steps, 1):.2f}", refresh=False)
+        if len(running) == B:
+            return None
+        return torch.tensor(running, dtype=torch.long, device=new_BL.device)
+
+    def _progress_bar(self, total: int):
+        if not self.config.progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, unit="tok", desc="rollout", dynamic_ncols=True)
+
+
+def _load_named(module: nn.Module, named_tensors: NamedTensors, what: str) -> None:
+    """Copy full tensors into ``module`` by state-dict name, all-or-nothing: every name and
+    shape is checked before the first copy, so a bad push leaves the old weights in place."""
+    own = module.state_dict()
+    items = named_tensor_items(named_tensors)
+    unknown = [k for k, _ in items if k not in own]
+    if unknown:
+        raise ValueError(f"{what} weights: unknown name(s) {unknown[:4]}{'...' if len(unknown) > 4 else ''}")
+    values = []
+    for k, v in items:
+        v = v.full_tensor() if isinstance(v, DTensor) else v
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"{what} weights: {k} has shape {tuple(v.shape)}, the engine's is {tuple(own[k].shape)}")
+        values.append((k, v))
+    with torch.no_grad():
+        for k, v in values:
+            own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
