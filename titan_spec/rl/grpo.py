@@ -1,0 +1,75 @@
+"""GRPO: group-relative advantages and the PPO-clip policy loss over packed tokens.
+
+Shape legend: G = completions per prompt, P = prompts, T = packed tokens.
+
+Advantages: each prompt's G rewards are centred on their group mean (and divided by the
+group std, optionally), so a completion is judged against its siblings only.
+
+Loss (per completion token i with advantage A and behaviour log-prob b):
+    ratio_i = exp(logp_i - b_i)
+    loss_i  = -min(ratio_i * A, clip(ratio_i, 1 - eps_low, 1 + eps_high) * A)
+            + beta * KL_i(policy || reference)          (k3 estimator, optional)
+summed over the completion tokens of the whole global batch and divided by their
+global count, as torchtitan normalizes its LM loss (token-level, not per-sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["group_advantages", "PolicyLossOutput", "ppo_clip_loss"]
+
+
+def group_advantages(rewards_PG: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """(reward - group mean) [/ (group std + eps)] for rewards of shape [P, G]."""
+    if rewards_PG.dim() != 2:
+        raise ValueError(f"rewards must be [prompts, group], got shape {tuple(rewards_PG.shape)}")
+    centred = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
+    if not scale_by_std:
+        return centred
+    # Unbiased std as in GRPO; a group of 1 has no spread (its advantage is 0 anyway).
+    std = rewards_PG.std(dim=1, keepdim=True, unbiased=rewards_PG.shape[1] > 1)
+    return centred / (std + eps)
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor
+    """Sum over this rank's completion tokens / global_tokens (sums to the global mean)."""
+    clip_fraction: torch.Tensor
+    """Fraction of this rank's tokens whose ratio was clipped (detached)."""
+    kl: torch.Tensor
+    """Mean k3 KL to the reference over this rank's tokens (detached; 0 without one)."""
+
+
+def ppo_clip_loss(
+    logp_T: torch.Tensor,
+    behaviour_logp_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    global_tokens: torch.Tensor | int,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ref_logp_T: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> PolicyLossOutput:
+    """PPO-clip with GRPO's token-level normalization. ``mask_T`` selects completion tokens."""
+    mask = mask_T.to(logp_T.dtype)
+    ratio = torch.exp(logp_T - behaviour_logp_T)
+    unclipped = ratio * advantages_T
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages_T
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = torch.zeros((), dtype=logp_T.dtype, device=logp_T.device)
+    if ref_logp_T is not None and kl_beta > 0:
+        # k3: exp(ref - logp) - (ref - logp) - 1 >= 0, unbiased for KL(pi || ref).
+        d = ref_logp_T - logp_T
+        kl_T = torch.exp(d) - d - 1.0
+        per_token = per_token + kl_beta * kl_T
+        kl = (kl_T * mask).sum().detach() / mask.sum().clamp(min=1)
+    loss = (per_token * mask).sum() / torch.as_tensor(global_tokens, dtype=logp_T.dtype).clamp(min=1)
+    with torch.no_grad():
+        was_clipped = ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).to(mask.dtype)
+        clip_fraction = (was_clipped * mask).sum() / mask.sum().clamp(min=1)
+    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, kl=kl)
