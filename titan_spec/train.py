@@ -9,11 +9,14 @@ each capability titan_spec adds hooks in at one of the parent's seams:
   ``Trainer.Config`` (``to_trainer_config``), build the tapped target from a flavor or
   an HF checkpoint, save the tokenizer with the run;
 - ``post_dataloading_process``: attach titan_spec's document-attention metadata;
-- ``_forward_backward_body``: the one training forward (later: + the draft's TTT loss
-  from the same forward's taps).
+- ``_forward_backward_body``: the ONE training forward; with ``[draft] enable`` its
+  detached taps and logits also give the draft's TTT loss (draft_training.py);
+- ``train_step``: the draft's optimizer steps right after the policy's;
+- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint.
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
--> post_dataloading_process -> _forward_backward_body -> optimizers.step.
+-> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
+loss) -> optimizers.step -> DraftTraining.step.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from torchtitan.trainer import Trainer
 from titan_spec import platform
 from titan_spec.config import ConfigError, TitanSpecConfig, load_config
 from titan_spec.data import CharTokenizer, TaskDataLoader
-from titan_spec.models.attention import DocCausalAttention
 from titan_spec.draft_training import DraftTraining, draft_export_path
+from titan_spec.models.attention import DocCausalAttention
 from titan_spec.models.draft import DraftArch
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab

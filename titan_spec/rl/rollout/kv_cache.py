@@ -25,6 +25,8 @@ Qwen3/Llama3 blocks; only the inner attention is replaced by SDPA over the cache
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -46,20 +48,27 @@ class KVCache:
     def slots(self) -> int:
         return self.k_YBKSH.shape[3]
 
-    def write(self, layer: int, pos_BL: torch.Tensor, k_BLKH: torch.Tensor, v_BLKH: torch.Tensor) -> None:
-        rows_BL = torch.arange(pos_BL.shape[0], device=pos_BL.device)[:, None].expand_as(pos_BL)
-        # Advanced indices split by a slice put their dims first: the target is [B, L, K, Hd].
-        self.k_YBKSH[layer][rows_BL, :, pos_BL] = k_BLKH
-        self.v_YBKSH[layer][rows_BL, :, pos_BL] = v_BLKH
-
-    def read(self, layer: int, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first n_slots slots (a view): no query can see past its own position."""
-        return self.k_YBKSH[layer, :, :, :n_slots], self.v_YBKSH[layer, :, :, :n_slots]
-
     def keep(self, rows_B: torch.Tensor) -> None:
         """Drop finished requests (one copy, so later steps stop paying for them)."""
         self.k_YBKSH = self.k_YBKSH[:, rows_B]
         self.v_YBKSH = self.v_YBKSH[:, rows_B]
+
+
+class _Step(NamedTuple):
+    """Per-call index tensors, made once in eager code and shared by every layer."""
+
+    rows_BL: torch.Tensor
+    pos_BL: torch.Tensor
+    mask_B1LS: torch.Tensor
+    """Query at position p sees slots 0..p of its own row; S = the slots in use."""
+
+
+def _step_indices(pos_BL: torch.Tensor) -> _Step:
+    # The slot count is a host int (one sync per forward), so attention only reads the
+    # slots in use; under torch.compile it arrives as the mask's (dynamic) size.
+    n_slots = int(pos_BL.max()) + 1
+    rows_BL = torch.arange(pos_BL.shape[0], device=pos_BL.device)[:, None].expand_as(pos_BL)
+    return _Step(rows_BL, pos_BL, causal_slot_mask(pos_BL, n_slots))
 
 
 def causal_slot_mask(pos_BL: torch.Tensor, n_slots: int) -> torch.Tensor:
@@ -68,10 +77,15 @@ def causal_slot_mask(pos_BL: torch.Tensor, n_slots: int) -> torch.Tensor:
     return (slots_S[None, None, :] <= pos_BL[:, :, None])[:, None]
 
 
-def _attend(q_BLNH, k_BKSH, v_BKSH, mask_B1LS, scale):
+def _write_and_attend(k_BKSH, v_BKSH, st: _Step, q_BLNH, k_BLKH, v_BLKH, scale):
+    """Write this call's K/V at their positions, then attend over the slots in use."""
+    # Advanced indices split by a slice put their dims first: the target is [B, L, K, Hd].
+    k_BKSH[st.rows_BL, :, st.pos_BL] = k_BLKH
+    v_BKSH[st.rows_BL, :, st.pos_BL] = v_BLKH
+    n_slots = st.mask_B1LS.shape[-1]
     out_BNLH = F.scaled_dot_product_attention(
-        q_BLNH.transpose(1, 2), k_BKSH, v_BKSH, attn_mask=mask_B1LS, scale=scale,
-        enable_gqa=q_BLNH.shape[2] != k_BKSH.shape[1],
+        q_BLNH.transpose(1, 2), k_BKSH[:, :, :n_slots], v_BKSH[:, :, :n_slots], attn_mask=st.mask_B1LS,
+        scale=scale, enable_gqa=q_BLNH.shape[2] != k_BLKH.shape[2],
     )
     return out_BNLH.transpose(1, 2)
 
@@ -80,8 +94,8 @@ class CachedTarget:
     """The tapped torchtitan target (Qwen3/Llama3, dense) run step by step over a KV cache.
 
     ``forward(tokens_BL, start_B)`` appends L tokens per row at positions start_B + 0..L-1
-    and returns the logits and the tap features (cat of the tap layers' outputs, in
-    tap_ids order, as the draft's fc reads them).
+    and returns the logits and the tap features (the tap layers' outputs in tap_ids order,
+    as the draft's fc reads them).
     """
 
     def __init__(self, model: nn.Module, tap_ids: tuple[int, ...]):
@@ -92,7 +106,7 @@ class CachedTarget:
         missing = [t for t in self.tap_ids if t not in layer_index]
         if missing:
             raise ValueError(f"tap layer ids {missing} are not layers of the target (0..{len(self.blocks) - 1})")
-        # block index -> slot in the tap features (tap_ids order, as the draft's fc reads them)
+        # block index -> slot in the tap features (tap_ids order)
         self._tap_slot = {layer_index[t]: c for c, t in enumerate(self.tap_ids)}
         for block in self.blocks:
             if getattr(block, "moe_enabled", False):
@@ -103,6 +117,10 @@ class CachedTarget:
         self.vocab_size = int(model.config.vocab_size)
         self.dim = int(model.config.dim)
         self.cache: KVCache | None = None
+        self._core = self._forward_core
+
+    def compile(self) -> None:
+        self._core = torch.compile(self._forward_core, dynamic=True)
 
     def new_cache(self, batch: int, slots: int) -> None:
         p = self.model.tok_embeddings.weight
@@ -115,37 +133,33 @@ class CachedTarget:
         """Returns (logits, taps_BLCD). logits is [B, L, V], or [B, V] at index logits_at_B
         of each row when given (the prefill needs only the last prompt position).
         taps_BLCD is None when there are no tap ids (no draft to feed)."""
-        cache = self.cache
-        B, L = tokens_BL.shape
-        pos_BL = start_B[:, None] + torch.arange(L, device=tokens_BL.device)[None, :]
+        pos_BL = start_B[:, None] + torch.arange(tokens_BL.shape[1], device=tokens_BL.device)[None, :]
+        st = _step_indices(pos_BL)
         # Slots past the model's length only hold tokens whose outputs are never used
         # (they would be past max_new_tokens); clamp their rotary position to stay in the table.
         rope_pos_BL = pos_BL.clamp(max=self.max_seq_len - 1)
-        n_slots = int(pos_BL.max()) + 1
-        mask_B1LS = causal_slot_mask(pos_BL, n_slots)
+        return self._core(tokens_BL, st, rope_pos_BL, self.cache.k_YBKSH, self.cache.v_YBKSH, logits_at_B)
 
+    def _forward_core(self, tokens_BL, st: _Step, rope_pos_BL, k_YBKSH, v_YBKSH, logits_at_B):
+        # Qwen3/Llama3 block: x + attn(attention_norm(x)), then + feed_forward(ffn_norm(x)).
         h_BLD = self.model.tok_embeddings(tokens_BL)
-        taps: list[torch.Tensor | None] = [None] * len(self.tap_ids)
+        taps: list[torch.Tensor] = [h_BLD] * len(self.tap_ids)
         for y, block in enumerate(self.blocks):
-            h_BLD = h_BLD + self._attention(y, block.attention, block.attention_norm(h_BLD), pos_BL, rope_pos_BL, n_slots, mask_B1LS)
+            attn = block.attention
+            xq_BLNH, xk_BLKH, xv_BLKH = attn.qkv_linear(block.attention_norm(h_BLD))
+            if attn.q_norm is not None:
+                xq_BLNH, xk_BLKH = attn.q_norm(xq_BLNH), attn.k_norm(xk_BLKH)
+            xq_BLNH, xk_BLKH = attn.rope(xq_BLNH, xk_BLKH, rope_pos_BL)
+            scale = attn.scaling if attn.scaling is not None else attn.head_dim**-0.5
+            out_BLNH = _write_and_attend(k_YBKSH[y], v_YBKSH[y], st, xq_BLNH, xk_BLKH, xv_BLKH, scale)
+            h_BLD = h_BLD + attn.wo(out_BLNH.flatten(2))
             h_BLD = h_BLD + block.feed_forward(block.ffn_norm(h_BLD))
             if y in self._tap_slot:
                 taps[self._tap_slot[y]] = h_BLD
         taps_BLCD = torch.stack(taps, dim=2) if taps else None
         if logits_at_B is not None:
-            h_BLD = h_BLD[torch.arange(B, device=h_BLD.device), logits_at_B]
+            h_BLD = h_BLD[torch.arange(h_BLD.shape[0], device=h_BLD.device), logits_at_B]
         return self.model.lm_head(self.model.norm(h_BLD)), taps_BLCD
-
-    def _attention(self, y, attn, x_BLD, pos_BL, rope_pos_BL, n_slots, mask_B1LS):
-        xq_BLNH, xk_BLKH, xv_BLKH = attn.qkv_linear(x_BLD)
-        if attn.q_norm is not None:
-            xq_BLNH, xk_BLKH = attn.q_norm(xq_BLNH), attn.k_norm(xk_BLKH)
-        xq_BLNH, xk_BLKH = attn.rope(xq_BLNH, xk_BLKH, rope_pos_BL)
-        self.cache.write(y, pos_BL, xk_BLKH, xv_BLKH)
-        k_BKSH, v_BKSH = self.cache.read(y, n_slots)
-        scale = attn.scaling if attn.scaling is not None else attn.head_dim**-0.5
-        out_BLNH = _attend(xq_BLNH, k_BKSH, v_BKSH, mask_B1LS, scale)
-        return attn.wo(out_BLNH.flatten(2))
 
 
 class CachedDraft:
@@ -161,13 +175,29 @@ class CachedDraft:
     def __init__(self, draft: Eagle3Draft, embed):
         self.draft = draft
         self.embed = embed
-        a = draft.arch
-        self.scale = a.head_dim**-0.5
+        self.scale = draft.arch.head_dim**-0.5
         self.cache: KVCache | None = None
+        self._extend, self._step = self._extend_core, self._step_core
+
+    def compile(self) -> None:
+        self._extend = torch.compile(self._extend_core, dynamic=True)
+        self._step = torch.compile(self._step_core, dynamic=True)
 
     def new_cache(self, batch: int, slots: int) -> None:
         a, p = self.draft.arch, self.draft.fc.weight
         self.cache = KVCache(1, batch, a.n_kv_heads, slots, a.head_dim, device=p.device, dtype=p.dtype)
+
+    def extend(self, taps_BLCD: torch.Tensor, tokens_BL: torch.Tensor, start_B: torch.Tensor, n_B: torch.Tensor):
+        pos_BL = start_B[:, None] + torch.arange(tokens_BL.shape[1], device=tokens_BL.device)[None, :]
+        # Only the last committed row needs an output; the others only contribute keys.
+        last_B = n_B - 1
+        pos_B1 = pos_BL.gather(1, last_B[:, None])
+        st, st_last = _step_indices(pos_BL), _step_indices(pos_B1)
+        return self._extend(taps_BLCD, tokens_BL, st, st_last, last_B, self.cache.k_YBKSH[0], self.cache.v_YBKSH[0])
+
+    def step(self, h_BH: torch.Tensor, tokens_B: torch.Tensor, pos_B: torch.Tensor):
+        st = _step_indices(pos_B[:, None])
+        return self._step(h_BH, tokens_B, st, self.cache.k_YBKSH[0], self.cache.v_YBKSH[0])
 
     def _qkv(self, h_BLH, tokens_BL, pos_BL):
         B, L = tokens_BL.shape
@@ -176,23 +206,20 @@ class CachedDraft:
         )
         return q_TNH.view(B, L, *q_TNH.shape[1:]), k_TKH.view(B, L, *k_TKH.shape[1:]), v_TKH.view(B, L, *v_TKH.shape[1:])
 
-    def _attend_finish(self, h_BH, q_BNH, pos_B):
-        n_slots = int(pos_B.max()) + 1
-        k_BKSH, v_BKSH = self.cache.read(0, n_slots)
-        out_B1NH = _attend(q_BNH[:, None], k_BKSH, v_BKSH, causal_slot_mask(pos_B[:, None], n_slots), self.scale)
-        return self.draft.finish(h_BH, out_B1NH[:, 0])
-
-    def extend(self, taps_BLCD: torch.Tensor, tokens_BL: torch.Tensor, start_B: torch.Tensor, n_B: torch.Tensor):
-        B, L = tokens_BL.shape
-        pos_BL = start_B[:, None] + torch.arange(L, device=tokens_BL.device)[None, :]
+    def _extend_core(self, taps_BLCD, tokens_BL, st: _Step, st_last: _Step, last_B, k_BKSH, v_BKSH):
         h_BLH = self.draft.fc(taps_BLCD.flatten(2))
-        q_BLNH, k_BLKH, v_BLKH = self._qkv(h_BLH, tokens_BL, pos_BL)
-        self.cache.write(0, pos_BL, k_BLKH, v_BLKH)
-        # Only the last committed row needs an output; the others only contribute keys.
-        rows_B, last_B = torch.arange(B, device=tokens_BL.device), n_B - 1
-        return self._attend_finish(h_BLH[rows_B, last_B], q_BLNH[rows_B, last_B], pos_BL[rows_B, last_B])
+        q_BLNH, k_BLKH, v_BLKH = self._qkv(h_BLH, tokens_BL, st.pos_BL)
+        k_BKSH[st.rows_BL, :, st.pos_BL] = k_BLKH
+        v_BKSH[st.rows_BL, :, st.pos_BL] = v_BLKH
+        rows_B = st.rows_BL[:, 0]
+        q_B1NH = q_BLNH[rows_B, last_B][:, None]
+        # Re-writing the last row's own K/V is a no-op that lets one helper do the attention.
+        out_B1NH = _write_and_attend(
+            k_BKSH, v_BKSH, st_last, q_B1NH, k_BLKH[rows_B, last_B][:, None], v_BLKH[rows_B, last_B][:, None], self.scale
+        )
+        return self.draft.finish(h_BLH[rows_B, last_B], out_B1NH[:, 0])
 
-    def step(self, h_BH: torch.Tensor, tokens_B: torch.Tensor, pos_B: torch.Tensor):
-        q_B1NH, k_B1KH, v_B1KH = self._qkv(h_BH[:, None], tokens_B[:, None], pos_B[:, None])
-        self.cache.write(0, pos_B[:, None], k_B1KH, v_B1KH)
-        return self._attend_finish(h_BH, q_B1NH[:, 0], pos_B)
+    def _step_core(self, h_BH, tokens_B, st: _Step, k_BKSH, v_BKSH):
+        q_B1NH, k_B1KH, v_B1KH = self._qkv(h_BH[:, None], tokens_B[:, None], st.pos_BL)
+        out_B1NH = _write_and_attend(k_BKSH, v_BKSH, st, q_B1NH, k_B1KH, v_B1KH, self.scale)
+        return self.draft.finish(h_BH, out_B1NH[:, 0])

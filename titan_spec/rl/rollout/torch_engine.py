@@ -119,14 +119,11 @@ class TorchRolloutEngine:
         self.policy_version = 0
         self.draft_version = 0
         self._closed = False
-        self._fwd_target, self._draft_extend, self._draft_step = self._target.forward, None, None
-        if self._draft is not None:
-            self._draft_extend, self._draft_step = self._draft.extend, self._draft.step
         if config.compile:
-            self._fwd_target = torch.compile(self._fwd_target, dynamic=True)
+            # Only the model math is compiled; index/mask building and sampling stay eager.
+            self._target.compile()
             if self._draft is not None:
-                self._draft_extend = torch.compile(self._draft_extend, dynamic=True)
-                self._draft_step = torch.compile(self._draft_step, dynamic=True)
+                self._draft.compile()
 
     @classmethod
     def from_pretrained(
@@ -248,7 +245,7 @@ class TorchRolloutEngine:
         bar = self._progress_bar(B * sp.max_new_tokens)
         try:
             # Prefill: the whole prompt, logits at its last token -> the first completion token.
-            logits_BV, taps_BPCD = self._fwd_target(tokens_BP, torch.zeros_like(P_B), P_B - 1)
+            logits_BV, taps_BPCD = self._target.forward(tokens_BP, torch.zeros_like(P_B), P_B - 1)
             y_B = self._sample(filtered_probs(logits_BV, sp), gen)
             lp_B1 = _behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
             a_B = torch.zeros_like(P_B)
@@ -276,7 +273,7 @@ class TorchRolloutEngine:
                     verify_BL = torch.cat([y_B[:, None], d_BK], dim=1)
                 else:
                     verify_BL = y_B[:, None]
-                logits_BLV, taps_BLCD = self._fwd_target(verify_BL, c_B)
+                logits_BLV, taps_BLCD = self._target.forward(verify_BL, c_B)
                 a_B, new_BL = self._accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, sp, gen)
                 lp_BL = _behaviour_logprobs(logits_BLV, new_BL, sp)
                 keep = self._emit(reqs, done, new_BL, a_B, lp_BL, stop_S, sp, bar)
@@ -306,11 +303,11 @@ class TorchRolloutEngine:
         """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy)."""
         taps_BLCD, tok_BL, start_B, n_B = pend
         d2t_Vd = self.draft.draft_to_target_ids()
-        h_BH, logits_BVd = self._draft_extend(taps_BLCD, tok_BL, start_B, n_B)
+        h_BH, logits_BVd = self._draft.extend(taps_BLCD, tok_BL, start_B, n_B)
         d, d_idx, q = [], [], []
         for j in range(self.K):
             if j:
-                h_BH, logits_BVd = self._draft_step(h_BH, d[-1], c_B - 1 + j)
+                h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j)
             if sp.greedy:
                 idx_B = logits_BVd.argmax(-1)
             else:
