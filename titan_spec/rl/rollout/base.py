@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -87,8 +87,6 @@ class Rollout:
     """Emitted tokens that were drafted and accepted (<= num_draft_tokens * verify_steps)."""
     policy_version: int = 0
     draft_version: int = 0
-    extra: dict = field(default_factory=dict)
-    """Engine-specific details (never needed by the trainer)."""
 
     @property
     def acceptance_length(self) -> float:

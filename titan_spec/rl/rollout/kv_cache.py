@@ -119,8 +119,8 @@ class CachedTarget:
         self.cache: KVCache | None = None
         self._core = self._forward_core
 
-    def compile(self) -> None:
-        self._core = torch.compile(self._forward_core, dynamic=True)
+    def compile(self, backend: str = "inductor") -> None:
+        self._core = torch.compile(self._forward_core, dynamic=True, backend=backend)
 
     def new_cache(self, batch: int, slots: int) -> None:
         p = self.model.tok_embeddings.weight
@@ -179,9 +179,9 @@ class CachedDraft:
         self.cache: KVCache | None = None
         self._extend, self._step = self._extend_core, self._step_core
 
-    def compile(self) -> None:
-        self._extend = torch.compile(self._extend_core, dynamic=True)
-        self._step = torch.compile(self._step_core, dynamic=True)
+    def compile(self, backend: str = "inductor") -> None:
+        self._extend = torch.compile(self._extend_core, dynamic=True, backend=backend)
+        self._step = torch.compile(self._step_core, dynamic=True, backend=backend)
 
     def new_cache(self, batch: int, slots: int) -> None:
         a, p = self.draft.arch, self.draft.fc.weight

@@ -46,8 +46,10 @@ class TorchEngineConfig:
     max_batch_size: int = 0
     """Requests decoded together; larger calls are split. 0 = the whole call at once."""
     compile: bool = False
-    """torch.compile the target and draft step functions (dynamic shapes). Off by default:
-    on CPU the tiny models gain little and the first call pays the compile."""
+    """torch.compile the target and draft forwards (dynamic shapes; index/mask building and
+    sampling stay eager). Off by default: the first calls pay minutes of compile on CPU."""
+    compile_backend: str = "inductor"
+    """torch.compile backend ("aot_eager" traces without codegen: for tests)."""
     progress: bool = False
     """Show a tqdm bar per batch (tokens/s and the running acceptance length)."""
 
@@ -121,9 +123,9 @@ class TorchRolloutEngine:
         self._closed = False
         if config.compile:
             # Only the model math is compiled; index/mask building and sampling stay eager.
-            self._target.compile()
+            self._target.compile(config.compile_backend)
             if self._draft is not None:
-                self._draft.compile()
+                self._draft.compile(config.compile_backend)
 
     @classmethod
     def from_pretrained(
@@ -136,13 +138,16 @@ class TorchRolloutEngine:
         from titan_spec.models.registry import build_target_config
 
         arch = read_hf_arch(policy_path)
+        draft_arch = read_draft_arch(draft_path) if draft_path else None
+        # The target keeps the draft's tap ids, so its training forward returns the same taps.
+        taps = tuple(draft_arch.tap_layer_ids) if draft_arch is not None else ()
         with torch.device(device):
-            target = build_target_config(arch, max_seq_len=max_seq_len).build()
+            target = build_target_config(arch, tap_layer_ids=taps, max_seq_len=max_seq_len).build()
             target.init_weights(buffer_device=None)
         load_hf_into(target, policy_path, arch)
         draft = None
-        if draft_path:
-            draft = Eagle3Draft(read_draft_arch(draft_path)).to(device)
+        if draft_arch is not None:
+            draft = Eagle3Draft(draft_arch).to(device)
             load_draft_into(draft, draft_path)
         return cls(target, draft, config)
 
@@ -211,12 +216,15 @@ class TorchRolloutEngine:
         self._check_open()
         if self.draft is None:
             raise ValueError("this engine has no draft (num_draft_tokens = 0); there are no draft weights to update")
-        d2t_before = self.draft.d2t.clone()
-        _load_named(self.draft, named_tensors, "draft")
-        ids = self.draft.draft_to_target_ids()
-        if ids.min() < 0 or ids.max() >= self._target.vocab_size or ids.unique().numel() != ids.numel():
-            self.draft.d2t.copy_(d2t_before)
-            raise ValueError("the draft's d2t maps draft ids outside the target vocabulary or onto repeated ids")
+        V = self._target.vocab_size
+
+        def check(values: dict[str, torch.Tensor]) -> None:
+            if "d2t" in values:
+                ids = torch.arange(values["d2t"].numel(), device=values["d2t"].device) + values["d2t"]
+                if ids.min() < 0 or ids.max() >= V or ids.unique().numel() != ids.numel():
+                    raise ValueError("draft weights: d2t maps draft ids outside the target vocabulary or onto repeated ids")
+
+        _load_named(self.draft, named_tensors, "draft", check)
         self.draft_version = int(version)
 
     def close(self) -> None:
@@ -269,7 +277,7 @@ class TorchRolloutEngine:
                         break
                 d_BK = q_BKVd = d_idx_BK = None
                 if K:
-                    d_BK, d_idx_BK, q_BKVd = self._propose(pend, c_B, y_B, sp, gen)
+                    d_BK, d_idx_BK, q_BKVd = self._propose(pend, c_B, sp, gen)
                     verify_BL = torch.cat([y_B[:, None], d_BK], dim=1)
                 else:
                     verify_BL = y_B[:, None]
@@ -299,7 +307,7 @@ class TorchRolloutEngine:
 
     # --- draft, verify, emit --------------------------------------------------------------
 
-    def _propose(self, pend, c_B, y_B, sp: SamplingParams, gen):
+    def _propose(self, pend, c_B, sp: SamplingParams, gen):
         """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy)."""
         taps_BLCD, tok_BL, start_B, n_B = pend
         d2t_Vd = self.draft.draft_to_target_ids()
@@ -396,7 +404,7 @@ class TorchRolloutEngine:
         return tqdm(total=total, unit="tok", desc="rollout", dynamic_ncols=True)
 
 
-def _load_named(module: nn.Module, named_tensors: NamedTensors, what: str) -> None:
+def _load_named(module: nn.Module, named_tensors: NamedTensors, what: str, check=None) -> None:
     """Copy full tensors into ``module`` by state-dict name, all-or-nothing: every name and
     shape is checked before the first copy, so a bad push leaves the old weights in place."""
     own = module.state_dict()
@@ -404,12 +412,14 @@ def _load_named(module: nn.Module, named_tensors: NamedTensors, what: str) -> No
     unknown = [k for k, _ in items if k not in own]
     if unknown:
         raise ValueError(f"{what} weights: unknown name(s) {unknown[:4]}{'...' if len(unknown) > 4 else ''}")
-    values = []
+    values = {}
     for k, v in items:
         v = v.full_tensor() if isinstance(v, DTensor) else v
         if tuple(v.shape) != tuple(own[k].shape):
             raise ValueError(f"{what} weights: {k} has shape {tuple(v.shape)}, the engine's is {tuple(own[k].shape)}")
-        values.append((k, v))
+        values[k] = v
+    if check is not None:
+        check(values)
     with torch.no_grad():
-        for k, v in values:
+        for k, v in values.items():
             own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))

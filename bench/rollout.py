@@ -1,0 +1,231 @@
+# Benchmark: the built-in rollout engine, speculative (EAGLE-3, K draft tokens) vs plain.
+#
+# Measures completion tokens/s and acceptance length (completion tokens / verify steps)
+# for batch sizes 1/8/32, greedy and T = 1, side by side in one process:
+#   plain      K = 0 (autoregressive decoding, same engine, same KV cache)
+#   trained    K draft tokens with the draft trained offline (SGLang-format directory)
+#   untrained  K draft tokens with a freshly initialized draft of the same shape
+#   distilled  (optional, --distill-steps N) the trained draft fine-tuned by TTT on the
+#              policy's own rollouts, i.e. what co-training keeps the draft close to
+# For every (temperature, batch) the engines run interleaved, `--repeats` times, and the
+# median is reported, so a busy machine slows all of them alike.
+#
+# Models: --policy (HF dir) and --draft (draft dir). Defaults: outputs/debug_cpu/hf and
+# outputs/offline_draft/draft when they exist, else this script trains them with
+#   ./run_train.sh --job.dump_folder outputs/bench_policy --job.export_hf hf
+#   ./run_train.sh --job.dump_folder outputs/bench_draft --model.hf_checkpoint
+#       outputs/bench_policy/hf --draft.enable true --draft.offline true
+#       --draft.draft_vocab_size 32 --training.steps 200
+# (about 4 + 3 minutes on 2 CPU cores).
+#
+# Prompts are the arithmetic task's ("<bos>37+5-12="). Completions run to
+# --max-new-tokens without stopping (steady-state decoding); --stop-at-eos stops at <eos>
+# instead (the task's real completions: 2-4 tokens).
+#
+# Usage: PYTHONPATH=. python bench/rollout.py [--quick] [--out PATH] [--compile]
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+import titan_spec  # noqa: E402,F401
+from titan_spec.data import CharTokenizer  # noqa: E402
+from titan_spec.models.draft import Eagle3Draft  # noqa: E402
+from titan_spec.rl.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rl.tasks import ArithmeticTask  # noqa: E402
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="rollout engine: speculative vs plain decoding")
+    p.add_argument("--policy", default="", help="HF policy dir (default: outputs/debug_cpu/hf, else train one)")
+    p.add_argument("--draft", default="", help="draft dir (default: outputs/offline_draft/draft, else train one)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="K")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop completions at <eos>")
+    p.add_argument("--distill-steps", type=int, default=0, help="also bench a draft fine-tuned on rollouts")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model steps (slow first call)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
+    p.add_argument("--quick", action="store_true", help="batch 1 and 8, 32 new tokens, 1 repeat")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rollout.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.max_new_tokens, args.repeats = "1,8", 32, 1
+    return args
+
+
+def _train(dump: str, *overrides: str) -> None:
+    cmd = [str(REPO_ROOT / "run_train.sh"), "--job.dump_folder", dump, *overrides]
+    print("training:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO_ROOT, check=True)
+
+
+def resolve_models(args) -> tuple[str, str]:
+    policy = args.policy or str(REPO_ROOT / "outputs/debug_cpu/hf")
+    if not os.path.isfile(os.path.join(policy, "config.json")):
+        if args.policy:
+            raise SystemExit(f"--policy {args.policy}: no config.json")
+        policy = str(REPO_ROOT / "outputs/bench_policy/hf")
+        if not os.path.isfile(os.path.join(policy, "config.json")):
+            _train("outputs/bench_policy", "--job.export_hf", "hf")
+    draft = args.draft or str(REPO_ROOT / "outputs/offline_draft/draft")
+    if not os.path.isfile(os.path.join(draft, "config.json")):
+        if args.draft:
+            raise SystemExit(f"--draft {args.draft}: no config.json")
+        draft = str(REPO_ROOT / "outputs/bench_draft/draft")
+        if not os.path.isfile(os.path.join(draft, "config.json")):
+            _train("outputs/bench_draft", "--model.hf_checkpoint", policy, "--draft.enable", "true",
+                   "--draft.offline", "true", "--draft.draft_vocab_size", "32", "--training.steps", "200")
+    return policy, draft
+
+
+def tokenizer_for(policy: str) -> CharTokenizer:
+    # The run's tokenizer.json sits in its dump folder, the parent of the exported HF dir.
+    for d in (policy, os.path.dirname(os.path.abspath(policy))):
+        if os.path.isfile(os.path.join(d, "tokenizer.json")):
+            return CharTokenizer(tokenizer_path=d)
+    return CharTokenizer()
+
+
+def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: int) -> dict:
+    """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1):
+    the distribution co-training keeps the draft on. Returns the new draft state dict."""
+    from titan_spec.models.attention import doc_metadata_from_positions
+    from titan_spec.models.ttt import ttt_targets
+
+    rng = random.Random(seed + 7)
+    task = ArithmeticTask()
+    prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(64)]
+    plain = TorchRolloutEngine(engine.target, None, TorchEngineConfig(num_draft_tokens=0))
+    seqs = []
+    for T in (0.0, 1.0):
+        out = plain.generate(prompts, SamplingParams(T, max_new_tokens=64, seed=seed))
+        seqs += [r.prompt_ids + r.output_ids for r in out]
+    draft = engine.draft
+    draft.train()
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-3)
+    model = engine.target
+    for step in range(steps):
+        batch = [seqs[(step * 16 + i) % len(seqs)] for i in range(16)]
+        tok_1T = torch.tensor([t for s in batch for t in s])[None]
+        pos_1T = torch.cat([torch.arange(len(s)) for s in batch])[None]
+        meta = doc_metadata_from_positions(pos_1T)
+        with torch.no_grad():
+            logits, taps = model(tok_1T, pos_1T, meta)
+            emb = model.tok_embeddings(tok_1T)[0]
+        targets = ttt_targets(draft, pos_1T[0], tok_1T[0], logits[0], 4)
+        loss = draft(tuple(h[0] for h in taps.hidden), emb, pos_1T[0], meta, targets).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft.eval()
+    return {k: v.detach().clone() for k, v in draft.state_dict().items()}
+
+
+def run_once(engine, prompts, sp) -> dict:
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sp)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.output_ids) for r in out)
+    steps = sum(r.verify_steps for r in out)
+    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "accept_len": tokens / steps}
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policy, draft_dir = resolve_models(args)
+    tok = tokenizer_for(policy)
+    K = args.num_draft_tokens
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+
+    def engine(k, draft_dir_=draft_dir):
+        cfg = TorchEngineConfig(num_draft_tokens=k, compile=args.compile)
+        return TorchRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg,
+                                                  max_seq_len=max(512, 64 + args.max_new_tokens + K + 1))
+
+    engines = {"plain": engine(0), "trained": engine(K), "untrained": engine(K)}
+    with torch.no_grad():
+        torch.manual_seed(args.seed)
+        fresh = Eagle3Draft(engines["trained"].draft.arch)
+        fresh.reset_parameters()
+        sd = engines["trained"].draft.state_dict()
+        engines["untrained"].update_draft_weights(
+            {k: v for k, v in fresh.state_dict().items() if k not in ("d2t", "t2d")} | {"d2t": sd["d2t"], "t2d": sd["t2d"]},
+            version=1,
+        )
+    if args.distill_steps:
+        engines["distilled"] = engine(K)
+        t0 = time.perf_counter()
+        distill(engines["distilled"], tok, args.distill_steps, args.seed)
+        print(f"distilled the draft on policy rollouts: {args.distill_steps} steps, {time.perf_counter() - t0:.0f}s")
+
+    task, rng = ArithmeticTask(), random.Random(args.seed)
+    stop = (tok.eos_id,) if args.stop_at_eos else ()
+    rows = []
+    for T in temps:
+        for B in batches:
+            prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(B)]
+            sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed)
+            for e in engines.values():  # warm-up (and compile, when on)
+                e.generate(prompts[: min(B, 2)], SamplingParams(T, max_new_tokens=8, seed=0))
+            runs = {name: [] for name in engines}
+            for _ in range(args.repeats):
+                for name, e in engines.items():
+                    runs[name].append(run_once(e, prompts, sp))
+            base = statistics.median(r["tok_s"] for r in runs["plain"])
+            for name, rs in runs.items():
+                tok_s = statistics.median(r["tok_s"] for r in rs)
+                rows.append({
+                    "temperature": T, "batch": B, "engine": name, "K": 0 if name == "plain" else K,
+                    "tok_s": tok_s, "accept_len": statistics.median(r["accept_len"] for r in rs),
+                    "speedup": tok_s / base, "tokens": rs[0]["tokens"], "repeats": len(rs),
+                })
+                print(_row(rows[-1]), flush=True)
+
+    result = {
+        "benchmark": "rollout_engine",
+        "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
+        "stop_at_eos": args.stop_at_eos, "compile": args.compile, "threads": torch.get_num_threads(),
+        "distill_steps": args.distill_steps, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "torch": torch.__version__, "rows": rows,
+    }
+    print()
+    print(_table(rows))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['temperature']:>4g} | {r['batch']:>5} | {r['engine']:<9} | {r['K']:>1} | {r['tok_s']:>8.1f} "
+            f"| {r['accept_len']:>10.2f} | {r['speedup']:>7.2f}x |")
+
+
+def _table(rows: list[dict]) -> str:
+    head = "|    T | batch | engine    | K |    tok/s | accept len | speedup |\n"
+    head += "|------|-------|-----------|---|----------|------------|---------|"
+    return "\n".join([head] + [_row(r) for r in rows])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
