@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from titan_spec.models.draft import DraftArch, Eagle3Draft
+from titan_spec.models.hf_io import write_safetensors_dir
 
 __all__ = ["EXPORT_KEYS", "draft_config_json", "save_draft", "read_draft_arch", "load_draft_into"]
 
@@ -71,19 +70,7 @@ def save_draft(draft: Eagle3Draft, path: str, dtype: torch.dtype = torch.float32
     tensors = {
         k: (sd[k].to(dtype) if sd[k].is_floating_point() else sd[k]).detach().cpu().contiguous() for k in EXPORT_KEYS
     }
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-draft-", dir=parent)
-    try:
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(draft_config_json(draft.arch, dtype), f, indent=2)
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_safetensors_dir(path, tensors, draft_config_json(draft.arch, dtype))
 
 
 def read_draft_arch(path: str) -> DraftArch:

@@ -20,7 +20,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_config, build_target_config
 
-__all__ = ["read_hf_arch", "read_hf_state_dict", "load_hf_into", "load_full_state_dict", "save_hf", "HFCheckpointError"]
+__all__ = [
+    "read_hf_arch", "read_hf_state_dict", "load_hf_into", "load_full_state_dict", "save_hf",
+    "write_safetensors_dir", "HFCheckpointError",
+]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -121,15 +124,22 @@ def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.
         return
     hf_sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).to_hf(sd)
     hf_sd = {k: v.detach().to(dtype).contiguous() for k, v in hf_sd.items()}
+    cfg = arch_to_hf_config(arch)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    write_safetensors_dir(path, hf_sd, cfg)
+
+
+def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """``config.json`` + ``model.safetensors`` written to a temporary sibling directory
+    that replaces ``path`` only when complete: an interrupted write leaves the old
+    directory (or nothing), never a half-written one."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
-        save_file(hf_sd, os.path.join(tmp, _SINGLE), metadata={"format": "pt"})
-        cfg = arch_to_hf_config(arch)
-        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        save_file(tensors, os.path.join(tmp, _SINGLE), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+            json.dump(config, f, indent=2)
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
