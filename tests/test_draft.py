@@ -182,3 +182,19 @@ def test_bad_draft_arch():
         Eagle3Draft(dataclasses.replace(ARCH, tap_layer_ids=(1, 1, 2)))
     with pytest.raises(ValueError, match="draft_vocab_size = 60 must be in 1..50"):
         Eagle3Draft(dataclasses.replace(ARCH, draft_vocab_size=60))
+
+
+def test_interrupted_export_leaves_the_old_directory(tmp_path, monkeypatch):
+    import titan_spec.models.hf_io as hf_io
+
+    save_draft(_draft(seed=1), str(tmp_path / "draft"))
+    before = (tmp_path / "draft" / "model.safetensors").read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_io, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_draft(_draft(seed=2), str(tmp_path / "draft"))
+    assert (tmp_path / "draft" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["draft"]  # no temporary directory left behind
