@@ -60,3 +60,20 @@ def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, train):
     load_draft_into(Eagle3Draft(arch), os.path.join(dump, "draft"))
     again = train(str(tmp_path / "again"), 1, ("--training.steps", "1", "--draft.init_from", os.path.join(dump, "draft"), *offline))
     assert again[0]["draft/loss"] == pytest.approx(rows[-1]["draft/loss"], rel=0.5)
+
+
+def test_policy_and_draft_cotraining_dp2_matches_dp1(tmp_path, train):
+    """One forward trains both; under FSDP (dp=2) the policy and draft losses and draft
+    accuracies equal the single-process run on the same global batch."""
+    common = ("--training.steps", "3", "--checkpoint.enable", "false", "--draft.enable", "true",
+              "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3")
+    one = train(str(tmp_path / "dp1"), 1, (*common, "--training.local_batch_size", "4"))
+    two = train(str(tmp_path / "dp2"), 2, (*common, "--training.local_batch_size", "2",
+                                            "--parallelism.data_parallel_shard_degree", "2"))
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5, rel=1e-5)
+        assert b["draft/loss"] == pytest.approx(a["draft/loss"], abs=1e-5, rel=1e-5)
+        for j in range(3):
+            assert b[f"draft/acc_{j}"] == pytest.approx(a[f"draft/acc_{j}"], abs=1e-9)
+    assert one[-1]["loss"] < one[0]["loss"] and one[-1]["draft/loss"] < one[0]["draft/loss"]
