@@ -18,9 +18,10 @@
 #       --draft.draft_vocab_size 32 --training.steps 200
 # (about 4 + 3 minutes on 2 CPU cores).
 #
-# Prompts are the arithmetic task's ("<bos>37+5-12="). Completions run to
-# --max-new-tokens without stopping (steady-state decoding); --stop-at-eos stops at <eos>
-# instead (the task's real completions: 2-4 tokens).
+# Prompts are the default config's task ("<bos>37+5?", completions like "37+5=42<eos>").
+# Completions run to --max-new-tokens without stopping (steady-state decoding, much of it
+# past <eos>, text neither model was trained on); --stop-at-eos stops at <eos> (the
+# task's real completions, about 8-11 tokens).
 #
 # Usage: PYTHONPATH=. python bench/rollout.py [--quick] [--out PATH] [--compile]
 
@@ -44,7 +45,8 @@ import titan_spec  # noqa: E402,F401
 from titan_spec.data import CharTokenizer  # noqa: E402
 from titan_spec.models.draft import Eagle3Draft  # noqa: E402
 from titan_spec.rl.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
-from titan_spec.rl.tasks import ArithmeticTask  # noqa: E402
+from titan_spec.config import load_config  # noqa: E402
+from titan_spec.rl.tasks import build_task  # noqa: E402
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -102,6 +104,11 @@ def tokenizer_for(policy: str) -> CharTokenizer:
     return CharTokenizer()
 
 
+def default_task():
+    """The task the default policy was trained on (train_configs/debug_cpu.toml's [task])."""
+    return build_task(load_config(str(REPO_ROOT / "train_configs/debug_cpu.toml")).task)
+
+
 def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: int) -> dict:
     """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1):
     the distribution co-training keeps the draft on. Returns the new draft state dict."""
@@ -109,7 +116,7 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: in
     from titan_spec.models.ttt import ttt_targets
 
     rng = random.Random(seed + 7)
-    task = ArithmeticTask()
+    task = default_task()
     prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(64)]
     plain = TorchRolloutEngine(engine.target, None, TorchEngineConfig(num_draft_tokens=0))
     seqs = []
@@ -177,7 +184,7 @@ def main(argv=None) -> int:
         distill(engines["distilled"], tok, args.distill_steps, args.seed)
         print(f"distilled the draft on policy rollouts: {args.distill_steps} steps, {time.perf_counter() - t0:.0f}s")
 
-    task, rng = ArithmeticTask(), random.Random(args.seed)
+    task, rng = default_task(), random.Random(args.seed)
     stop = (tok.eos_id,) if args.stop_at_eos else ()
     rows = []
     for T in temps:

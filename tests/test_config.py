@@ -19,6 +19,14 @@ def test_default_config_loads_and_overrides_apply():
     assert cfg.model.name == "qwen3"
 
 
+def test_engine_config_from_sections():
+    cfg = load_config(DEFAULT, ["--speculative.num_draft_tokens", "3", "--rollout.max_batch_size", "8"])
+    e = cfg.rollout.torch_engine_config(cfg.speculative)
+    assert (e.num_draft_tokens, e.max_batch_size) == (3, 8)
+    cfg = load_config(DEFAULT, ["--speculative.enabled", "false"])
+    assert cfg.rollout.torch_engine_config(cfg.speculative).num_draft_tokens == 0
+
+
 def test_parse_overrides_types():
     out = parse_overrides(["--draft.tap_layer_ids", "[1,2,3]", "--job.dump_folder", "./x", "--a.b", "false"])
     assert out == {"draft": {"tap_layer_ids": [1, 2, 3]}, "job": {"dump_folder": "./x"}, "a": {"b": False}}
@@ -53,6 +61,8 @@ MALFORMED = [
     ("", ["--draft.tap_layer_ids", "[1, 2]"], 1, ["draft.tap_layer_ids = [1, 2] must be three distinct"]),
     ("", ["--draft.loss_decay", "0"], 1, ["draft.loss_decay", "(0, 1]"]),
     ("[metrics]\nlog_freq = 0\n", [], 1, ["metrics.log_freq"]),
+    ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
+    ("[rollout]\nengine = 'vllm'\n", [], 1, ["rollout.engine", "'torch', 'sglang'"]),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
     ("[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["pipeline_parallel_degree = 2 is not supported yet"]),
 ]

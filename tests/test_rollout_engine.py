@@ -7,6 +7,7 @@ few samples); a "good" draft is fitted to the target in a few dozen TTT steps.
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def make_target(seed: int, family: str = "qwen3", logit_scale: float = 1.0):
+def make_target(seed: int, family: str = "qwen3"):
     torch.manual_seed(seed)
     arch = with_vocab(flavor_arch(family, "tiny"), V)
     model = build_target_config(arch, tap_layer_ids=TAPS, max_seq_len=MAX_LEN).build()
@@ -44,7 +45,6 @@ def make_target(seed: int, family: str = "qwen3", logit_scale: float = 1.0):
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
-        model.norm.weight.mul_(logit_scale)
     return model.eval(), arch
 
 
@@ -350,14 +350,35 @@ def test_behaviour_logprobs_equal_a_full_forward(pair, temperature):
         torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=1e-5, rtol=0)
 
 
-def test_plain_engine_stats_and_protocol(pair):
-    model, _, _ = pair
+def test_engine_stats_edges_and_protocol(pair):
+    model, _, draft = pair
     engine = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
     assert isinstance(engine, RolloutEngine)
     out = engine.generate(random_prompts(3, seed=1), SamplingParams(1.0, max_new_tokens=7, seed=0))
     for r in out:
         assert r.verify_steps == 7 and r.accepted_tokens == 0 and r.acceptance_length == 1.0
     assert engine.generate([], SamplingParams()) == []
+    # One new token (the prefill's), and a bar that reports progress.
+    spec = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3, progress=True))
+    for n in (1, 2):
+        out = spec.generate(random_prompts(3, seed=2), SamplingParams(0.0, max_new_tokens=n))
+        assert [len(r.output_ids) for r in out] == [n] * 3
+        check_stats(out, 3)
+    # Same seed, same samples.
+    a = spec.generate(random_prompts(3, seed=2), SamplingParams(1.0, max_new_tokens=9, seed=5))
+    b = spec.generate(random_prompts(3, seed=2), SamplingParams(1.0, max_new_tokens=9, seed=5))
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_engine_matches_eager(pair, temperature):
+    model, _, draft = pair
+    prompts = random_prompts(3, seed=6)
+    sp = SamplingParams(temperature, max_new_tokens=12, seed=0)
+    ref = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=2)).generate(prompts, sp)
+    cfg = TorchEngineConfig(num_draft_tokens=2, compile=True, compile_backend="aot_eager")
+    got = TorchRolloutEngine(model, draft, cfg).generate(prompts, sp)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
 
 
 # --- weight pushes ------------------------------------------------------------------------
@@ -397,6 +418,8 @@ def test_weight_updates_change_outputs_and_bump_versions(pair):
         engine.update_policy_weights(bad, version=6)
     with pytest.raises(ValueError, match="unknown name"):
         engine.update_draft_weights({"nope.weight": torch.zeros(1)}, version=7)
+    with pytest.raises(ValueError, match="d2t"):  # checked before any tensor is copied
+        engine.update_draft_weights({"fc.weight": torch.zeros_like(sd["fc.weight"]), "d2t": sd["d2t"] + V}, version=8)
     again = engine.generate(prompts, sp)
     assert [r.output_ids for r in again] == [r.output_ids for r in high]
     assert {(r.policy_version, r.draft_version) for r in again} == {(4, 5)}
@@ -428,7 +451,10 @@ def test_bad_inputs_give_clear_errors_and_the_engine_keeps_working(pair):
     ]
     wrong_vocab = Eagle3Draft(DraftArch.from_target(with_vocab(arch, V + 8), TAPS, 16))
     wrong_hidden = Eagle3Draft(dataclasses.replace(DraftArch.from_target(arch, TAPS, 16), hidden=48, target_hidden=48))
+    bad_d2t = make_draft(arch, 1, draft_vocab=8)
+    bad_d2t.d2t.fill_(V - 4)  # draft ids 4..7 land past the target vocabulary
     cases += [
+        (lambda: TorchRolloutEngine(model, bad_d2t, TorchEngineConfig(num_draft_tokens=2)), "d2t maps draft ids outside"),
         (lambda: TorchRolloutEngine(model, wrong_vocab, TorchEngineConfig(num_draft_tokens=2)), "draft vocab 40 != target vocab 32"),
         (lambda: TorchRolloutEngine(model, wrong_hidden, TorchEngineConfig(num_draft_tokens=2)), "target_hidden 48 != target dim 64"),
     ]

@@ -202,14 +202,44 @@ class DraftConfig:
 
 @dataclass(kw_only=True)
 class SpeculativeConfig:
-    enabled: bool = False
-    """Speculative decoding in rollouts (the rollout engine issue fills this in)."""
+    enabled: bool = True
+    """Speculative decoding in rollouts (off = plain decoding, the no-spec baseline)."""
+
+    num_draft_tokens: int = 4
+    """K: draft tokens proposed (chain) and verified in one target forward per round."""
+
+    def validate(self) -> None:
+        _check(self.num_draft_tokens >= 1, "speculative.num_draft_tokens", self.num_draft_tokens,
+               ">= 1 (turn speculation off with speculative.enabled = false)")
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
     engine: Literal["torch", "sglang"] = "torch"
     """Rollout engine."""
+
+    max_batch_size: int = 0
+    """Requests the built-in engine decodes together (larger calls are split); 0 = all at once."""
+
+    compile: bool = False
+    """torch.compile the built-in engine's target and draft steps (minutes of compile on CPU)."""
+
+    progress: bool = True
+    """A progress bar with tokens/s and the running acceptance length during generation."""
+
+    def validate(self) -> None:
+        _check(self.max_batch_size >= 0, "rollout.max_batch_size", self.max_batch_size, ">= 0 (0 = no limit)")
+
+    def torch_engine_config(self, speculative: SpeculativeConfig):
+        """The built-in engine's settings from the [rollout] and [speculative] sections."""
+        from titan_spec.rl.rollout.torch_engine import TorchEngineConfig
+
+        return TorchEngineConfig(
+            num_draft_tokens=speculative.num_draft_tokens if speculative.enabled else 0,
+            max_batch_size=self.max_batch_size,
+            compile=self.compile,
+            progress=self.progress,
+        )
 
 
 @dataclass(kw_only=True)

@@ -124,7 +124,9 @@ class CachedTarget:
 
     def new_cache(self, batch: int, slots: int) -> None:
         p = self.model.tok_embeddings.weight
-        self.cache = KVCache(len(self.blocks), batch, self.n_kv_heads, slots, self.head_dim, device=p.device, dtype=p.dtype)
+        self.cache = KVCache(
+            len(self.blocks), batch, self.n_kv_heads, slots, self.head_dim, device=p.device, dtype=p.dtype
+        )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(tokens)
@@ -204,7 +206,7 @@ class CachedDraft:
         q_TNH, k_TKH, v_TKH = self.draft.qkv(
             h_BLH.reshape(B * L, -1), self.embed(tokens_BL).reshape(B * L, -1), pos_BL.reshape(-1)
         )
-        return q_TNH.view(B, L, *q_TNH.shape[1:]), k_TKH.view(B, L, *k_TKH.shape[1:]), v_TKH.view(B, L, *v_TKH.shape[1:])
+        return tuple(x.view(B, L, *x.shape[1:]) for x in (q_TNH, k_TKH, v_TKH))
 
     def _extend_core(self, taps_BLCD, tokens_BL, st: _Step, st_last: _Step, last_B, k_BKSH, v_BKSH):
         h_BLH = self.draft.fc(taps_BLCD.flatten(2))
@@ -214,9 +216,8 @@ class CachedDraft:
         rows_B = st.rows_BL[:, 0]
         q_B1NH = q_BLNH[rows_B, last_B][:, None]
         # Re-writing the last row's own K/V is a no-op that lets one helper do the attention.
-        out_B1NH = _write_and_attend(
-            k_BKSH, v_BKSH, st_last, q_B1NH, k_BLKH[rows_B, last_B][:, None], v_BLKH[rows_B, last_B][:, None], self.scale
-        )
+        k_B1KH, v_B1KH = k_BLKH[rows_B, last_B][:, None], v_BLKH[rows_B, last_B][:, None]
+        out_B1NH = _write_and_attend(k_BKSH, v_BKSH, st_last, q_B1NH, k_B1KH, v_B1KH, self.scale)
         return self.draft.finish(h_BLH[rows_B, last_B], out_B1NH[:, 0])
 
     def _step_core(self, h_BH, tokens_B, st: _Step, k_BKSH, v_BKSH):

@@ -23,7 +23,6 @@ autoregressive decoding in the same code path (verify a single token, no draft).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +99,9 @@ class TorchRolloutEngine:
     def __init__(self, target: nn.Module, draft: Eagle3Draft | None = None, config: TorchEngineConfig | None = None):
         config = config or TorchEngineConfig()
         if int(config.num_draft_tokens) != config.num_draft_tokens or config.num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens = {config.num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)")
+            raise ValueError(
+                f"num_draft_tokens = {config.num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)"
+            )
         if config.max_batch_size < 0:
             raise ValueError(f"max_batch_size = {config.max_batch_size} must be >= 0 (0 = no limit)")
         if config.num_draft_tokens > 0 and draft is None:
@@ -161,7 +162,9 @@ class TorchRolloutEngine:
         if a.target_hidden != t.dim:
             bad.append(f"draft target_hidden {a.target_hidden} != target dim {t.dim}")
         if a.hidden != t.dim:
-            bad.append(f"draft hidden {a.hidden} != target embedding dim {t.dim} (the draft reads the target's embeddings)")
+            bad.append(f"draft hidden {a.hidden} != target dim {t.dim} (the draft reads the target's embeddings)")
+        if not bad and not _d2t_ok(draft.d2t, t.vocab_size):
+            bad.append("its d2t maps draft ids outside the target vocabulary or onto repeated ids")
         if bad:
             raise ValueError(f"the draft does not fit the target: {'; '.join(bad)}")
 
@@ -219,10 +222,8 @@ class TorchRolloutEngine:
         V = self._target.vocab_size
 
         def check(values: dict[str, torch.Tensor]) -> None:
-            if "d2t" in values:
-                ids = torch.arange(values["d2t"].numel(), device=values["d2t"].device) + values["d2t"]
-                if ids.min() < 0 or ids.max() >= V or ids.unique().numel() != ids.numel():
-                    raise ValueError("draft weights: d2t maps draft ids outside the target vocabulary or onto repeated ids")
+            if "d2t" in values and not _d2t_ok(values["d2t"], V):
+                raise ValueError("draft weights: d2t maps draft ids outside the target vocabulary or onto repeated ids")
 
         _load_named(self.draft, named_tensors, "draft", check)
         self.draft_version = int(version)
@@ -402,6 +403,11 @@ class TorchRolloutEngine:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, unit="tok", desc="rollout", dynamic_ncols=True)
+
+
+def _d2t_ok(d2t: torch.Tensor, vocab_size: int) -> bool:
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    return bool(ids.min() >= 0 and ids.max() < vocab_size and ids.unique().numel() == ids.numel())
 
 
 def _load_named(module: nn.Module, named_tensors: NamedTensors, what: str, check=None) -> None:
