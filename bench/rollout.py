@@ -134,7 +134,7 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: in
         meta = doc_metadata_from_positions(pos_1T)
         with torch.no_grad():
             logits, taps = model(tok_1T, pos_1T, meta)
-            emb = model.tok_embeddings(tok_1T)[0]
+            emb = taps.embeds_BLD[0]
         targets = ttt_targets(draft, pos_1T[0], tok_1T[0], logits[0], 4)
         loss = draft(tuple(h[0] for h in taps.hidden), emb, pos_1T[0], meta, targets).loss
         opt.zero_grad()

@@ -74,7 +74,7 @@ def fit_draft(model, arch, steps: int = 40, seed: int = 0) -> Eagle3Draft:
     meta = doc_metadata_from_positions(pos_1T)
     with torch.no_grad():
         logits, taps = model(tok_1T, pos_1T, meta)
-        emb_TD = model.tok_embeddings(tok_1T)[0]
+        emb_TD = taps.embeds_BLD[0]
     draft = make_draft(arch, seed)
     draft.train()
     targets = ttt_targets(draft, pos_1T[0], tok_1T[0], logits[0], 3)

@@ -78,7 +78,7 @@ def test_packed_documents_equal_separate_forwards(tmp_path):
             start += len(d)
 
 
-def test_no_taps_returns_logits_only_and_default_ids():
+def test_default_tap_ids():
     assert default_tap_layer_ids(36) == (1, 17, 32)
     assert default_tap_layer_ids(8) == (1, 3, 4)
 

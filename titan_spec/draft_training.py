@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from titan_spec import platform
@@ -151,10 +151,7 @@ class DraftTraining(Stateful):
         copy.load_state_dict(full)
         save_draft(copy, path)
 
-    @property
-    def is_sharded(self) -> bool:
-        return isinstance(self.draft, FSDPModule)
 
-
-def draft_export_path(dump_folder: str, export_dir: str) -> str:
+def under_dump_folder(dump_folder: str, export_dir: str) -> str:
+    """An export path as configured: absolute, or relative to job.dump_folder."""
     return export_dir if os.path.isabs(export_dir) else os.path.join(dump_folder, export_dir)

@@ -41,7 +41,7 @@ from torchtitan.trainer import Trainer
 from titan_spec import platform
 from titan_spec.config import ConfigError, TitanSpecConfig, load_config
 from titan_spec.data import CharTokenizer, TaskDataLoader
-from titan_spec.draft_training import DraftTraining, draft_export_path
+from titan_spec.draft_training import DraftTraining, under_dump_folder
 from titan_spec.models.attention import DocCausalAttention
 from titan_spec.models.draft import DraftArch
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
@@ -263,12 +263,12 @@ class SpecTrainer(Trainer):
         """End-of-run exports: the policy as an HF checkpoint, the draft for SGLang."""
         job, spec = self.config.spec.job, self.config.spec
         if job.export_hf:
-            path = draft_export_path(self.config.dump_folder, job.export_hf)
+            path = under_dump_folder(self.config.dump_folder, job.export_hf)
             for part in self.model_parts:
                 save_hf(part, path, self.config.arch)
             logger.info(f"Exported the policy (HF format) to {path}")
         if self.draft_training is not None and spec.draft.export_dir:
-            path = draft_export_path(self.config.dump_folder, spec.draft.export_dir)
+            path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)
             self.draft_training.export(path)
             logger.info(f"Exported the draft (SGLang LlamaForCausalLMEagle3 format) to {path}")
 

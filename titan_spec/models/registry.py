@@ -67,10 +67,6 @@ def flavor_arch(family: str, flavor: str) -> Arch:
     return _FLAVORS[family][flavor]
 
 
-def flavor_names(family: str) -> list[str]:
-    return list(_FLAVORS.get(family, {}))
-
-
 def arch_from_hf_config(cfg: dict, where: str = "config.json") -> Arch:
     """HF ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` config -> Arch (dense models only)."""
     model_type = cfg.get("model_type")
