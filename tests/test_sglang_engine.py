@@ -28,7 +28,7 @@ from titan_spec.models.draft import DraftArch, Eagle3Draft
 from titan_spec.models.draft_io import EXPORT_KEYS, save_draft
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.rl.rollout import SamplingParams
+from titan_spec.rl.rollout import RolloutEngine, SamplingParams
 from titan_spec.rl.rollout.sglang_client import (
     INSTALL_HINT, EngineDied, HttpClient, SGLangError, SGLangStartError, server_cli_args,
 )
@@ -387,9 +387,14 @@ def test_result_parsing_across_meta_info_versions():
 
 
 def test_dead_or_hung_server_is_restarted_with_both_weight_sets(dirs, stubs):
-    engine = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=1.0, max_restarts=1))
+    engine = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=1.0, max_restarts=1, dtype="float32"))
+    assert isinstance(engine, RolloutEngine)
     other, _ = _target(seed=3)
+    pushed = {n: t.clone() for n, t in policy_to_hf_names(other.state_dict(), dirs.arch)}
     engine.update_policy_weights(other.state_dict(), version=2)
+    with torch.no_grad():  # the trainer steps on: the server must get back what version 2 was
+        for p in other.parameters():
+            p.add_(1.0)
     sd = _draft(dirs.arch, seed=4).state_dict()
     engine.update_draft_weights(sd, version=2)
     prompts, sp = [[1, 2]], SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -399,8 +404,9 @@ def test_dead_or_hung_server_is_restarted_with_both_weight_sets(dirs, stubs):
     assert engine.restarts == 1 and len(stubs) == 2
     fresh = stubs[1]
     assert fresh.names() == BRACKET * 2 + ["generate"]  # policy, then draft, then the retried call
-    assert sorted(fresh.pushed[0]) == sorted(dict(policy_to_hf_names(other.state_dict(), dirs.arch)))
-    assert torch.equal(fresh.pushed[1]["fc.weight"], sd["fc.weight"].bfloat16())
+    assert sorted(fresh.pushed[0]) == sorted(pushed)
+    assert all(torch.equal(t, pushed[n]) for n, t in fresh.pushed[0].items())
+    assert torch.equal(fresh.pushed[1]["fc.weight"], sd["fc.weight"])
     assert (out[0].policy_version, out[0].draft_version) == (2, 2)
 
     fresh.hang[0] = 3.0  # the server hangs past request_timeout_s
@@ -409,14 +415,8 @@ def test_dead_or_hung_server_is_restarted_with_both_weight_sets(dirs, stubs):
 
     for s in stubs[2:]:
         s.stop()
-    failing = []
-
-    def dead(args):  # every restart comes up dead: give up after max_restarts, clearly
-        failing.append(1)
-        c = HttpClient("http://127.0.0.1:9", 1.0)
-        return c
-
-    engine._connect = dead
+    # Every restart comes up dead: give up after max_restarts, clearly.
+    engine._connect = lambda args: HttpClient("http://127.0.0.1:9", 1.0)
     with pytest.raises(EngineDied, match="gave up after 1 restart"):
         engine.generate(prompts, sp)
 

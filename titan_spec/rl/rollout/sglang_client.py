@@ -72,6 +72,14 @@ def serialize_named_tensors(pairs: Sequence[tuple[str, torch.Tensor]]) -> str:
     carries handles, not bytes: CUDA tensors travel as CUDA IPC handles, CPU tensors as
     shared-memory file descriptors, so the receiver must be on the same node and the
     tensors must stay alive until the request returns."""
+    if any(t.is_cuda for _, t in pairs):
+        # SGLang names the GPU of a CUDA IPC handle by UUID, not index, so that processes
+        # with different CUDA_VISIBLE_DEVICES agree; its senders patch torch's reducer for
+        # that (sglang/srt/utils/patch_torch.py, used by sglang/srt/weight_sync/utils.py).
+        require_sglang()
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
     buf = io.BytesIO()
     ForkingPickler(buf).dump(list(pairs))
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -293,12 +301,13 @@ class InProcessClient:
 
     def update_tensors(self, pairs, load_format: str, weight_version: str, selector: str) -> None:
         # Engine.update_weights_from_tensor has no selector/weight_version arguments; build
-        # the same request it builds, with both fields (io_struct.UpdateWeightsFromTensorReqInput).
+        # the request it builds, with both (io_struct.UpdateWeightsFromTensorReqInput; the
+        # tokenizer manager decodes base64 payloads like the HTTP server's).
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
 
+        blob = serialize_named_tensors(pairs)
         obj = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(list(pairs)) for _ in range(self.tp_size)],
+            serialized_named_tensors=[blob] * self.tp_size,
             load_format=load_format, flush_cache=False, weight_version=weight_version, selector=selector,
         )
         self._check("update_weights_from_tensor", self._run(self.engine.tokenizer_manager.update_weights_from_tensor(obj, None)))

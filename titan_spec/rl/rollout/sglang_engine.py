@@ -300,7 +300,8 @@ class SGLangRolloutEngine:
 
     def _update(self, store: dict, pairs: dict, loader: str, selector: str, attr: str, version: int) -> None:
         saved = (dict(store), getattr(self, attr))
-        store.update({n: t.cpu() for n, t in pairs.items()})
+        # Copies: the trainer updates its tensors in place, and a re-push must send these.
+        store.update({n: t.to("cpu", copy=True) for n, t in pairs.items()})
         setattr(self, attr, int(version))
         try:
             self._call(lambda c: self._push(c, list(pairs.items()), loader, selector))
