@@ -228,6 +228,7 @@ class StubSGLang:
     def __init__(self, fail_update=False, hang_generate=0.0):
         self.calls, self.pushed = [], []
         self.version = "default"
+        self.unhealthy = False
         stub = self
 
         class H(BaseHTTPRequestHandler):
@@ -236,11 +237,14 @@ class StubSGLang:
 
             def _answer(self, status, body):
                 raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on a hung request
 
             def do_GET(self):
                 stub.calls.append((self.path.strip("/"), None))
@@ -253,6 +257,8 @@ class StubSGLang:
                 stub.calls.append((name, body))
                 if name == "generate":
                     time.sleep(stub_hang[0])
+                    if stub.unhealthy:
+                        return self._answer(503, {"message": "unhealthy"})
                     return self._answer(200, [stub.result(p, s) for p, s in zip(body["input_ids"], body["sampling_params"])])
                 if name == "update_weights_from_tensor":
                     if fail_update:
@@ -412,6 +418,9 @@ def test_dead_or_hung_server_is_restarted_with_both_weight_sets(dirs, stubs):
     fresh.hang[0] = 3.0  # the server hangs past request_timeout_s
     engine.generate(prompts, sp)
     assert engine.restarts == 2 and stubs[2].names()[-1] == "generate"
+    stubs[2].unhealthy = True  # it answers, but 503: unhealthy
+    engine.generate(prompts, sp)
+    assert engine.restarts == 3 and stubs[3].names() == BRACKET * 2 + ["generate"]
 
     for s in stubs[2:]:
         s.stop()

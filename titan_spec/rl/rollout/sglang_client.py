@@ -141,8 +141,11 @@ class HttpClient:
         return status, body
 
     def _ok(self, endpoint: str, payload: dict | None = None):
-        """POST and insist on success (200 and, where SGLang reports it, success=true)."""
+        """POST and insist on success (200 and, where SGLang reports it, success=true).
+        503 is how SGLang says it is unhealthy or shutting down: a lost engine."""
         status, body = self._call(endpoint, payload)
+        if status == 503:
+            raise self._died(f"/{endpoint} answered 503 (unhealthy or shutting down)")
         if status != 200 or (isinstance(body, dict) and body.get("success") is False):
             msg = body.get("message") if isinstance(body, dict) else body
             raise SGLangError(f"SGLang /{endpoint} failed (HTTP {status}): {msg}")

@@ -210,7 +210,7 @@ class SGLangRolloutEngine:
         self._policy: dict[str, torch.Tensor] = {}
         self._draft: dict[str, torch.Tensor] = {}
         if self.K:
-            self._draft = dict(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors"))))
+            self._draft = self._cast(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors"))))
         self._policy_released = False
         self._lost = False
         self._closed = False
