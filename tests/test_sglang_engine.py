@@ -344,6 +344,26 @@ def test_pushes_are_bracketed_selected_versioned_and_exact(dirs, stubs):
     assert (out[0].policy_version, out[0].draft_version) == (3, 5)
 
 
+def test_from_config(dirs, stubs):
+    cfg = load_config(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from",
+                             dirs.draft, "--speculative.num_draft_tokens", "2", "--rollout.sglang.port", "31234"])
+    seen = []
+
+    def connect(args):
+        seen.append(args)
+        stubs.append(StubSGLang())
+        return HttpClient(stubs[-1].url, 5.0)
+
+    engine = SGLangRolloutEngine.from_config(cfg, connect=connect)
+    assert (seen[0]["model_path"], seen[0]["speculative_draft_model_path"], seen[0]["speculative_num_steps"],
+            seen[0]["speculative_num_draft_tokens"], seen[0]["port"]) == (dirs.policy, dirs.draft, 2, 3, 31234)
+    assert engine.generate([[3]], SamplingParams(max_new_tokens=2))[0].output_ids == [4, 5]
+    cfg.speculative.enabled = False
+    plain = SGLangRolloutEngine.from_config(cfg, connect=connect)
+    assert plain.K == 0 and "speculative_algorithm" not in seen[1]
+    assert plain.generate([[3]], SamplingParams(max_new_tokens=3))[0].verify_steps == 3  # one forward per token
+
+
 def test_generate_payload_and_results(dirs, stubs):
     engine = _engine(dirs, stubs)
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=16, stop_token_ids=(2,), seed=11)
@@ -504,9 +524,10 @@ def test_bad_draft_directories_and_config(dirs, tmp_path):
 
 def test_missing_sglang_and_start_failures_are_one_line(dirs, tmp_path):
     if importlib.util.find_spec("sglang") is None:
-        with pytest.raises(SGLangStartError) as e:
-            SGLangRolloutEngine(_cfg(), dirs.policy, dirs.draft, 4)  # the default: launch a server
-        assert str(e.value) == INSTALL_HINT
+        for mode in ("server", "engine"):
+            with pytest.raises(SGLangStartError) as e:
+                SGLangRolloutEngine(_cfg(mode=mode), dirs.policy, dirs.draft, 4)
+            assert str(e.value) == INSTALL_HINT
     log = tmp_path / "server.log"
     # A process that never serves: killed at the timeout. One that exits: its log tail.
     for code, msg in (("import time; time.sleep(60)", "was not ready within 1.5s"),
@@ -542,7 +563,9 @@ def test_real_sglang_serves_and_takes_live_updates(dirs):
     pytest.importorskip("sglang", reason="sglang 0.5.23 is not installed (pip install -e '.[sglang]')")
     from sglang.srt.server_args import ServerArgs
 
-    cfg = _cfg(mem_fraction_static=0.3, dtype="float32", start_timeout_s=600.0)
+    # The tiny models have head_dim 16, below what FlashInfer's kernels take: Triton attention.
+    cfg = load_config(None, ["--rollout.sglang.mem_fraction_static", "0.3", "--rollout.sglang.dtype", "float32",
+                             "--rollout.sglang.server_args", '{attention_backend = "triton"}']).rollout.sglang
     ServerArgs(**sglang_server_args(cfg, dirs.policy, dirs.draft, 3))  # every field name exists
     engine = SGLangRolloutEngine(cfg, dirs.policy, dirs.draft, 3)
     try:
