@@ -312,6 +312,8 @@ class SGLangRolloutEngine:
             raise
 
     def update_policy_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """torchtitan names, full tensors. DTensors are gathered here with full_tensor(), a
+        collective: under FSDP gather on every rank and let the engine's owner push."""
         self._check_open()
         pairs = self._cast(policy_to_hf_names(named_tensors, self.arch))
         self._update(self._policy, pairs, TARGET_LOADER, "target", "policy_version", version)
