@@ -36,10 +36,11 @@ _DRAFT_NAMES_EXACT = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"
 
 
 def is_eagle3_draft(model) -> bool:
-    """SGLang's EAGLE-3 draft classes end in "Eagle3" (LlamaForCausalLMEagle3, ...), and so
-    do the ``architectures`` of an EAGLE-3 draft's config.json; target classes do not."""
+    """SGLang's EAGLE-3 draft classes carry "Eagle3" in their name (LlamaForCausalLMEagle3,
+    Eagle3DeepseekV2ForCausalLM in sglang/srt/models/), and so do the ``architectures`` of an
+    EAGLE-3 draft's config.json; no target class does."""
     archs = getattr(getattr(model, "config", None), "architectures", None) or []
-    return type(model).__name__.endswith("Eagle3") or any(str(a).endswith("Eagle3") for a in archs)
+    return "Eagle3" in type(model).__name__ or any("Eagle3" in str(a) for a in archs)
 
 
 def _is_draft_name(name: str) -> bool:
