@@ -484,6 +484,13 @@ def test_memory_release_then_resume_pushes_the_draft_again(dirs, stubs):
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate([[1]], SamplingParams(max_new_tokens=2))
 
+    # SGLang keeps the policy on the CPU itself: nothing to push before generating.
+    backed = _engine(dirs, stubs, cfg=load_config(None, ["--rollout.sglang.server_args", "{enable_weights_cpu_backup = true}"]).rollout.sglang)
+    backed.release_memory()
+    backed.resume_memory()
+    backed.generate([[1]], SamplingParams(max_new_tokens=2))
+    assert stubs[-1].names() == ["release_memory_occupation", "resume_memory_occupation"] + BRACKET + ["generate"]
+
 
 # --- bad input --------------------------------------------------------------------------
 

@@ -342,7 +342,7 @@ class SGLangRolloutEngine:
         if tags is None or "weights" in tags:
             if self._draft:
                 self._call(lambda c: self._push(c, list(self._draft.items()), DRAFT_LOADER, "draft"))
-            self._policy_released = True
+            self._policy_released = not self.server_args.get("enable_weights_cpu_backup")
 
     # --- protocol -----------------------------------------------------------------------
 
