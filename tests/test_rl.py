@@ -149,7 +149,7 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
         raise RuntimeError("simulated engine crash")
 
     worker.main._generate_batch = dead
-    worker._build_main = lambda: _dead_engine(worker)
+    worker._rebuild = lambda: _dead_engine(worker)
     with pytest.raises(RuntimeError, match=r"failed 2 time\(s\).*last checkpoint is intact"):
         worker.generate(prompts, sp)
     # The baselines run the same prompts with the frozen draft and without speculation.

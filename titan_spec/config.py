@@ -231,9 +231,75 @@ class SpeculativeConfig:
 
 
 @dataclass(kw_only=True)
+class SGLangConfig:
+    """[rollout.sglang]: the SGLang engine (GPU; sglang 0.5.23, extra [sglang]). The policy
+    comes from model.hf_checkpoint, the EAGLE-3 draft from draft.init_from, K from
+    [speculative]; see titan_spec/rl/rollout/sglang_engine.py."""
+
+    mode: Literal["server", "engine"] = "server"
+    """'server': launch `python -m sglang.launch_server` and talk HTTP (restarted if it dies);
+    'engine': sglang.Engine in the trainer's process (a crash there kills the trainer)."""
+
+    host: str = "127.0.0.1"
+    """Server host."""
+
+    port: int = 0
+    """Server port; 0 = a free port."""
+
+    tp_size: int = 1
+    """Tensor parallel GPUs of the server."""
+
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Serving dtype; pushed weights are cast to it."""
+
+    mem_fraction_static: float = 0.7
+    """Fraction of GPU memory for weights and KV cache."""
+
+    eagle_topk: int = 1
+    """Draft branches per step (1 = a chain of speculative.num_draft_tokens tokens)."""
+
+    num_verify_tokens: int = 0
+    """Tokens verified per step (SGLang's speculative_num_draft_tokens); 0 = num_draft_tokens + 1."""
+
+    enable_draft_weights_cpu_backup: bool = True
+    """SGLang keeps a CPU copy of the draft across memory release/resume."""
+
+    enable_memory_saver: bool = False
+    """Allow release/resume of the server's GPU memory (colocated training)."""
+
+    start_timeout_s: float = 900.0
+    """Seconds the server may take to load and answer /health_generate."""
+
+    request_timeout_s: float = 1800.0
+    """A request unanswered this long counts as a hung server (restarted)."""
+
+    max_restarts: int = 2
+    """Restarts in a row before a rollout call fails."""
+
+    log_dir: str = ""
+    """Where the server's log goes ('' = the system temp dir)."""
+
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Further sglang ServerArgs fields, passed as is (e.g. {cuda_graph_max_bs = 64})."""
+
+    def validate(self) -> None:
+        _check(0 <= self.port < 65536, "rollout.sglang.port", self.port, "0 (free port) or a port number")
+        _check(self.tp_size >= 1, "rollout.sglang.tp_size", self.tp_size, ">= 1")
+        _check(0 < self.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
+        _check(self.eagle_topk >= 1, "rollout.sglang.eagle_topk", self.eagle_topk, ">= 1")
+        _check(self.num_verify_tokens >= 0, "rollout.sglang.num_verify_tokens", self.num_verify_tokens, ">= 0 (0 = num_draft_tokens + 1)")
+        _check(self.start_timeout_s > 0, "rollout.sglang.start_timeout_s", self.start_timeout_s, "> 0")
+        _check(self.request_timeout_s > 0, "rollout.sglang.request_timeout_s", self.request_timeout_s, "> 0")
+        _check(self.max_restarts >= 0, "rollout.sglang.max_restarts", self.max_restarts, ">= 0")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     engine: Literal["torch", "sglang"] = "torch"
     """Rollout engine."""
+
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """The SGLang engine's settings (used when engine = 'sglang')."""
 
     max_batch_size: int = 0
     """Requests the built-in engine decodes together (larger calls are split); 0 = all at once."""
@@ -246,6 +312,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         _check(self.max_batch_size >= 0, "rollout.max_batch_size", self.max_batch_size, ">= 0 (0 = no limit)")
+        self.sglang.validate()
 
     def torch_engine_config(self, speculative: SpeculativeConfig):
         """The built-in engine's settings from the [rollout] and [speculative] sections."""
@@ -394,7 +461,8 @@ class TitanSpecConfig:
                 build_task(self.task)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"task.path: {e}") from None
-
+        if self.rollout.engine == "sglang":
+            self._validate_sglang()
 
     def _validate_rl(self, world_size: int) -> None:
         rl, d, sp = self.rl, self.draft, self.speculative
@@ -413,6 +481,27 @@ class TitanSpecConfig:
             raise ConfigError(
                 f"rl.prompts_per_step = {rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"
             )
+
+    def _validate_sglang(self) -> None:
+        if not self.model.hf_checkpoint:
+            raise ConfigError("rollout.engine = 'sglang' needs model.hf_checkpoint: SGLang loads the policy from a local HF directory")
+        if not self.speculative.enabled:
+            return
+        if not self.draft.init_from:
+            raise ConfigError(
+                "rollout.engine = 'sglang' with speculative.enabled needs draft.init_from: the exported EAGLE-3 "
+                "draft directory SGLang starts from (train one with --draft.offline true)"
+            )
+        from titan_spec.rl.rollout.sglang_engine import MANAGED_SERVER_ARGS
+        from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy
+
+        clash = sorted(set(self.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
+        if clash:
+            raise ConfigError(f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys")
+        try:
+            check_draft_fits_policy(self.model.hf_checkpoint, self.draft.init_from)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -12,6 +12,11 @@ Engines of one worker:
   frozen   the policy + the draft as it was before RL (baseline; only when co-training)
   nospec   the policy alone, K = 0 (baseline; only when speculating)
 The three share ONE target module, so a policy push reaches all of them at once.
+
+With ``rollout.engine = "sglang"`` the main engine is this rank's SGLang server, started from
+``model.hf_checkpoint`` and ``draft.init_from`` (rl/rollout/sglang_engine.py; it restarts
+itself and re-pushes both weight sets when the server dies); the baselines are built-in-engine
+measurements and are skipped.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torchtitan.tools.logging import logger
 
-from titan_spec.config import ConfigError, TitanSpecConfig
+from titan_spec.config import TitanSpecConfig
 from titan_spec.models.draft import Eagle3Draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.rl.rollout.base import Rollout, SamplingParams
@@ -66,10 +71,16 @@ class RolloutWorker:
         draft: Eagle3Draft | None,
     ):
         """``draft``: the draft before RL (unsharded; None without speculation)."""
-        if cfg.rollout.engine != "torch":
-            raise ConfigError(f"rollout.engine = {cfg.rollout.engine!r} is not available in this build; use 'torch'")
         self.cfg = cfg
         spec = cfg.speculative.enabled and draft is not None
+        self.co_train = spec and cfg.draft.co_train
+        self.frozen = self.nospec = None
+        if cfg.rollout.engine == "sglang":
+            from titan_spec.rl.rollout.sglang_engine import SGLangRolloutEngine
+
+            self.main = SGLangRolloutEngine.from_config(cfg)
+            self._rebuild = None  # the SGLang engine restarts its server itself
+            return
         taps = tuple(draft.arch.tap_layer_ids) if spec else ()
         with torch.device(device):
             target = build_target_config(arch, tap_layer_ids=taps).build()
@@ -78,6 +89,7 @@ class RolloutWorker:
         self._draft = copy.deepcopy(draft).to(device) if spec else None
         self._engine_cfg = cfg.rollout.torch_engine_config(cfg.speculative)
         self.main = self._build_main()
+        self._rebuild = self._build_main
         quiet = dataclasses.replace(self._engine_cfg, progress=False)
         baselines = spec and cfg.rl.baseline_interval > 0
         self.frozen = (
@@ -85,7 +97,6 @@ class RolloutWorker:
             if baselines and cfg.draft.co_train else None
         )
         self.nospec = TorchRolloutEngine(target, None, dataclasses.replace(quiet, num_draft_tokens=0)) if baselines else None
-        self.co_train = spec and cfg.draft.co_train
 
     def _build_main(self) -> TorchRolloutEngine:
         return TorchRolloutEngine(self._target, self._draft, self._engine_cfg)
@@ -118,10 +129,11 @@ class RolloutWorker:
                         "the run stops here and its last checkpoint is intact: rerun the same command to resume"
                     ) from e
                 logger.warning(f"rollout engine failed ({type(e).__name__}: {e}); rebuilding it and retrying")
-                version, draft_version = self.main.policy_version, self.main.draft_version
-                self.main.close()
-                self.main = self._build_main()
-                self.main.policy_version, self.main.draft_version = version, draft_version
+                if self._rebuild is not None:
+                    version, draft_version = self.main.policy_version, self.main.draft_version
+                    self.main.close()
+                    self.main = self._rebuild()
+                    self.main.policy_version, self.main.draft_version = version, draft_version
         raise AssertionError("unreachable")
 
     def baselines(self, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, RolloutStats]:
