@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-TASK = ("--task.max_operand", "9", "--task.seed", "5")
+TASK = ("--task.seed", "5",)
 SMALL = ("--training.seq_len", "128", "--training.local_batch_size", "8", "--checkpoint.enable", "false")
 
 
@@ -23,7 +23,7 @@ def warm_start(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("warm")
     sft = str(root / "sft")
-    run_train(sft, 1, (*SMALL, *TASK, "--training.steps", "80", "--job.export_hf", "hf", "--lr_scheduler.warmup_steps", "5"))
+    run_train(sft, 1, (*SMALL, *TASK, "--training.steps", "120", "--job.export_hf", "hf", "--lr_scheduler.warmup_steps", "5"))
     draft = str(root / "draft")
     run_train(draft, 1, (*SMALL, *TASK, "--training.steps", "40", "--model.hf_checkpoint", os.path.join(sft, "hf"),
                          "--lr_scheduler.warmup_steps", "5"), config="debug_cpu_draft.toml")
@@ -36,22 +36,23 @@ def _rl(warm_start, dump, steps, *extra):
     hf, draft = warm_start
     return run_train(dump, 1, (
         "--model.hf_checkpoint", hf, "--draft.init_from", draft, *TASK,
-        "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1",
-        "--rl.prompts_per_step", "8", "--rl.group_size", "8", "--rl.max_new_tokens", "12",
-        "--rl.baseline_interval", "4", "--rollout.progress", "false", "--optimizer.lr", "1e-3",
-        "--checkpoint.interval", "6", "--metrics.log_freq", "1", *extra,
+        "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "128",
+        "--rl.prompts_per_step", "16", "--rl.group_size", "8", "--rl.max_new_tokens", "12",
+        "--rl.baseline_interval", "10", "--rollout.progress", "false",
+        "--checkpoint.interval", "3", "--metrics.log_freq", "1", *extra,
     ), config="debug_cpu.toml", timeout=900)
 
 
 def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start, tmp_path):
     dump = str(tmp_path / "rl")
-    rows = _rl(warm_start, dump, 12)
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    rows = _rl(warm_start, dump, 30)
+    assert [r["step"] for r in rows] == list(range(1, 31))
     rewards = [r["rl/reward"] for r in rows]
-    assert sum(rewards[-4:]) / 4 > rewards[0] + 0.05, rewards
-    # The same prompts through the co-trained and the frozen draft at steps 1, 4, 8, 12.
+    # Noisy per step (16 prompts x 8 samples); compare the first and last thirds.
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.03, rewards
+    # The same prompts through the co-trained and the frozen draft at steps 1, 10, 20, 30.
     base = [r for r in rows if "rollout/accept_len_frozen" in r]
-    assert [r["step"] for r in base] == [1, 4, 8, 12]
+    assert [r["step"] for r in base] == [1, 10, 20, 30]
     assert base[0]["rollout/accept_len"] == pytest.approx(base[0]["rollout/accept_len_frozen"], abs=1e-9)
     assert base[-1]["rollout/accept_len"] >= base[-1]["rollout/accept_len_frozen"], base
     assert all(r["rollout/accept_len"] > 1.0 for r in rows)
@@ -63,12 +64,13 @@ def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start
         assert "| reward |" in f.read()
     assert os.path.isfile(os.path.join(dump, "DONE"))
 
-    # Stop at the step-6 checkpoint, resume to 12: the trajectory equals the uninterrupted run.
+    # Stop at the step-3 checkpoint, resume to 6: the trajectory equals the uninterrupted run
+    # (constant LR after a 1-step warmup, so a 6-step run's steps are the 30-step run's).
     dump2 = str(tmp_path / "resumed")
-    first = _rl(warm_start, dump2, 6)
-    assert os.path.isdir(os.path.join(dump2, "checkpoint", "step-6"))
-    resumed = _rl(warm_start, dump2, 12)[6:]
-    assert [r["step"] for r in first + resumed] == list(range(1, 13))
+    first = _rl(warm_start, dump2, 3)
+    assert os.path.isdir(os.path.join(dump2, "checkpoint", "step-3"))
+    resumed = _rl(warm_start, dump2, 6)[3:]
+    assert [r["step"] for r in first + resumed] == list(range(1, 7))
     for a, b in zip(rows, first + resumed):
         for key in ("loss", "rl/reward", "rollout/tokens", "rollout/accept_len", "draft/loss", "draft/acc_0"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-6), (key, a["step"])
