@@ -131,8 +131,10 @@ class TapStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
         out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         taps = getattr(self.submod, "stashed_taps", None)
-        if self.channel is not None and taps is not None:
-            self.submod.stashed_taps = None
+        self.submod.stashed_taps = None
+        # A stage without tap layers has nothing to hand over (the channel's end_step still
+        # checks that every stage that should have tapped did, once per microbatch).
+        if self.channel is not None and taps:
             self.channel.put(self.stage_index, fwd_chunk_id, taps)
         return out
 
