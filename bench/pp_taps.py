@@ -10,7 +10,9 @@
 #   control  the same pipeline, hooks and draft loss, but nothing is sent: the draft reads
 #            features the last stage already has (fixed buffers of the taps' shape)
 #
-# overhead = (channel - control) / control, from the median step times.
+# overhead = (channel - control) / control, from the median (and the min) step times; and,
+# less noisy on a shared machine, the time spent inside the channel's calls per step
+# (the slower rank; it includes waiting for a microbatch's taps that are still in flight).
 #
 # Usage: PYTHONPATH=. python bench/pp_taps.py [--microbatches 2,4,8] [--steps 8] [--out PATH]
 
@@ -32,7 +34,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="TapChannel overhead in a pp=2 co-training step")
     p.add_argument("--microbatches", default="2,4,8", help="microbatch counts (1 row each)")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=8, help="measured steps per mode and microbatch count")
+    p.add_argument("--steps", type=int, default=16, help="measured steps per mode and microbatch count")
     p.add_argument("--block", type=int, default=2, help="steps per block; modes alternate by block")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/pp_taps.json"))
@@ -63,6 +65,29 @@ class _LocalFeatures:
         pass
 
 
+class _Timed:
+    """The real channel, with the time spent inside its calls summed (what the channel itself
+    costs a rank, apart from the noise of the whole step)."""
+
+    def __init__(self, channel):
+        self.channel, self.layout, self.seconds = channel, channel.layout, 0.0
+
+    @property
+    def received(self):
+        return self.channel.received
+
+    def _timed(name):
+        def call(self, *args):
+            t = time.perf_counter()
+            try:
+                return getattr(self.channel, name)(*args)
+            finally:
+                self.seconds += time.perf_counter() - t
+        return call
+
+    begin_step, put, take, end_step = _timed("begin_step"), _timed("put"), _timed("take"), _timed("end_step")
+
+
 def _use(trainer, channel):
     # Stages are private to torch's schedules; the benchmark swaps what they talk to.
     sched = trainer.pp_schedule
@@ -90,10 +115,11 @@ def _worker(args) -> None:
             "--training.steps", str(10**6),
         ])
         trainer = to_trainer_config(cfg).build()
-        real = trainer.pp_schedule.titan_spec_loss.channel
+        real = _Timed(trainer.pp_schedule.titan_spec_loss.channel)
         control = _LocalFeatures(real)
         data = trainer.batch_generator(trainer.dataloader)
         times = {"channel": [], "control": []}
+        in_channel = []
 
         def run(mode, k, keep):
             _use(trainer, real if mode == "channel" else control)
@@ -105,17 +131,26 @@ def _worker(args) -> None:
                 dist.barrier()
                 if keep:
                     times[mode].append(time.perf_counter() - t)
+            if keep and mode == "channel":
+                in_channel.append(real.seconds / k)
+            real.seconds = 0.0
 
         run("channel", args.warmup, False)
         run("control", args.warmup, False)
         for i in range(0, args.steps, args.block):
             for mode in (("channel", "control") if i // args.block % 2 == 0 else ("control", "channel")):
                 run(mode, args.block, True)
+        # Time inside channel calls per step, on the slower of the two ranks.
+        spent = torch.tensor([statistics.median(in_channel)], dtype=torch.float64)
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
             ch, ct = statistics.median(times["channel"]), statistics.median(times["control"])
             rows.append({
                 "microbatches": n, "channel_ms": 1e3 * ch, "control_ms": 1e3 * ct,
                 "overhead_pct": 100 * (ch - ct) / ct,
+                "channel_min_ms": 1e3 * min(times["channel"]), "control_min_ms": 1e3 * min(times["control"]),
+                "min_overhead_pct": 100 * (min(times["channel"]) - min(times["control"])) / min(times["control"]),
+                "in_channel_ms": 1e3 * float(spent), "in_channel_pct": 100 * float(spent) / ct,
                 "tap_bytes_per_step": n * len(real.layout.keys) * args.seq_len * real.layout.shape_BLD[2] * 4,
                 "channel_all_ms": [1e3 * t for t in times["channel"]],
                 "control_all_ms": [1e3 * t for t in times["control"]],
@@ -143,10 +178,14 @@ def main(argv=None) -> None:
     load_after = os.getloadavg()
 
     print(f"pp=2, 1F1B, llama3/tiny, seq_len {args.seq_len}, 1-row microbatches, 2 gloo processes on CPU")
-    print(f"{'microbatches':>12} {'channel ms':>11} {'control ms':>11} {'overhead':>9} {'tap MB/step':>11}")
+    print("step ms: median (min) over the measured steps; in-channel: time inside TapChannel calls per step")
+    print(f"{'microbatches':>12} {'channel ms':>16} {'control ms':>16} {'overhead med (min)':>19} "
+          f"{'in-channel ms':>14} {'in-channel %':>13} {'tap MB/step':>11}")
     for r in rows:
-        print(f"{r['microbatches']:>12} {r['channel_ms']:>11.1f} {r['control_ms']:>11.1f} "
-              f"{r['overhead_pct']:>8.1f}% {r['tap_bytes_per_step'] / 1e6:>11.2f}")
+        print(f"{r['microbatches']:>12} {r['channel_ms']:>8.1f} ({r['channel_min_ms']:>5.0f}) "
+              f"{r['control_ms']:>8.1f} ({r['control_min_ms']:>5.0f}) "
+              f"{r['overhead_pct']:>9.1f}% ({r['min_overhead_pct']:>5.1f}%) "
+              f"{r['in_channel_ms']:>14.2f} {r['in_channel_pct']:>12.2f}% {r['tap_bytes_per_step'] / 1e6:>11.2f}")
     print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     report = {
         "config": vars(args), "load_avg_before": load_before, "load_avg_after": load_after,
