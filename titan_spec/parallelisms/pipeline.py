@@ -60,6 +60,10 @@ SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 """Schedules co-training runs and is tested with (full backward per microbatch, so the
 draft's gradients accumulate in the same backward as the policy's)."""
 
+TAP_TIMEOUT_S = 600.0
+"""How long the last stage waits for a microbatch's taps before it raises (the pipeline's
+own P2P waits as long; the first step may include compilation)."""
+
 
 class Microbatch(NamedTuple):
     """The schedule's per-microbatch "target" on the last stage: all its loss needs."""
@@ -238,11 +242,6 @@ def pipeline_spec(
     )
     schedule.titan_spec_loss = loss
     return schedule, parts, any(st.is_first for st in stages), any(st.is_last for st in stages)
-
-
-TAP_TIMEOUT_S = 600.0
-"""How long the last stage waits for a microbatch's taps before it raises (the pipeline's
-own P2P waits as long; the first step may include compilation)."""
 
 
 # ---------------------------------------------------------------------------
