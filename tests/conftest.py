@@ -52,3 +52,8 @@ def train_many(nproc: int, runs: list[tuple[str, tuple[str, ...]]], timeout: int
 @pytest.fixture
 def train():
     return run_train
+
+
+@pytest.fixture
+def many():
+    return train_many

@@ -39,12 +39,10 @@ def _assert_same_training(ref, rows, ref_dump, dump, label):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=f"{label}: draft {k}")
 
 
-def test_pp2_matches_pp1_for_each_schedule(tmp_path):
+def test_pp2_matches_pp1_for_each_schedule(tmp_path, many):
     """One 2-process launch: pp = 1 (FSDP over the 2 ranks, 2 rows each; test_train shows this
     equals one process) and pp = 2 with 4 microbatches of 1 row for each schedule, on the same
     4-row global batches."""
-    from tests.conftest import train_many
-
     schedules = ("1F1B", "GPipe", "Interleaved1F1B")
     runs = [(str(tmp_path / "pp1"), (*COMMON, "--training.local_batch_size", "2",
                                       "--parallelism.data_parallel_shard_degree", "2"))]
@@ -52,7 +50,7 @@ def test_pp2_matches_pp1_for_each_schedule(tmp_path):
     # the taps (read between blocks) must still be sent exactly once per microbatch.
     ac = {"GPipe": ("--activation_checkpoint.mode", "full")}
     runs += [(str(tmp_path / s), (*COMMON, *_pp(s), *ac.get(s, ()))) for s in schedules]
-    ref, *pps = train_many(2, runs)
+    ref, *pps = many(2, runs)
     assert ref[-1]["loss"] < ref[0]["loss"]
     for s, rows in zip(schedules, pps):
         _assert_same_training(ref, rows, runs[0][0], str(tmp_path / s), s)
@@ -60,15 +58,13 @@ def test_pp2_matches_pp1_for_each_schedule(tmp_path):
         assert [r["pp/taps_delivered"] for r in rows] == [4 * 4] * 3, s
 
 
-def test_pp2_x_dp2_matches_pp1(tmp_path):
+def test_pp2_x_dp2_matches_pp1(tmp_path, many):
     """4 processes: pp = 2 x FSDP dp = 2 (draft FSDP'd over the last stage's 2 ranks) against
     pp = 1 x dp = 4, same 8-row global batches."""
-    from tests.conftest import train_many
-
     runs = [(str(tmp_path / "dp4"), (*COMMON, "--training.local_batch_size", "2",
                                       "--parallelism.data_parallel_shard_degree", "4")),
             (str(tmp_path / "pp2dp2"), (*COMMON, *_pp("1F1B", dp=2, mb=2)))]
-    ref, rows = train_many(4, runs)
+    ref, rows = many(4, runs)
     _assert_same_training(ref, rows, runs[0][0], runs[1][0], "pp2 x dp2")
     assert [r["pp/taps_delivered"] for r in rows] == [2 * 4] * 3
 

@@ -11,6 +11,8 @@ each capability titan_spec adds hooks in at one of the parent's seams:
 - ``post_dataloading_process``: attach titan_spec's document-attention metadata;
 - ``_forward_backward_body``: the ONE training forward; with ``[draft] enable`` its
   detached taps and logits also give the draft's TTT loss (draft_training.py);
+- ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
+  stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
 - ``train_step``: the draft's optimizer steps right after the policy's;
 - ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint.
 
