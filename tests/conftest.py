@@ -8,11 +8,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_train(dump: str, nproc: int = 1, overrides: tuple[str, ...] = (), timeout: int = 600) -> list[dict]:
-    """Run the real entry point under torchrun (gloo on CPU); return metrics.jsonl rows."""
+def run_train(
+    dump: str, nproc: int = 1, overrides: tuple[str, ...] = (), timeout: int = 600, config: str = "debug_cpu_sft.toml"
+) -> list[dict]:
+    """Run the real entry point under torchrun (gloo on CPU) with train_configs/``config``
+    and small-model overrides; return the metrics.jsonl rows."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "titan_spec.train", "--config", os.path.join(ROOT, "train_configs/debug_cpu.toml"),
+        "-m", "titan_spec.train", "--config", os.path.join(ROOT, "train_configs", config),
         "--job.dump_folder", dump, "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
         "--training.seq_len", "128", "--training.local_batch_size", "4",
         "--lr_scheduler.warmup_steps", "2", *overrides,

@@ -124,7 +124,7 @@ class TaskDataLoader(BaseDataLoader):
         budget, total = rows * self.row_len, 0
         while total < budget:
             prob = self.task.sample(rng)
-            docs.append(sft_document(self.tokenizer, prob.prompt, prob.answer))
+            docs.append(sft_document(self.tokenizer, prob.prompt, prob.sft_target))
             total += len(docs[-1].tokens)
         packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id)
         return packed
@@ -138,6 +138,15 @@ class TaskDataLoader(BaseDataLoader):
         start = self.dp_rank * self.step_rows + k * self.rows
         mine = slice(start, start + self.rows)
         return {"input": packed.input_BL[mine], "positions": packed.positions_BL[mine]}, packed.labels_BL[mine]
+
+    def next_problems(self, count: int) -> list:
+        """RL: this rank's share of the ``count`` prompts of the next step, deterministic in
+        (task seed, step index) like the packed batches, whatever the number of ranks."""
+        rng = random.Random(self.task_cfg.seed * 1_000_003 + self.batch_index)
+        self.batch_index += 1
+        problems = [self.task.sample(rng) for _ in range(count)]
+        share = count // self.dp_world_size
+        return problems[self.dp_rank * share : (self.dp_rank + 1) * share]
 
     def token_counts(self, num_batches: int, vocab_size: int) -> torch.Tensor:
         """How often each token is a training target in the first batches (all ranks' rows)."""

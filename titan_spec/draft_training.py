@@ -36,7 +36,23 @@ from titan_spec.models.draft_io import load_draft_into, save_draft
 from titan_spec.models.target import Taps
 from titan_spec.models.ttt import TTTResult, ttt_shifts, ttt_targets
 
-__all__ = ["DraftTraining"]
+__all__ = ["DraftTraining", "initial_draft", "under_dump_folder"]
+
+
+def initial_draft(cfg: DraftConfig, arch: DraftArch, token_counts_V: torch.Tensor | None, seed: int) -> Eagle3Draft:
+    """The draft before training, unsharded: ``draft.init_from``, else a seeded random init
+    with the vocabulary mapping of the most frequent target tokens. Deterministic, so a
+    resumed run rebuilds the same starting draft (the RL frozen-draft baseline uses it)."""
+    with torch.random.fork_rng(devices=[]):
+        # Same init on every rank, independent of the policy's RNG stream.
+        torch.manual_seed(seed + 1)
+        draft = Eagle3Draft(arch)
+        draft.reset_parameters()
+    if token_counts_V is not None and arch.draft_vocab_size < arch.vocab_size:
+        draft.set_vocab_mapping(*build_vocab_mapping(token_counts_V, arch.draft_vocab_size))
+    if cfg.init_from:
+        load_draft_into(draft, cfg.init_from)
+    return draft
 
 
 class DraftTraining(Stateful):
@@ -53,15 +69,7 @@ class DraftTraining(Stateful):
         seed: int,
     ):
         self.cfg = cfg
-        with torch.random.fork_rng(devices=[]):
-            # Same init on every rank, independent of the policy's RNG stream.
-            torch.manual_seed(seed + 1)
-            draft = Eagle3Draft(arch)
-            draft.reset_parameters()
-        if token_counts_V is not None and arch.draft_vocab_size < arch.vocab_size:
-            draft.set_vocab_mapping(*build_vocab_mapping(token_counts_V, arch.draft_vocab_size))
-        if cfg.init_from:
-            load_draft_into(draft, cfg.init_from)
+        draft = initial_draft(cfg, arch, token_counts_V, seed)
         draft.to(device)
         self.dp_mesh = dp_mesh
         if dp_mesh is not None:
@@ -156,12 +164,15 @@ class DraftTraining(Stateful):
         set_optimizer_state_dict(self.draft, self.optimizer, sd["optim"])
         self.scheduler.load_state_dict(sd["lr"])
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The draft's full tensors by export name, on every rank (collective under FSDP)."""
+        return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True))
+
     def export(self, path: str) -> None:
         """Write the SGLang-loadable draft directory (collective under FSDP; one rank writes)."""
         # Gathered on every rank (cpu_offload would keep it on global rank 0 only, which
         # under PP holds no draft); the draft is small.
-        full = get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True))
-        full = {k: v.cpu() for k, v in full.items()}
+        full = {k: v.cpu() for k, v in self.full_state_dict().items()}
         # The first rank of the draft's data-parallel group writes (under PP that group is
         # on the last stage, not on global rank 0).
         if self.dp_mesh is not None and self.dp_mesh.get_local_rank() != 0:
