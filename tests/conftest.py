@@ -28,11 +28,13 @@ def run_train(
         return [json.loads(line) for line in f]
 
 
-def train_many(nproc: int, runs: list[tuple[str, tuple[str, ...]]], timeout: int = 600) -> list[list[dict]]:
-    """Several runs (dump folder, overrides) in ONE torchrun launch of nproc processes
-    (tests/helpers/train_many.py); returns each run's metrics.jsonl rows."""
+def train_many(
+    nproc: int, runs: list[tuple[str, tuple[str, ...]]], timeout: int = 600, config: str = "debug_cpu_pp.toml"
+) -> list[list[dict]]:
+    """Several runs (dump folder, overrides) of train_configs/``config`` in ONE torchrun launch
+    of nproc processes (tests/helpers/train_many.py); returns each run's metrics.jsonl rows."""
     base = [
-        "--config", os.path.join(ROOT, "train_configs/debug_cpu.toml"), "--metrics.log_freq", "1",
+        "--config", os.path.join(ROOT, "train_configs", config), "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard", "false", "--training.seq_len", "128", "--training.local_batch_size", "4",
         "--lr_scheduler.warmup_steps", "2",
     ]

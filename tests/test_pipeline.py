@@ -11,13 +11,14 @@ from safetensors.torch import load_file
 from titan_spec.config import ConfigError, load_config
 from titan_spec.train import to_trainer_config
 
-# llama3/tiny: torchtitan has no weight tying under PP (qwen3/tiny ties). 8 layers, taps (1, 3, 4).
+# train_configs/debug_cpu_pp.toml: llama3/tiny, as torchtitan has no weight tying under PP (qwen3/tiny ties). 8 layers, taps (1, 3, 4).
 # 1F1B/GPipe: stage 0 = embeddings + layers 0-3 (embeddings, taps 1 and 3 are sent), stage 1 = layers
 # 4-7 (tap 4 used in place). Interleaved1F1B, 4 virtual stages: stage 0 (rank 0) sends the embeddings
 # and tap 1; stage 1 (layers 2-4) is on the last stage's rank, its taps 3 and 4 are used in place.
 COMMON = ("--model.name", "llama3", "--training.seq_len", "64", "--training.steps", "3",
           "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3",
           "--checkpoint.enable", "false", "--lr_scheduler.total_steps", "3")
+PP1 = ("--parallelism.pipeline_parallel_degree", "1")
 KEYS = ["loss", "grad_norm", "draft/loss", "draft/grad_norm", "draft/acc_0", "draft/acc_1", "draft/acc_2"]
 
 
@@ -44,7 +45,7 @@ def test_pp2_matches_pp1_for_each_schedule(tmp_path, many):
     equals one process) and pp = 2 with 4 microbatches of 1 row for each schedule, on the same
     4-row global batches."""
     schedules = ("1F1B", "GPipe", "Interleaved1F1B")
-    runs = [(str(tmp_path / "pp1"), (*COMMON, "--training.local_batch_size", "2",
+    runs = [(str(tmp_path / "pp1"), (*COMMON, "--training.local_batch_size", "2", *PP1,
                                       "--parallelism.data_parallel_shard_degree", "2"))]
     # GPipe also runs with full activation checkpointing: the blocks recompute in the backward,
     # the taps (read between blocks) must still be sent exactly once per microbatch.
@@ -61,7 +62,7 @@ def test_pp2_matches_pp1_for_each_schedule(tmp_path, many):
 def test_pp2_x_dp2_matches_pp1(tmp_path, many):
     """4 processes: pp = 2 x FSDP dp = 2 (draft FSDP'd over the last stage's 2 ranks) against
     pp = 1 x dp = 4, same 8-row global batches."""
-    runs = [(str(tmp_path / "dp4"), (*COMMON, "--training.local_batch_size", "2",
+    runs = [(str(tmp_path / "dp4"), (*COMMON, "--training.local_batch_size", "2", *PP1,
                                       "--parallelism.data_parallel_shard_degree", "4")),
             (str(tmp_path / "pp2dp2"), (*COMMON, *_pp("1F1B", dp=2, mb=2)))]
     ref, rows = many(4, runs)
@@ -90,7 +91,7 @@ BAD = [
 def test_bad_pipeline_config_is_one_line_before_any_step(args, needle):
     base = ["--model.name", "llama3", "--draft.enable", "true", "--training.local_batch_size", "4",
             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "train_configs/debug_cpu.toml"), base + args,
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "train_configs/debug_cpu_pp.toml"), base + args,
                       world_size=2)
     with pytest.raises(ConfigError) as info:
         to_trainer_config(cfg)

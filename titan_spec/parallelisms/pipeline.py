@@ -304,6 +304,9 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
     if cfg.draft.enable and cfg.draft.offline:
         raise ConfigError("pipeline parallelism: draft.offline (a frozen target) is not supported; the pipeline "
                           "backward needs a trainable target (run offline draft training with pp = 1)")
+    if cfg.rl.enable:
+        raise ConfigError("pipeline parallelism: rl.enable is not supported yet (the pipelined step computes "
+                          "the SFT loss, not the GRPO one); run RL with pp = 1")
     if cfg.job.export_hf:
         raise ConfigError("pipeline parallelism: job.export_hf is not supported (each stage holds part of the "
                           "policy); export from a checkpoint with pp = 1")
