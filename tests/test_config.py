@@ -64,7 +64,7 @@ MALFORMED = [
     ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
     ("[rollout]\nengine = 'vllm'\n", [], 1, ["rollout.engine", "'torch', 'sglang'"]),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
-    ("[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["pipeline_parallel_degree = 2 is not supported yet"]),
+    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["tensor_parallel_degree = 2 is not supported yet"]),
 ]
 
 

@@ -438,11 +438,11 @@ class TitanSpecConfig:
                 f" x cp {p.context_parallel_degree} = {others * shard}, but {world_size} processes run"
                 " (set NGPU, or the degrees, so they multiply to it)"
             )
-        for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
+        for name in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
             if getattr(p, name) > 1:
                 raise ConfigError(
                     f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
-                    "parallel (FSDP) now, context and pipeline parallelism come with their own issues"
+                    "parallel (FSDP) and pipeline parallel now, context parallelism comes with its own issue"
                 )
         if self.rl.enable:
             self._validate_rl(world_size)

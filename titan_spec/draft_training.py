@@ -3,7 +3,8 @@
 SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
 
     loss(taps, logits, ...)   TTT loss from the policy forward's detached taps and logits,
-                              normalized by the valid rows of all data-parallel ranks
+                              normalized by normalizer(): the trainable rows of the whole
+                              step (all microbatches, all data-parallel ranks)
     step()                    the draft's own clipping, AdamW step and LR schedule
 
 The draft is small and is trained data-parallel with the policy: FSDP2 over the same
@@ -33,7 +34,7 @@ from titan_spec.config import DraftConfig
 from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping
 from titan_spec.models.draft_io import load_draft_into, save_draft
 from titan_spec.models.target import Taps
-from titan_spec.models.ttt import TTTResult, ttt_targets
+from titan_spec.models.ttt import TTTResult, ttt_shifts, ttt_targets
 
 __all__ = ["DraftTraining", "initial_draft", "under_dump_folder"]
 
@@ -85,16 +86,29 @@ class DraftTraining(Stateful):
 
     # --- per step ----------------------------------------------------------------------
 
-    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta) -> TTTResult:
+    def normalizer(self, positions_BL: list[torch.Tensor], labels_BL: list[torch.Tensor]) -> torch.Tensor:
+        """count_S: rows each TTT step can train on, summed over the given microbatches and
+        the data-parallel ranks. Like torchtitan's global_valid_tokens it is fixed before the
+        forward (positions and labels only, not the target's argmax), so splitting a batch
+        into pipeline microbatches leaves the loss and its gradients unchanged."""
+        count_S = sum(
+            torch.stack([valid.sum() for _, valid in ttt_shifts(p.reshape(-1), l.reshape(-1), self.cfg.ttt_steps)])
+            for p, l in zip(positions_BL, labels_BL, strict=True)
+        )
+        if self.dp_mesh is not None:
+            dist.all_reduce(count_S, group=self.dp_mesh.get_group())
+        return count_S
+
+    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta, count_S=None) -> TTTResult:
+        """The TTT loss of one (micro)batch, normalized by ``count_S`` (default: this batch's
+        ``normalizer``)."""
         draft = self.draft
         T = positions_BL.numel()
         logits_TV = logits_BLV.detach().reshape(T, -1)
         positions_T, labels_T = positions_BL.reshape(T), labels_BL.reshape(T)
         targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps)
-        count_S = torch.stack([valid.sum() for _, valid, _ in targets])
-        if self.dp_mesh is not None:
-            count_S = count_S.clone()
-            dist.all_reduce(count_S, group=self.dp_mesh.get_group())
+        if count_S is None:
+            count_S = self.normalizer([positions_BL], [labels_BL])
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         result = draft(
             hidden, taps.embeds_BLD.detach().reshape(T, -1), positions_T, meta, targets,
@@ -155,9 +169,13 @@ class DraftTraining(Stateful):
         return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True))
 
     def export(self, path: str) -> None:
-        """Write the SGLang-loadable draft directory (collective under FSDP; rank 0 writes)."""
-        full = get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.is_initialized() and dist.get_rank() != 0:
+        """Write the SGLang-loadable draft directory (collective under FSDP; one rank writes)."""
+        # Gathered on every rank (cpu_offload would keep it on global rank 0 only, which
+        # under PP holds no draft); the draft is small.
+        full = {k: v.cpu() for k, v in self.full_state_dict().items()}
+        # The first rank of the draft's data-parallel group writes (under PP that group is
+        # on the last stage, not on global rank 0).
+        if self.dp_mesh is not None and self.dp_mesh.get_local_rank() != 0:
             return
         copy = Eagle3Draft(self.draft.arch)
         copy.load_state_dict(full)

@@ -11,6 +11,8 @@ each capability titan_spec adds hooks in at one of the parent's seams:
 - ``post_dataloading_process``: attach titan_spec's document-attention metadata;
 - ``_forward_backward_body``: the ONE training forward; with ``[draft] enable`` its
   detached taps and logits also give the draft's TTT loss (draft_training.py);
+- ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
+  stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
 - ``train_step``: the draft's optimizer steps right after the policy's;
 - ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint.
 
@@ -47,6 +49,7 @@ from titan_spec.models.draft import DraftArch
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_ids
+from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_forward_backward, pipeline_spec
 
 __all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "main"]
 
@@ -131,14 +134,15 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
     else:
         from torchtitan.models.llama3 import parallelize_llama as parallelize_fn
         from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as adapter
-    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        check_pipeline_config(cfg, model_config, taps)
 
     spec = ModelSpec(
         name=arch.family,
         flavor="hf" if cfg.model.hf_checkpoint else cfg.model.flavor,
         model=model_config,
         parallelize_fn=_parallelize(parallelize_fn),
-        pipelining_fn=pipeline_llm,
+        pipelining_fn=pipeline_spec,
         post_optimizer_build_fn=None,
         state_dict_adapter=adapter,
     )
@@ -164,7 +168,7 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
         profiler=cfg.profiler,
         metrics=cfg.metrics,
         tokenizer=CharTokenizer.Config(),
-        dataloader=TaskDataLoader.Config(task=cfg.task),
+        dataloader=TaskDataLoader.Config(task=cfg.task, step_rows=cfg.training.local_batch_size),
         optimizer=OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=o.name, optimizer_kwargs=kwargs)],
             implementation=o.implementation,
@@ -214,11 +218,15 @@ class SpecTrainer(Trainer):
             for part in self.model_parts:
                 load_hf_into(part, spec.model.hf_checkpoint, config.arch)
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
-        self.draft_training = self._build_draft_training() if spec.draft.enable else None
+        # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
+        on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
+        self.draft_training = self._build_draft_training() if spec.draft.enable and on_draft_stage else None
         if self.draft_training is not None:
             # The draft's optimizer steps right after the policy's (its own clipping and
             # schedule), inside torchtitan's train_step, so the step's metrics include it.
             self.optimizers.register_step_post_hook(lambda *_: self.draft_training.step())
+            if self.parallel_dims.pp_enabled:
+                self.pp_schedule.titan_spec_loss.attach_draft(self.draft_training, spec.draft.loss_weight)
 
     def _build_draft_training(self) -> DraftTraining:
         spec, pd = self.config.spec, self.parallel_dims
@@ -265,6 +273,10 @@ class SpecTrainer(Trainer):
             total.backward()
         return policy_loss.detach()
 
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+        # Each microbatch's loss on the last stage is policy + lambda * draft (pipeline.py).
+        return pipeline_forward_backward(self, input_dict_mbs, label_mbs, global_valid_tokens)
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         if self.draft_training is not None:
@@ -300,11 +312,14 @@ class SpecTrainer(Trainer):
     def _log_jsonl(self, log):
         """Wrap MetricsProcessor.log to also append full-precision metrics to metrics.jsonl."""
         path = os.path.join(self.config.dump_folder, "metrics.jsonl")
+        # The first rank of the last pipeline stage sees the loss (torchtitan's loss-visible rank).
+        pd = self.parallel_dims
+        writer = (pd.world_size // pd.pp) * (pd.pp - 1)
 
         def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
             extra_metrics = {**(extra_metrics or {}), **self.extra_metrics()}
             log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-            if torch.distributed.get_rank() == 0:
+            if torch.distributed.get_rank() == writer:
                 row = {"step": step, "loss": global_avg_loss, "max_loss": global_max_loss, "grad_norm": grad_norm}
                 row.update({k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))})
                 with open(path, "a") as f:
@@ -314,7 +329,12 @@ class SpecTrainer(Trainer):
 
     def extra_metrics(self) -> dict[str, float]:
         """Metrics of the step besides torchtitan's (collective: every rank calls it)."""
-        return self.draft_training.metrics() if self.draft_training is not None else {}
+        if self.draft_training is None:
+            return {}
+        out = self.draft_training.metrics()
+        if self.parallel_dims.pp_enabled:  # taps of the last step, counted by microbatch tag
+            out["pp/taps_delivered"] = self.pp_schedule.titan_spec_loss.channel.received
+        return out
 
     def post_dataloading_process(self, input_dict, labels):
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
