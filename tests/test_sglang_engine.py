@@ -501,7 +501,7 @@ def test_bad_draft_directories_and_config(dirs, tmp_path):
     _, big = _target()
     wrong = Eagle3Draft(DraftArch.from_target(with_vocab(big, V + 8), (1, 3, 9), 16))
     save_draft(wrong, str(tmp_path / "wrong"))
-    with pytest.raises(ValueError, match=r"vocab_size 136 != policy vocab 128.*tap ids \[1, 3, 9\]") as e:
+    with pytest.raises(ValueError, match=r"vocab_size 136 != target vocab 128.*tap ids \[1, 3, 9\]") as e:
         check_draft_fits_policy(dirs.policy, str(tmp_path / "wrong"))
     assert "\n" not in str(e.value)
     os.makedirs(tmp_path / "half")

@@ -96,13 +96,7 @@ def check_draft_fits_policy(policy_path: str, draft_path: str) -> None:
     draft = read_draft_arch(draft_path)
     if not os.path.isfile(os.path.join(draft_path, "model.safetensors")):
         raise ValueError(f"draft directory {draft_path!r} has no model.safetensors")
-    bad = []
-    if draft.vocab_size != policy.vocab_size:
-        bad.append(f"vocab_size {draft.vocab_size} != policy vocab {policy.vocab_size}")
-    if draft.target_hidden != policy.dim:
-        bad.append(f"target_hidden_size {draft.target_hidden} != policy hidden {policy.dim}")
-    if draft.hidden != policy.dim:
-        bad.append(f"hidden_size {draft.hidden} != policy hidden {policy.dim} (the draft reads the policy's embedding)")
+    bad = draft.misfits(policy.vocab_size, policy.dim)
     if draft.draft_vocab_size > policy.vocab_size:
         bad.append(f"draft_vocab_size {draft.draft_vocab_size} > policy vocab {policy.vocab_size}")
     taps = list(draft.tap_layer_ids)
