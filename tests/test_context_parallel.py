@@ -75,7 +75,7 @@ def _check_ring(rank, group, doc_lens, inputs, w_TNH, what):
     local = [shard(q), shard(k0), shard(v0)]
     local += [torch.stack([shard(x) for x in b]) if len(b) else b.new_zeros(0, layout.local_len, *b.shape[2:]) for b in (kb, vb)]
     local = [x.requires_grad_() for x in local]
-    meta = CPMetadata(layout.local_metadata("cpu"), group)
+    meta = CPMetadata.build(layout, group, "cpu")
     out_RNH, lse_NR = ring_attention(local[0], local[1], local[2], meta, scale, local[3], local[4])
     grads = torch.autograd.grad((out_RNH * shard(w_TNH)).sum(), local)
 
@@ -125,7 +125,7 @@ def _layout_and_compile_worker(rank, world, init_file):
     # torch.compile sees the ring as one opaque op: fullgraph, same numbers.
     doc_lens, inputs, w = _case("mixed", "gqa", 2, seed=5)
     layout = ZigzagLayout(doc_lens, world)
-    meta = CPMetadata(layout.local_metadata("cpu"), group)
+    meta = CPMetadata.build(layout, group, "cpu")
     shard = lambda x: zigzag_shard(x, layout, rank)
     q, k0, v0 = (shard(x).requires_grad_() for x in inputs[:3])
     kb, vb = (torch.stack([shard(x) for x in b]).requires_grad_() for b in inputs[3:])

@@ -434,19 +434,36 @@ ring_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 @dataclass(frozen=True)
 class CPMetadata:
-    """attention_masks for a zigzag-sharded packed stream: DocCausalAttention and the
-    draft's TTT attention run the ring instead of local attention when given this.
+    """attention_masks for a zigzag-sharded packed stream. DocCausalAttention and the
+    draft's ttt_attention call its methods (ring attention) instead of local attention
+    when they are handed this instead of a DocMetadata."""
 
-    local: the local document offsets (shared by every rank of the group).
-    group: the context-parallel process group.
-    """
-
+    layout: ZigzagLayout
+    """The split of the global stream; its local offsets are every rank's."""
     local: DocMetadata
+    """Local document offsets (layout.local_cu_seqlens) as tensors."""
     group: dist.ProcessGroup
+    """The context-parallel process group (the ring)."""
 
     @property
     def group_name(self) -> str:
         return self.group.group_name
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def attention(self, q_RNH, k_RKH, v_RKH, scale: float) -> torch.Tensor:
+        """The target's document-causal attention over this rank's rows."""
+        return ring_attention(q_RNH, k_RKH, v_RKH, self, scale)[0]
+
+    def ttt_attention(self, q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, scale: float) -> torch.Tensor:
+        """The draft's TTT attention (trunk over the ring + local branch)."""
+        return ring_attention(q_RNH, k0_RKH, v0_RKH, self, scale, kb_JRKH, vb_JRKH)[0]
+
+    @classmethod
+    def build(cls, layout: ZigzagLayout, group: dist.ProcessGroup, device) -> "CPMetadata":
+        return cls(layout, layout.local_metadata(device), group)
 
 
 def ring_attention(
