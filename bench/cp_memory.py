@@ -180,7 +180,7 @@ def _rank_main(rank: int, args: argparse.Namespace, init_file: str, out_dir: str
     if cp == 1:
         cu = torch.tensor([0, *(min(s + args.doc_len, S) for s in range(0, S, args.doc_len))], dtype=torch.int32)
         meta_local = DocMetadata(cu, cu.clone())
-    cp_meta = CPMetadata(layout, meta_local, group)
+    cp_meta = CPMetadata(layout, meta_local, group, group.group_name)
 
     def step(j):
         kb = torch.stack(k[1 : j + 1]) if j else k[0].new_empty(0, R, K, H)

@@ -338,7 +338,8 @@ def ring_attn_fwd(
             kv = kv_next
     out_b, lse_b = branch_part(q_RNH, kb_JRKH, vb_JRKH, scale)
     out_RNH, lse_NR = merge_partials([outs[0], out_b], [lses[0], lse_b])
-    return out_RNH.to(q_RNH.dtype), lse_NR
+    # Contiguous, as the fake promises: the merge's broadcasts may permute strides.
+    return out_RNH.to(q_RNH.dtype).contiguous(), lse_NR.contiguous()
 
 
 @ring_attn_fwd.register_fake
@@ -394,18 +395,16 @@ def ring_attn_bwd(
             kv = kv_next
     _wait(dkv_works)  # the last hop brings this rank's own shard home
     dk0_RKH, dv0_RKH = _unpack(dkv, k0_RKH.float(), v0_RKH.float())
-    return (
-        # Copies: dk0 and dv0 are views of one buffer, and a custom op's outputs
-        # may not alias each other.
-        dq_RNH.to(q_RNH.dtype), dk0_RKH.to(k0_RKH.dtype, copy=True), dv0_RKH.to(v0_RKH.dtype, copy=True),
-        dkb_JRKH, dvb_JRKH,
-    )
+    # Fresh contiguous tensors, as the fake promises (dk0 and dv0 are views of one
+    # buffer, and a custom op's outputs may not alias each other).
+    grads = (dq_RNH.to(q_RNH.dtype), dk0_RKH.to(k0_RKH.dtype), dv0_RKH.to(v0_RKH.dtype), dkb_JRKH, dvb_JRKH)
+    return tuple(g.clone(memory_format=torch.contiguous_format) for g in grads)
 
 
 @ring_attn_bwd.register_fake
 def _ring_attn_bwd_fake(dout_RNH, q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, out_RNH, lse_NR,
                         cu_seqlens_cpu, group_name, scale):
-    return tuple(torch.empty_like(x) for x in (q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH))
+    return tuple(x.new_empty(x.shape) for x in (q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -444,10 +443,8 @@ class CPMetadata:
     """Local document offsets (layout.local_cu_seqlens) as tensors."""
     group: dist.ProcessGroup
     """The context-parallel process group (the ring)."""
-
-    @property
-    def group_name(self) -> str:
-        return self.group.group_name
+    group_name: str
+    """Its registered name: what the custom op takes (and all that compiled code reads)."""
 
     @property
     def rank(self) -> int:
@@ -463,7 +460,7 @@ class CPMetadata:
 
     @classmethod
     def build(cls, layout: ZigzagLayout, group: dist.ProcessGroup, device) -> "CPMetadata":
-        return cls(layout, layout.local_metadata(device), group)
+        return cls(layout, layout.local_metadata(device), group, group.group_name)
 
 
 def ring_attention(
