@@ -39,7 +39,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from titan_spec.models.attention import DocMetadata, merge_partials
+from titan_spec.models.attention import DocMetadata, _fa_varlen_bwd, _fa_varlen_fwd, merge_partials
 from titan_spec.models.branch_attention import branch_backward, branch_part
 
 __all__ = [
@@ -187,9 +187,11 @@ def _1NLH(x_RNH: torch.Tensor, s: int, e: int) -> torch.Tensor:
 
 # Kernels over a list of blocks. CPU: the aten flash kernels per block (they
 # take Lq != Lk, return lse and consume a given (out, lse) in backward; the
-# attention tests check that). Elsewhere: fp32 math per block. CUDA bf16/fp16
-# would use flash-attn varlen with cu_seqlens_q != cu_seqlens_k; it is not
-# wired here yet (no GPU to test it on), so CUDA runs the math path.
+# attention tests check that). CUDA fp16/bf16: one FA2 varlen call per ring
+# step over all blocks (cu_seqlens_q != cu_seqlens_k), flash_attn's when
+# installed, else the FA2 build inside the torch CUDA wheel, exactly as
+# models/attention.py does for the local case; written against those APIs but
+# UNTESTED (no GPU here). Anything else: fp32 math per block.
 
 
 def _math_block_scores(q_LNH, k_MNH, causal, scale):
@@ -201,7 +203,81 @@ def _math_block_scores(q_LNH, k_MNH, causal, scale):
     return s_NLM
 
 
+def _varlen_plan(blocks, device):
+    # Rows of the blocks gathered into contiguous varlen batches. Blocks of one
+    # step never share query rows or key rows, so scatter-back is a plain copy.
+    q_idx = torch.cat([torch.arange(qs, qe) for qs, qe, _, _, _ in blocks]).to(device)
+    k_idx = torch.cat([torch.arange(ks, ke) for _, _, ks, ke, _ in blocks]).to(device)
+    cu_q = [0]
+    cu_k = [0]
+    for qs, qe, ks, ke, _ in blocks:
+        cu_q.append(cu_q[-1] + qe - qs)
+        cu_k.append(cu_k[-1] + ke - ks)
+    max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+    max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+    as_cu = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)
+    return q_idx, k_idx, as_cu(cu_q), as_cu(cu_k), max_q, max_k, blocks[0][4]
+
+
+def _use_cuda_flash(q_RNH: torch.Tensor) -> bool:
+    return q_RNH.is_cuda and q_RNH.dtype in (torch.float16, torch.bfloat16)
+
+
+def _cuda_blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
+    R, N, _ = q_RNH.shape
+    out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
+    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
+    if not blocks:
+        return out_RNH, lse_NR
+    q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(blocks, q_RNH.device)
+    q, k, v = q_RNH[q_idx].contiguous(), k_RKH[k_idx].contiguous(), v_RKH[k_idx].contiguous()
+    if _fa_varlen_fwd is not None and q.shape[-1] % 8 == 0:
+        out, lse, _, _ = _fa_varlen_fwd(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        )
+    else:
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        )
+    out_RNH[q_idx] = out
+    lse_NR[:, q_idx] = lse.float()
+    return out_RNH, lse_NR
+
+
+def _cuda_blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
+    dq_RNH, dk_RKH, dv_RKH = (torch.zeros_like(x) for x in (q_RNH, k_RKH, v_RKH))
+    if not blocks:
+        return dq_RNH, dk_RKH, dv_RKH
+    q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(blocks, q_RNH.device)
+    dtype = q_RNH.dtype
+    q, k, v = q_RNH[q_idx].contiguous(), k_RKH[k_idx].contiguous(), v_RKH[k_idx].contiguous()
+    dout = dout_RNH[q_idx].to(dtype).contiguous()
+    out = out_RNH[q_idx].to(dtype).contiguous()
+    lse = lse_NR[:, q_idx].float().contiguous()
+    if _fa_varlen_bwd is not None and q.shape[-1] % 8 == 0:
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        _fa_varlen_bwd(  # writes dq, dk, dv in place
+            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+            dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, deterministic=False,
+        )
+    else:
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
+            scale=scale,
+        )
+    dq_RNH[q_idx] = dq
+    dk_RKH[k_idx] = dk
+    dv_RKH[k_idx] = dv
+    return dq_RNH, dk_RKH, dv_RKH
+
+
 def _blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
+    if _use_cuda_flash(q_RNH):
+        return _cuda_blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale)
     R, N, _ = q_RNH.shape
     k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
     out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
@@ -224,6 +300,8 @@ def _blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
 
 
 def _blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
+    if _use_cuda_flash(q_RNH):
+        return _cuda_blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale)
     R, N, _ = q_RNH.shape
     K = k_RKH.shape[1]
     k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
