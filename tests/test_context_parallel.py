@@ -122,6 +122,31 @@ def _layout_and_compile_worker(rank, world, init_file):
         real = layout.global_index(rank) >= 0
         assert torch.equal(layout.local_positions(rank)[real], zigzag_shard(pos_T, layout, rank)[real])
 
+    # The TTT unroll's cross-shard rows: for every step j < 7 and local row t, the
+    # [local; halo] lookup yields global row t+1+j, valid exactly when that row is in
+    # t's document and has a label. Chunks shorter than the step count included.
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    from titan_spec.parallelisms.cp_batch import TTTHalo
+
+    for doc_lens in ((1, 2, 3, 1, 5), (9, 1, 16, 2, 7), (30,)):
+        layout = ZigzagLayout(doc_lens, world)
+        T = sum(doc_lens)
+        labels_T = torch.arange(T) * 10
+        labels_T[::4] = IGNORE_INDEX
+        meta = CPMetadata.build(layout, group, "cpu")
+        halo = TTTHalo(meta, 7, "cpu")
+        g_R = layout.global_index(rank)
+        rows_E = halo.extend(g_R)
+        labels_E = halo.extend(zigzag_shard(labels_T, layout, rank, pad_value=IGNORE_INDEX))
+        doc_T = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.tensor(doc_lens))
+        for j, (src_R, valid_R) in enumerate(halo.shifts(labels_E)):
+            for t, g in enumerate(g_R.tolist()):
+                want = g >= 0 and g + 1 + j < T and doc_T[g + 1 + j] == doc_T[g] and labels_T[g + 1 + j] != IGNORE_INDEX
+                assert bool(valid_R[t]) == bool(want), (doc_lens, j, t)
+                if want:
+                    assert rows_E[src_R[t]] == g + 1 + j, (doc_lens, j, t)
+
     # torch.compile sees the ring as one opaque op: fullgraph, same numbers.
     doc_lens, inputs, w = _case("mixed", "gqa", 2, seed=5)
     layout = ZigzagLayout(doc_lens, world)
