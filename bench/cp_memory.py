@@ -51,6 +51,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc-len", type=int, default=1024, help="tokens per packed document")
     p.add_argument("--mem-limit-gib", type=float, default=8.0)
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/cp_memory.json"))
+    p.add_argument("--merge", default="", help="comma-separated result JSONs: print and plot them, run nothing")
+    p.add_argument("--plot", default="", help="write a PNG of per-rank peak memory vs S here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="ring", help=argparse.SUPPRESS)
     p.add_argument("--seqlen", type=int, default=2048, help=argparse.SUPPRESS)
@@ -286,10 +288,53 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         print(f"{r['seqlen']:>6}  {r['variant']:<10} {r['cp']:>2}  {t:>8}  {m:>13}  {ratio:>7}  {note}")
 
 
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = [("ring", 1, "titan_spec, cp=1 (local TTT attention)"), ("ring", 2, "titan_spec ring, cp=2"),
+              ("ring", 4, "titan_spec ring, cp=4"), ("allgather", 2, "all-gather K/V, cp=2"),
+              ("allgather", 4, "all-gather K/V, cp=4"), ("dense", 1, "dense (S x S(j+1)) bias, 1 process")]
+    for variant, cp, label in series:
+        pts = sorted((r["seqlen"], r["peak_mem_gib"] if r["status"] == "ok" else r.get("est_gib"))
+                     for r in rows if r["variant"] == variant and r["cp"] == cp)
+        pts = [(x, y) for x, y in pts if y]
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        style = "--" if variant == "dense" else "-"
+        ax.plot(xs, ys, style, marker="o", label=label + (" (>2K: estimate)" if variant == "dense" else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("packed tokens S (global)")
+    ax.set_ylabel("peak memory per rank, GiB")
+    ax.set_title("TTT attention fwd+bwd, 7 steps, per-rank peak (CPU, RSS)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> None:
     args = _parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(args)))
+        return
+    if args.merge:
+        # Later files win for the same (variant, S, cp): reruns replace failed rows.
+        merged = {}
+        for path in args.merge.split(","):
+            for r in json.loads(Path(path).read_text())["results"]:
+                merged[(r["variant"], r["seqlen"], r["cp"])] = r
+        order = {"ring": 0, "allgather": 1, "dense": 2}
+        rows = sorted(merged.values(), key=lambda r: (r["seqlen"], order[r["variant"]], r["cp"]))
+        _print_table(rows, args)
+        if args.plot:
+            _plot(rows, args.plot)
         return
     variants = [v for v in args.variants.split(",") if v]
     cps = [int(c) for c in args.cps.split(",")]
@@ -302,6 +347,8 @@ def main(argv=None) -> None:
                 rows.append(_run_config(variant, S, cp, args))
                 print(f"  done S={S} {variant} cp={cp}: {rows[-1]['status']}", file=sys.stderr, flush=True)
     _print_table(rows, args)
+    if args.plot:
+        _plot(rows, args.plot)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k not in ("worker", "variant", "seqlen", "cp")}

@@ -14,7 +14,7 @@
 #
 # Ring: the trunk K/V (step-0 keys) travels the CP group. With source rank s
 # and local rank r, per document (local rows [a, a+2c)):
-#   s == r: the two local chunks in order, causal        (doc_attn_fwd as is)
+#   s == r: the two local chunks in order, causal (plain document-causal)
 #   s <  r: every local query vs the source's first chunk (k rows [a, a+c)),
 #           no mask: both local chunks come after chunk s
 #   s >  r: the local second chunk (q rows [a+c, a+2c)) vs both source chunks,
@@ -27,8 +27,8 @@
 #
 # Pad rows sit at the end of their document, so a real query never sees a pad
 # key: in a no-mask block all keys precede the query chunk, and the causal
-# block masks later rows. Pad rows' own outputs are garbage-free but
-# meaningless; callers mask them (labels = IGNORE).
+# block masks later rows. Pad rows get finite but meaningless outputs;
+# callers mask them (labels = IGNORE_INDEX).
 
 from __future__ import annotations
 
