@@ -371,9 +371,9 @@ def _pack(k_RKH: torch.Tensor, v_RKH: torch.Tensor) -> torch.Tensor:
     return torch.cat([k_RKH.reshape(-1), v_RKH.reshape(-1)])
 
 
-def _unpack(kv: torch.Tensor, k_like: torch.Tensor, v_like: torch.Tensor):
-    n = k_like.numel()
-    return kv[:n].view_as(k_like), kv[n:].view_as(v_like)
+def _unpack(kv: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
+    n = k_shape.numel()
+    return kv[:n].view(k_shape), kv[n:].view(v_shape)
 
 
 # ---------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def ring_attn_fwd(
     for i in range(ring.size):
         if i + 1 < ring.size:
             kv_next, works = ring.shift(kv, _KV_TAG)
-        k_RKH, v_RKH = _unpack(kv, k0_RKH, v0_RKH)
+        k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
         src = (ring.rank - i) % ring.size
         out_RNH, lse_NR = _blocks_fwd(q_RNH, k_RKH, v_RKH, ring_blocks(cu, ring.rank, src), scale)
         # Merge as we go: memory stays at one partial, whatever cp is.
@@ -447,17 +447,14 @@ def ring_attn_bwd(
     """
     ring = _Ring(group_name)
     cu = cu_seqlens_cpu.tolist()
-    dq_RNH, dkb_JRKH, dvb_JRKH = branch_backward(
-        dout_RNH, q_RNH, kb_JRKH, vb_JRKH, out_RNH, lse_NR, scale
-    )
-    dq_RNH = dq_RNH.float()
+    dq_RNH = torch.zeros(q_RNH.shape, dtype=torch.float32, device=q_RNH.device)
     kv = _pack(k0_RKH, v0_RKH)
     dkv = None  # the accumulated grads of the shard held this step (none before step 0)
     dkv_works = None
     for i in range(ring.size):
         if i + 1 < ring.size:
             kv_next, kv_works = ring.shift(kv, _KV_TAG)
-        k_RKH, v_RKH = _unpack(kv, k0_RKH, v0_RKH)
+        k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
         src = (ring.rank - i) % ring.size
         dq, dk, dv = _blocks_bwd(
             dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, ring_blocks(cu, ring.rank, src), scale
@@ -472,7 +469,13 @@ def ring_attn_bwd(
             _wait(kv_works)
             kv = kv_next
     _wait(dkv_works)  # the last hop brings this rank's own shard home
-    dk0_RKH, dv0_RKH = _unpack(dkv, k0_RKH.float(), v0_RKH.float())
+    dk0_RKH, dv0_RKH = _unpack(dkv, k0_RKH.shape, v0_RKH.shape)
+    # The branch part last: its J-deep grads would otherwise sit through the
+    # ring loop's buffers and raise the peak.
+    dq_b_RNH, dkb_JRKH, dvb_JRKH = branch_backward(
+        dout_RNH, q_RNH, kb_JRKH, vb_JRKH, out_RNH, lse_NR, scale
+    )
+    dq_RNH += dq_b_RNH.float()
     # Fresh contiguous tensors, as the fake promises (dk0 and dv0 are views of one
     # buffer, and a custom op's outputs may not alias each other).
     grads = (dq_RNH.to(q_RNH.dtype), dk0_RKH.to(k0_RKH.dtype), dv0_RKH.to(v0_RKH.dtype), dkb_JRKH, dvb_JRKH)
