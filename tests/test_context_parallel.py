@@ -160,6 +160,11 @@ def _layout_and_compile_worker(rank, world, init_file):
         return (out * out).sum() + lse.sum()
 
     args = (q, k0, v0, kb, vb)
+    # Schema, fake and autograd registrations agree with the real op (every rank runs
+    # the same checks, so the collectives inside line up).
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    op_args = (*args, meta.local.cu_seqlens_cpu, meta.group_name, 0.3)
+    torch.library.opcheck(torch.ops.titan_spec.ring_attn_fwd.default, op_args, test_utils=tests)
     grads = torch.autograd.grad(step(*args), args)
     torch._dynamo.reset()
     c_grads = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(*args), args)
