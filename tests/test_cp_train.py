@@ -14,6 +14,7 @@ def _assert_same_run(a_rows, b_rows, what):
         # equal gradients; grad norms check the gradients of the step itself.
         for key in ("loss", "draft/loss", "grad_norm", "draft/grad_norm"):
             assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-4), (what, key, a, b)
+        assert b["n_tokens_seen"] == a["n_tokens_seen"], (what, a, b)  # document padding is not counted
         for j in range(3):
             assert b[f"draft/acc_{j}"] == pytest.approx(a[f"draft/acc_{j}"], abs=1e-9), (what, j)
 

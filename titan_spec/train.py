@@ -31,7 +31,7 @@ from typing import Any
 
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
-from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
+from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
@@ -295,7 +295,7 @@ class SpecTrainer(Trainer):
         if self.parallel_dims.cp_enabled:
             # Zigzag-shard for the ring (parallelisms/cp_batch.py), not torch's CP input split.
             inputs, labels, extra = shard_batch(input_dict, labels, self.parallel_dims.get_mesh("cp"))
-            self.ntokens_seen += int((labels != IGNORE_INDEX).sum())
+            self.ntokens_seen += extra["attention_masks"].num_real_rows()
             return inputs, labels, extra
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         attn = self.model_config.first_attention

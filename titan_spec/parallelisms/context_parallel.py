@@ -531,6 +531,10 @@ class CPMetadata:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
+    def num_real_rows(self) -> int:
+        """Local rows that are tokens of the batch (not document padding)."""
+        return int((self.layout.global_index(self.rank) >= 0).sum())
+
     def attention(self, q_RNH, k_RKH, v_RKH, scale: float) -> torch.Tensor:
         """The target's document-causal attention over this rank's rows."""
         return ring_attention(q_RNH, k_RKH, v_RKH, self, scale)[0]
