@@ -12,12 +12,23 @@ CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_cpu.toml}
 LOG_RANK=${LOG_RANK:-0}
 PY=$(scripts/ensure_env.sh)
 export HF_HUB_OFFLINE=1
-# Check the config in one process first: a config error prints one line and never starts a run.
-WORLD_SIZE=$NGPU "$PY" -m titan_spec.train --check --config "$CONFIG_FILE" "$@"
+# Read and check every config of the run in one process first (the default requires an SFT
+# warm start and an offline draft run; job.requires): a config error prints one line and
+# nothing starts. Runs already finished (DONE in their dump folder) are skipped.
+mapfile -t RUNS < <(WORLD_SIZE=$NGPU "$PY" -m titan_spec.train --plan --config "$CONFIG_FILE" "$@" || echo "!")
+[[ "${RUNS[-1]}" == "!" ]] && exit 2
 if [[ "$("$PY" -c 'import torch; print(torch.cuda.is_available())')" == "False" ]]; then
   # CPU: split the cores between the processes.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 fi
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m titan_spec.train --config "$CONFIG_FILE" "$@"
+for i in "${!RUNS[@]}"; do
+  RUN=${RUNS[$i]}
+  # Command-line overrides apply to the requested config (the last run) only.
+  ARGS=()
+  (( i == ${#RUNS[@]} - 1 )) && ARGS=("$@")
+  echo "titan_spec: run $RUN"
+  WORLD_SIZE=$NGPU "$PY" -m titan_spec.train --check --config "$RUN" "${ARGS[@]}"
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m titan_spec.train --config "$RUN" "${ARGS[@]}"
+done

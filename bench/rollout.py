@@ -1,6 +1,7 @@
 # Benchmark: the built-in rollout engine, speculative (EAGLE-3, K draft tokens) vs plain.
 #
-# Measures completion tokens/s and acceptance length (completion tokens / verify steps)
+# Measures completion tokens/s and acceptance length (completion tokens / target forwards,
+# the prefill included; "sglang_accept" excludes the prefill as SGLang's spec_verify_ct does)
 # for batch sizes 1/8/32, greedy and T = 1, side by side in one process:
 #   plain      K = 0 (autoregressive decoding, same engine, same KV cache)
 #   trained    K draft tokens with the draft trained offline (SGLang-format directory)
@@ -10,13 +11,11 @@
 # For every (temperature, batch) the engines run interleaved, `--repeats` times, and the
 # median is reported, so a busy machine slows all of them alike.
 #
-# Models: --policy (HF dir) and --draft (draft dir). Defaults: outputs/debug_cpu/hf and
-# outputs/offline_draft/draft when they exist, else this script trains them with
-#   ./run_train.sh --job.dump_folder outputs/bench_policy --job.export_hf hf
-#   ./run_train.sh --job.dump_folder outputs/bench_draft --model.hf_checkpoint
-#       outputs/bench_policy/hf --draft.enable true --draft.offline true
-#       --draft.draft_vocab_size 32 --training.steps 200
-# (about 4 + 3 minutes on 2 CPU cores).
+# Models: --policy (HF dir) and --draft (draft dir). Defaults: the embedded default's SFT
+# policy and offline draft (outputs/debug_cpu/sft/hf, outputs/debug_cpu/draft/draft), trained
+# here first when missing with
+#   CONFIG_FILE=train_configs/debug_cpu_draft.toml ./run_train.sh   (runs the SFT it requires)
+# (about 6 minutes on 2 CPU cores).
 #
 # Prompts are the default config's task ("<bos>37+5?", completions like "37+5=42<eos>").
 # Completions run to --max-new-tokens without stopping (steady-state decoding, much of it
@@ -71,28 +70,16 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _train(dump: str, *overrides: str) -> None:
-    cmd = [str(REPO_ROOT / "run_train.sh"), "--job.dump_folder", dump, *overrides]
-    print("training:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO_ROOT, check=True)
-
-
 def resolve_models(args) -> tuple[str, str]:
-    policy = args.policy or str(REPO_ROOT / "outputs/debug_cpu/hf")
-    if not os.path.isfile(os.path.join(policy, "config.json")):
-        if args.policy:
-            raise SystemExit(f"--policy {args.policy}: no config.json")
-        policy = str(REPO_ROOT / "outputs/bench_policy/hf")
-        if not os.path.isfile(os.path.join(policy, "config.json")):
-            _train("outputs/bench_policy", "--job.export_hf", "hf")
-    draft = args.draft or str(REPO_ROOT / "outputs/offline_draft/draft")
-    if not os.path.isfile(os.path.join(draft, "config.json")):
-        if args.draft:
-            raise SystemExit(f"--draft {args.draft}: no config.json")
-        draft = str(REPO_ROOT / "outputs/bench_draft/draft")
-        if not os.path.isfile(os.path.join(draft, "config.json")):
-            _train("outputs/bench_draft", "--model.hf_checkpoint", policy, "--draft.enable", "true",
-                   "--draft.offline", "true", "--draft.draft_vocab_size", "32", "--training.steps", "200")
+    policy = args.policy or str(REPO_ROOT / "outputs/debug_cpu/sft/hf")
+    draft = args.draft or str(REPO_ROOT / "outputs/debug_cpu/draft/draft")
+    for given, path in ((args.policy, policy), (args.draft, draft)):
+        if given and not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"{given}: no config.json")
+    if not (os.path.isfile(os.path.join(policy, "config.json")) and os.path.isfile(os.path.join(draft, "config.json"))):
+        cmd = [str(REPO_ROOT / "run_train.sh")]
+        print("training the default SFT policy and its offline draft:", " ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=REPO_ROOT, check=True, env=dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_draft.toml"))
     return policy, draft
 
 
@@ -105,8 +92,8 @@ def tokenizer_for(policy: str) -> CharTokenizer:
 
 
 def default_task():
-    """The task the default policy was trained on (train_configs/debug_cpu.toml's [task])."""
-    return build_task(load_config(str(REPO_ROOT / "train_configs/debug_cpu.toml")).task)
+    """The task the default policy was trained on (train_configs/debug_cpu_sft.toml's [task])."""
+    return build_task(load_config(str(REPO_ROOT / "train_configs/debug_cpu_sft.toml")).task)
 
 
 def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: int) -> dict:
@@ -150,7 +137,10 @@ def run_once(engine, prompts, sp) -> dict:
     dt = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in out)
     steps = sum(r.verify_steps for r in out)
-    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "accept_len": tokens / steps}
+    # SGLang counts the verify forwards after the prefill (completion_tokens / spec_verify_ct).
+    sglang_steps = sum(max(r.verify_steps - 1, 1) for r in out)
+    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "accept_len": tokens / steps,
+            "sglang_accept": tokens / sglang_steps}
 
 
 def main(argv=None) -> int:
@@ -203,6 +193,7 @@ def main(argv=None) -> int:
                 rows.append({
                     "temperature": T, "batch": B, "engine": name, "K": 0 if name == "plain" else K,
                     "tok_s": tok_s, "accept_len": statistics.median(r["accept_len"] for r in rs),
+                    "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
                     "speedup": tok_s / base, "tokens": rs[0]["tokens"], "repeats": len(rs),
                 })
                 print(_row(rows[-1]), flush=True)
@@ -225,12 +216,12 @@ def main(argv=None) -> int:
 
 def _row(r: dict) -> str:
     return (f"| {r['temperature']:>4g} | {r['batch']:>5} | {r['engine']:<9} | {r['K']:>1} | {r['tok_s']:>8.1f} "
-            f"| {r['accept_len']:>10.2f} | {r['speedup']:>7.2f}x |")
+            f"| {r['accept_len']:>10.2f} | {r['sglang_accept']:>13.2f} | {r['speedup']:>7.2f}x |")
 
 
 def _table(rows: list[dict]) -> str:
-    head = "|    T | batch | engine    | K |    tok/s | accept len | speedup |\n"
-    head += "|------|-------|-----------|---|----------|------------|---------|"
+    head = "|    T | batch | engine    | K |    tok/s | accept len | sglang accept | speedup |\n"
+    head += "|------|-------|-----------|---|----------|------------|---------------|---------|"
     return "\n".join([head] + [_row(r) for r in rows])
 
 

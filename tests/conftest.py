@@ -8,11 +8,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_train(dump: str, nproc: int = 1, overrides: tuple[str, ...] = (), timeout: int = 600) -> list[dict]:
-    """Run the real entry point under torchrun (gloo on CPU); return metrics.jsonl rows."""
+def run_train(
+    dump: str, nproc: int = 1, overrides: tuple[str, ...] = (), timeout: int = 600, config: str = "debug_cpu_sft.toml"
+) -> list[dict]:
+    """Run the real entry point under torchrun (gloo on CPU) with train_configs/``config``
+    and small-model overrides; return the metrics.jsonl rows."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "titan_spec.train", "--config", os.path.join(ROOT, "train_configs/debug_cpu.toml"),
+        "-m", "titan_spec.train", "--config", os.path.join(ROOT, "train_configs", config),
         "--job.dump_folder", dump, "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
         "--training.seq_len", "128", "--training.local_batch_size", "4",
         "--lr_scheduler.warmup_steps", "2", *overrides,
@@ -25,6 +28,37 @@ def run_train(dump: str, nproc: int = 1, overrides: tuple[str, ...] = (), timeou
         return [json.loads(line) for line in f]
 
 
+def train_many(
+    nproc: int, runs: list[tuple[str, tuple[str, ...]]], timeout: int = 600, config: str = "debug_cpu_pp.toml"
+) -> list[list[dict]]:
+    """Several runs (dump folder, overrides) of train_configs/``config`` in ONE torchrun launch
+    of nproc processes (tests/helpers/train_many.py); returns each run's metrics.jsonl rows."""
+    base = [
+        "--config", os.path.join(ROOT, "train_configs", config), "--metrics.log_freq", "1",
+        "--metrics.enable_tensorboard", "false", "--training.seq_len", "128", "--training.local_batch_size", "4",
+        "--lr_scheduler.warmup_steps", "2",
+    ]
+    argvs = [[*base, "--job.dump_folder", dump, *overrides] for dump, overrides in runs]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps(argvs),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    if out.returncode != 0:
+        raise AssertionError(f"training failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+    rows = []
+    for dump, _ in runs:
+        with open(os.path.join(dump, "metrics.jsonl")) as f:
+            rows.append([json.loads(line) for line in f])
+    return rows
+
+
 @pytest.fixture
 def train():
     return run_train
+
+
+@pytest.fixture
+def many():
+    return train_many

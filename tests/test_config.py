@@ -8,7 +8,7 @@ import pytest
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, load_config, parse_overrides
 
-DEFAULT = "train_configs/debug_cpu.toml"
+DEFAULT = "train_configs/debug_cpu_sft.toml"  # the default RL run reads its outputs
 
 
 def test_default_config_loads_and_overrides_apply():
@@ -64,7 +64,7 @@ MALFORMED = [
     ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
     ("[rollout]\nengine = 'vllm'\n", [], 1, ["rollout.engine", "'torch', 'sglang'"]),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
-    ("[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["pipeline_parallel_degree = 2 is not supported yet"]),
+    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["tensor_parallel_degree = 2 is not supported yet"]),
     ("[parallelism]\ncontext_parallel_degree = 2\n", [], 3, ["cp = 2 does not divide the 3 processes"]),
     ("[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 130\n", [], 2,
      ["training.seq_len = 130", "a multiple of 2 * parallelism.context_parallel_degree = 4"]),
@@ -88,24 +88,35 @@ def test_missing_config_file():
 
 
 @pytest.mark.parametrize(
-    "args,needle",
+    "config,args,needle",
     [
-        (["--training.stepz", "3"], "unknown key 'training.stepz'"),
-        (["--model.hf_checkpoint", "/tmp"], "has no config.json"),
-        (["--draft.enable", "true", "--draft.tap_layer_ids", "[1, 2, 9]"], "out of range"),
+        # The default (RL, which requires the SFT and draft runs): caught before the SFT run starts.
+        ("", ["--training.stepz", "3"], "unknown key 'training.stepz'"),
+        ("", ["--model.hf_checkpoint", "/tmp"], "has no config.json"),
+        ("", ["--rl.group_size", "1"], "rl.group_size = 1"),
+        (DEFAULT, ["--draft.enable", "true", "--draft.tap_layer_ids", "[1, 2, 9]"], "out of range"),
     ],
 )
-def test_run_train_config_error_is_one_line_and_starts_nothing(tmp_path, args, needle):
+def test_run_train_config_error_is_one_line_and_starts_nothing(tmp_path, config, args, needle):
     """Through ./run_train.sh: one line, exit 2, no torchrun, no output folder."""
     dump = tmp_path / "never"
+    env = dict(os.environ, CONFIG_FILE=config) if config else None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    before = _output_dirs(root)
     out = subprocess.run(
         ["./run_train.sh", "--job.dump_folder", str(dump), *args],
-        capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)) or ".",
+        capture_output=True, text=True, timeout=300, cwd=root, env=env,
     )
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "register_constant" not in line]
     assert len(lines) == 1 and needle in lines[0], out.stderr
     assert not dump.exists()
+    assert _output_dirs(root) == before  # no required run started either
+
+
+def _output_dirs(root: str) -> set[str]:
+    top = os.path.join(root, "outputs")
+    return {d for d, _, _ in os.walk(top) if d[len(top):].count(os.sep) <= 2}
 
 
 def test_tap_ids_out_of_range_is_a_config_error():

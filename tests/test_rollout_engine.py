@@ -455,7 +455,7 @@ def test_bad_inputs_give_clear_errors_and_the_engine_keeps_working(pair):
     bad_d2t.d2t.fill_(V - 4)  # draft ids 4..7 land past the target vocabulary
     cases += [
         (lambda: TorchRolloutEngine(model, bad_d2t, TorchEngineConfig(num_draft_tokens=2)), "d2t maps draft ids outside"),
-        (lambda: TorchRolloutEngine(model, wrong_vocab, TorchEngineConfig(num_draft_tokens=2)), "draft vocab 40 != target vocab 32"),
+        (lambda: TorchRolloutEngine(model, wrong_vocab, TorchEngineConfig(num_draft_tokens=2)), "draft vocab_size 40 != target vocab 32"),
         (lambda: TorchRolloutEngine(model, wrong_hidden, TorchEngineConfig(num_draft_tokens=2)), "target_hidden 48 != target dim 64"),
     ]
     for fn, msg in cases:

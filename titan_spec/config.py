@@ -59,6 +59,11 @@ class JobConfig:
     description: str = ""
     """Free text, logged at start."""
 
+    requires: list[str] = field(default_factory=list)
+    """Configs (TOML paths, relative to this file) whose runs must finish before this one, in
+    order: run_train.sh runs each once (a run is finished when its dump folder holds DONE).
+    The embedded default uses it for SFT -> offline draft -> RL."""
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -121,6 +126,10 @@ class TaskConfig:
     path: str = ""
     """The JSONL file when name = 'jsonl'."""
 
+    on_malformed: Literal["reject", "skip"] = "reject"
+    """A JSONL line that is not a question with a '####' answer: 'reject' stops before the run
+    starts (naming the lines), 'skip' drops those lines with a warning naming them."""
+
     max_operand: int = 99
     """Largest operand of the generated problems (difficulty)."""
 
@@ -136,6 +145,11 @@ class TaskConfig:
     seed: int = 1234
     """Seed of the problem generator."""
 
+    wrong_answer_rate: float = 0.0
+    """Fraction of SFT demonstrations of the arithmetic task whose result is off by 1 or 2
+    (noisy demonstrations, as real SFT data has; the RL reward always checks the true
+    result, so RL has something to fix)."""
+
     def validate(self) -> None:
         _check(self.max_operand >= 1, "task.max_operand", self.max_operand, ">= 1")
         _check(self.num_operands >= 2, "task.num_operands", self.num_operands, ">= 2")
@@ -143,6 +157,7 @@ class TaskConfig:
             bool(self.operators) and set(self.operators) <= set("+-*"),
             "task.operators", self.operators, "a non-empty subset of '+-*'",
         )
+        _check(0 <= self.wrong_answer_rate < 1, "task.wrong_answer_rate", self.wrong_answer_rate, "in [0, 1)")
         if self.name == "jsonl" and not self.path:
             raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file")
 
@@ -186,6 +201,10 @@ class DraftConfig:
     export_dir: str = "draft"
     """Where the SGLang-loadable draft is written at the end, relative to job.dump_folder ('' = no export)."""
 
+    co_train: bool = True
+    """In RL: train the draft from every step's policy forward and push it to the rollout
+    engine (off = the frozen-draft baseline: the draft serves rollouts unchanged)."""
+
     def validate(self) -> None:
         _check(self.ttt_steps >= 1, "draft.ttt_steps", self.ttt_steps, ">= 1")
         _check(0 < self.loss_decay <= 1, "draft.loss_decay", self.loss_decay, "in (0, 1]")
@@ -196,8 +215,6 @@ class DraftConfig:
         _check(self.vocab_count_batches >= 1, "draft.vocab_count_batches", self.vocab_count_batches, ">= 1")
         if self.tap_layer_ids and (len(self.tap_layer_ids) != 3 or len(set(self.tap_layer_ids)) != 3):
             raise ConfigError(f"draft.tap_layer_ids = {self.tap_layer_ids} must be three distinct layer ids")
-        if self.init_from and not os.path.isdir(self.init_from):
-            raise ConfigError(f"draft.init_from {self.init_from!r} is not a directory")
 
 
 @dataclass(kw_only=True)
@@ -214,9 +231,75 @@ class SpeculativeConfig:
 
 
 @dataclass(kw_only=True)
+class SGLangConfig:
+    """[rollout.sglang]: the SGLang engine (GPU; sglang 0.5.23, extra [sglang]). The policy
+    comes from model.hf_checkpoint, the EAGLE-3 draft from draft.init_from, K from
+    [speculative]; see titan_spec/rl/rollout/sglang_engine.py."""
+
+    mode: Literal["server", "engine"] = "server"
+    """'server': launch `python -m sglang.launch_server` and talk HTTP (restarted if it dies);
+    'engine': sglang.Engine in the trainer's process (a crash there kills the trainer)."""
+
+    host: str = "127.0.0.1"
+    """Server host."""
+
+    port: int = 0
+    """Server port; 0 = a free port."""
+
+    tp_size: int = 1
+    """Tensor parallel GPUs of the server."""
+
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Serving dtype; pushed weights are cast to it."""
+
+    mem_fraction_static: float = 0.7
+    """Fraction of GPU memory for weights and KV cache."""
+
+    eagle_topk: int = 1
+    """Draft branches per step (1 = a chain of speculative.num_draft_tokens tokens)."""
+
+    num_verify_tokens: int = 0
+    """Tokens verified per step (SGLang's speculative_num_draft_tokens); 0 = num_draft_tokens + 1."""
+
+    enable_draft_weights_cpu_backup: bool = True
+    """SGLang keeps a CPU copy of the draft across memory release/resume."""
+
+    enable_memory_saver: bool = False
+    """Allow release/resume of the server's GPU memory (colocated training)."""
+
+    start_timeout_s: float = 900.0
+    """Seconds the server may take to load and answer /health_generate."""
+
+    request_timeout_s: float = 1800.0
+    """A request unanswered this long counts as a hung server (restarted)."""
+
+    max_restarts: int = 2
+    """Restarts in a row before a rollout call fails."""
+
+    log_dir: str = ""
+    """Where the server's log goes ('' = the system temp dir)."""
+
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Further sglang ServerArgs fields, passed as is (e.g. {cuda_graph_max_bs = 64})."""
+
+    def validate(self) -> None:
+        _check(0 <= self.port < 65536, "rollout.sglang.port", self.port, "0 (free port) or a port number")
+        _check(self.tp_size >= 1, "rollout.sglang.tp_size", self.tp_size, ">= 1")
+        _check(0 < self.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
+        _check(self.eagle_topk >= 1, "rollout.sglang.eagle_topk", self.eagle_topk, ">= 1")
+        _check(self.num_verify_tokens >= 0, "rollout.sglang.num_verify_tokens", self.num_verify_tokens, ">= 0 (0 = num_draft_tokens + 1)")
+        _check(self.start_timeout_s > 0, "rollout.sglang.start_timeout_s", self.start_timeout_s, "> 0")
+        _check(self.request_timeout_s > 0, "rollout.sglang.request_timeout_s", self.request_timeout_s, "> 0")
+        _check(self.max_restarts >= 0, "rollout.sglang.max_restarts", self.max_restarts, ">= 0")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     engine: Literal["torch", "sglang"] = "torch"
     """Rollout engine."""
+
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """The SGLang engine's settings (used when engine = 'sglang')."""
 
     max_batch_size: int = 0
     """Requests the built-in engine decodes together (larger calls are split); 0 = all at once."""
@@ -229,6 +312,7 @@ class RolloutConfig:
 
     def validate(self) -> None:
         _check(self.max_batch_size >= 0, "rollout.max_batch_size", self.max_batch_size, ">= 0 (0 = no limit)")
+        self.sglang.validate()
 
     def torch_engine_config(self, speculative: SpeculativeConfig):
         """The built-in engine's settings from the [rollout] and [speculative] sections."""
@@ -245,7 +329,51 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class RLConfig:
     enable: bool = False
-    """RL post-training after the warm start (the RL issue fills this in)."""
+    """GRPO post-training: every step generates rollouts with the engine, scores them and
+    trains the policy (and, with the draft, the draft) on them (titan_spec/rl/loop.py)."""
+
+    prompts_per_step: int = 16
+    """Prompts per step across all data-parallel ranks (split evenly over them)."""
+
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are relative to the prompt's group."""
+
+    max_new_tokens: int = 32
+    """Completion budget per rollout."""
+
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; the policy loss uses log-probs at this temperature."""
+
+    clip_low: float = 0.2
+    """PPO ratio clip below: ratio >= 1 - clip_low."""
+
+    clip_high: float = 0.2
+    """PPO ratio clip above: ratio <= 1 + clip_high."""
+
+    scale_advantages: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); off = centring only (Dr. GRPO)."""
+
+    kl_beta: float = 0.0
+    """Weight of the k3 KL to the initial policy (a frozen copy is kept when > 0)."""
+
+    baseline_interval: int = 10
+    """Every this many steps (and at the first), generate the step's prompts again with the
+    frozen initial draft and without speculation, for the co-trained/frozen/no-spec comparison;
+    0 = never."""
+
+    rollout_retries: int = 1
+    """A rollout that raises is retried this many times on a rebuilt engine, then the run stops."""
+
+    def validate(self) -> None:
+        _check(self.prompts_per_step >= 1, "rl.prompts_per_step", self.prompts_per_step, ">= 1")
+        _check(self.group_size >= 2, "rl.group_size", self.group_size, ">= 2 (advantages compare a group)")
+        _check(self.max_new_tokens >= 1, "rl.max_new_tokens", self.max_new_tokens, ">= 1")
+        _check(self.temperature > 0, "rl.temperature", self.temperature, "> 0 (RL samples its rollouts)")
+        _check(0 <= self.clip_low < 1, "rl.clip_low", self.clip_low, "in [0, 1)")
+        _check(self.clip_high >= 0, "rl.clip_high", self.clip_high, ">= 0")
+        _check(self.kl_beta >= 0, "rl.kl_beta", self.kl_beta, ">= 0")
+        _check(self.baseline_interval >= 0, "rl.baseline_interval", self.baseline_interval, ">= 0 (0 = never)")
+        _check(self.rollout_retries >= 0, "rl.rollout_retries", self.rollout_retries, ">= 0")
 
 
 @dataclass(kw_only=True)
@@ -319,14 +447,73 @@ class TitanSpecConfig:
             if p.pipeline_parallel_degree > 1:
                 raise ConfigError("parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 "
                                   "is not supported yet; use one of them")
-        for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+            if self.rl.enable:
+                raise ConfigError("parallelism.context_parallel_degree > 1 with rl.enable = true is not "
+                                  "supported yet (the RL loop does not shard its batches); use cp = 1")
+        for name in ("tensor_parallel_degree", "expert_parallel_degree"):
             if getattr(p, name) > 1:
                 raise ConfigError(
                     f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
-                    "parallel (FSDP) now, context and pipeline parallelism come with their own issues"
+                    "parallel (FSDP), pipeline parallel and context parallel now"
                 )
+        if self.rl.enable:
+            self._validate_rl(world_size)
+
+    def check_paths(self) -> None:
+        """Inputs named by the config exist (checked when the run starts: an earlier run of
+        job.requires may be what makes them)."""
         if self.model.hf_checkpoint and not os.path.isdir(self.model.hf_checkpoint):
             raise ConfigError(f"model.hf_checkpoint {self.model.hf_checkpoint!r} is not a directory")
+        if self.draft.init_from and not os.path.isdir(self.draft.init_from):
+            raise ConfigError(f"draft.init_from {self.draft.init_from!r} is not a directory")
+        if self.task.name == "jsonl":
+            from titan_spec.rl.tasks import build_task
+
+            try:
+                build_task(self.task)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"task.path: {e}") from None
+        if self.rollout.engine == "sglang":
+            self._validate_sglang()
+
+    def _validate_rl(self, world_size: int) -> None:
+        rl, d, sp = self.rl, self.draft, self.speculative
+        if d.enable and d.co_train and not sp.enabled:
+            raise ConfigError(
+                "draft.co_train = true needs speculative.enabled = true (a co-trained draft serves the "
+                "rollouts); for the no-speculation baseline set draft.enable = false or draft.co_train = false"
+            )
+        if sp.enabled and not d.enable:
+            raise ConfigError("speculative.enabled = true in RL needs a draft: set draft.enable = true "
+                              "(with draft.init_from), or speculative.enabled = false")
+        if d.offline:
+            raise ConfigError("draft.offline = true freezes the policy, which RL trains; use it in a warm-start run")
+        dp = world_size // max(self.parallelism.context_parallel_degree * self.parallelism.pipeline_parallel_degree, 1)
+        if rl.prompts_per_step % max(dp, 1):
+            raise ConfigError(
+                f"rl.prompts_per_step = {rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"
+            )
+
+    def _validate_sglang(self) -> None:
+        if not self.model.hf_checkpoint:
+            raise ConfigError("rollout.engine = 'sglang' needs model.hf_checkpoint: SGLang loads the policy from a local HF directory")
+        if not self.speculative.enabled:
+            return
+        if not self.draft.init_from:
+            raise ConfigError(
+                "rollout.engine = 'sglang' with speculative.enabled needs draft.init_from: the exported EAGLE-3 "
+                "draft directory SGLang starts from (train one with --draft.offline true)"
+            )
+        from titan_spec.rl.rollout.sglang_engine import MANAGED_SERVER_ARGS
+        from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy
+
+        clash = sorted(set(self.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
+        if clash:
+            raise ConfigError(f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys")
+        try:
+            check_draft_fits_policy(self.model.hf_checkpoint, self.draft.init_from)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -482,7 +669,9 @@ def _quiet_torchtitan():
         tt_logger.setLevel(level)
 
 
-def load_config(path: str | None, overrides: list[str] | None = None, world_size: int | None = None) -> TitanSpecConfig:
+def load_config(
+    path: str | None, overrides: list[str] | None = None, world_size: int | None = None, check_paths: bool = True
+) -> TitanSpecConfig:
     """Read, type-check and validate a config. Raises ConfigError with a one-line message."""
     with _quiet_torchtitan():
         cfg = TitanSpecConfig()
@@ -504,6 +693,8 @@ def load_config(path: str | None, overrides: list[str] | None = None, world_size
         _assign(cfg, parse_overrides(overrides), "command line", "")
     try:
         cfg.validate(world_size)
+        if check_paths:
+            cfg.check_paths()
     except ConfigError as e:
         raise ConfigError(f"{cfg.source}: {e}") from None
     return cfg

@@ -88,6 +88,11 @@ class TaskDataLoader(BaseDataLoader):
         task: TaskConfig = field(default_factory=TaskConfig)
         """The task section of the titan_spec config."""
 
+        step_rows: int = 0
+        """Rows of one step per data-parallel rank (training.local_batch_size); the loader
+        hands them out ``local_batch_size`` rows at a time (pipeline parallelism asks for
+        microbatches). 0 = the loader's local_batch_size."""
+
     def __init__(
         self,
         config: Config,
@@ -104,26 +109,44 @@ class TaskDataLoader(BaseDataLoader):
         self.tokenizer = tokenizer
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.rows, self.row_len = local_batch_size, seq_len
+        self.step_rows = config.step_rows or local_batch_size
+        if self.step_rows % self.rows:
+            raise ValueError(f"a step's {self.step_rows} rows do not split into batches of {self.rows}")
         self.batch_index = 0
+        self._packed = (-1, None)  # the last global batch: its microbatches are consecutive
 
     def _global_batch(self, index: int):
         # Every rank packs the GLOBAL batch and keeps its own rows: the data of a step does
         # not depend on how it is split, so dp=2 x 4 rows trains on exactly dp=1 x 8 rows.
         rng = random.Random(self.task_cfg.seed * 1_000_003 + index)
-        rows = self.rows * self.dp_world_size
+        rows = self.step_rows * self.dp_world_size
         docs: list[Document] = []
         budget, total = rows * self.row_len, 0
         while total < budget:
             prob = self.task.sample(rng)
-            docs.append(sft_document(self.tokenizer, prob.prompt, prob.answer))
+            docs.append(sft_document(self.tokenizer, prob.prompt, prob.sft_target))
             total += len(docs[-1].tokens)
         packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id)
         return packed
 
     def _batch(self, index: int):
-        packed = self._global_batch(index)
-        mine = slice(self.dp_rank * self.rows, (self.dp_rank + 1) * self.rows)
+        # Microbatch k of step g: so pp microbatches of 1 row see the rows of pp = 1.
+        g, k = divmod(index, self.step_rows // self.rows)
+        if self._packed[0] != g:
+            self._packed = (g, self._global_batch(g))
+        packed = self._packed[1]
+        start = self.dp_rank * self.step_rows + k * self.rows
+        mine = slice(start, start + self.rows)
         return {"input": packed.input_BL[mine], "positions": packed.positions_BL[mine]}, packed.labels_BL[mine]
+
+    def next_problems(self, count: int) -> list:
+        """RL: this rank's share of the ``count`` prompts of the next step, deterministic in
+        (task seed, step index) like the packed batches, whatever the number of ranks."""
+        rng = random.Random(self.task_cfg.seed * 1_000_003 + self.batch_index)
+        self.batch_index += 1
+        problems = [self.task.sample(rng) for _ in range(count)]
+        share = count // self.dp_world_size
+        return problems[self.dp_rank * share : (self.dp_rank + 1) * share]
 
     def token_counts(self, num_batches: int, vocab_size: int) -> torch.Tensor:
         """How often each token is a training target in the first batches (all ranks' rows)."""

@@ -3,7 +3,8 @@
 SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
 
     loss(taps, logits, ...)   TTT loss from the policy forward's detached taps and logits,
-                              normalized by the valid rows of all data-parallel ranks
+                              normalized by normalizer(): the trainable rows of the whole
+                              step (all microbatches, all data-parallel ranks)
     step()                    the draft's own clipping, AdamW step and LR schedule
 
 The draft is small and is trained data-parallel with the policy: FSDP2 over the same
@@ -33,11 +34,27 @@ from titan_spec.config import DraftConfig
 from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping
 from titan_spec.models.draft_io import load_draft_into, save_draft
 from titan_spec.models.target import Taps
-from titan_spec.models.ttt import TTTResult, ttt_targets
+from titan_spec.models.ttt import TTTResult, ttt_shifts, ttt_targets
 from titan_spec.parallelisms.context_parallel import CPMetadata
 from titan_spec.parallelisms.cp_batch import TTTHalo
 
-__all__ = ["DraftTraining"]
+__all__ = ["DraftTraining", "initial_draft", "under_dump_folder"]
+
+
+def initial_draft(cfg: DraftConfig, arch: DraftArch, token_counts_V: torch.Tensor | None, seed: int) -> Eagle3Draft:
+    """The draft before training, unsharded: ``draft.init_from``, else a seeded random init
+    with the vocabulary mapping of the most frequent target tokens. Deterministic, so a
+    resumed run rebuilds the same starting draft (the RL frozen-draft baseline uses it)."""
+    with torch.random.fork_rng(devices=[]):
+        # Same init on every rank, independent of the policy's RNG stream.
+        torch.manual_seed(seed + 1)
+        draft = Eagle3Draft(arch)
+        draft.reset_parameters()
+    if token_counts_V is not None and arch.draft_vocab_size < arch.vocab_size:
+        draft.set_vocab_mapping(*build_vocab_mapping(token_counts_V, arch.draft_vocab_size))
+    if cfg.init_from:
+        load_draft_into(draft, cfg.init_from)
+    return draft
 
 
 class DraftTraining(Stateful):
@@ -54,15 +71,7 @@ class DraftTraining(Stateful):
         seed: int,
     ):
         self.cfg = cfg
-        with torch.random.fork_rng(devices=[]):
-            # Same init on every rank, independent of the policy's RNG stream.
-            torch.manual_seed(seed + 1)
-            draft = Eagle3Draft(arch)
-            draft.reset_parameters()
-        if token_counts_V is not None and arch.draft_vocab_size < arch.vocab_size:
-            draft.set_vocab_mapping(*build_vocab_mapping(token_counts_V, arch.draft_vocab_size))
-        if cfg.init_from:
-            load_draft_into(draft, cfg.init_from)
+        draft = initial_draft(cfg, arch, token_counts_V, seed)
         draft.to(device)
         self.dp_mesh = dp_mesh
         if dp_mesh is not None:
@@ -79,7 +88,27 @@ class DraftTraining(Stateful):
 
     # --- per step ----------------------------------------------------------------------
 
-    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta) -> TTTResult:
+    def normalizer(self, positions_BL: list[torch.Tensor], labels_BL: list[torch.Tensor], cp_shifts=None) -> torch.Tensor:
+        """count_S: rows each TTT step can train on, summed over the given microbatches and
+        the data-parallel ranks. Like torchtitan's global_valid_tokens it is fixed before the
+        forward (positions and labels only, not the target's argmax), so splitting a batch
+        into pipeline microbatches leaves the loss and its gradients unchanged. Under context
+        parallelism the rank's shard is counted with its cross-shard ``cp_shifts`` (TTTHalo)
+        and the sum runs over dp x cp."""
+        if cp_shifts is not None:
+            count_S = torch.stack([valid.sum() for _, valid in cp_shifts])
+        else:
+            count_S = sum(
+                torch.stack([valid.sum() for _, valid in ttt_shifts(p.reshape(-1), l.reshape(-1), self.cfg.ttt_steps)])
+                for p, l in zip(positions_BL, labels_BL, strict=True)
+            )
+        if self.dp_mesh is not None:
+            dist.all_reduce(count_S, group=self.dp_mesh.get_group())
+        return count_S
+
+    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta, count_S=None) -> TTTResult:
+        """The TTT loss of one (micro)batch, normalized by ``count_S`` (default: this batch's
+        ``normalizer``)."""
         draft = self.draft
         T = positions_BL.numel()
         logits_TV = logits_BLV.detach().reshape(T, -1)
@@ -92,10 +121,8 @@ class DraftTraining(Stateful):
             logits_TV, labels_T, embeds_TH = (halo.extend(x) for x in (logits_TV, labels_T, embeds_TH))
             shifts = halo.shifts(labels_T)
         targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps, shifts)
-        count_S = torch.stack([valid.sum() for _, valid, _ in targets])
-        if self.dp_mesh is not None:
-            count_S = count_S.clone()
-            dist.all_reduce(count_S, group=self.dp_mesh.get_group())
+        if count_S is None:
+            count_S = self.normalizer([positions_BL], [labels_BL], shifts)
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         result = draft(
             hidden, embeds_TH, positions_T, meta, targets,
@@ -151,10 +178,18 @@ class DraftTraining(Stateful):
         set_optimizer_state_dict(self.draft, self.optimizer, sd["optim"])
         self.scheduler.load_state_dict(sd["lr"])
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The draft's full tensors by export name, on every rank (collective under FSDP)."""
+        return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True))
+
     def export(self, path: str) -> None:
-        """Write the SGLang-loadable draft directory (collective under FSDP; rank 0 writes)."""
-        full = get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.is_initialized() and dist.get_rank() != 0:
+        """Write the SGLang-loadable draft directory (collective under FSDP; one rank writes)."""
+        # Gathered on every rank (cpu_offload would keep it on global rank 0 only, which
+        # under PP holds no draft); the draft is small.
+        full = {k: v.cpu() for k, v in self.full_state_dict().items()}
+        # The first rank of the draft's data-parallel group writes (under PP that group is
+        # on the last stage, not on global rank 0).
+        if self.dp_mesh is not None and self.dp_mesh.get_local_rank() != 0:
             return
         copy = Eagle3Draft(self.draft.arch)
         copy.load_state_dict(full)

@@ -11,6 +11,8 @@ each capability titan_spec adds hooks in at one of the parent's seams:
 - ``post_dataloading_process``: attach titan_spec's document-attention metadata;
 - ``_forward_backward_body``: the ONE training forward; with ``[draft] enable`` its
   detached taps and logits also give the draft's TTT loss (draft_training.py);
+- ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
+  stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
 - ``train_step``: the draft's optimizer steps right after the policy's;
 - ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint.
 
@@ -47,6 +49,7 @@ from titan_spec.models.draft import DraftArch
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_ids
+from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_forward_backward, pipeline_spec
 from titan_spec.parallelisms.cp_batch import shard_batch, without_torch_cp
 
 __all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "main"]
@@ -80,7 +83,23 @@ def tap_ids_for(cfg: TitanSpecConfig, n_layers: int) -> tuple[int, ...]:
 
 
 def draft_arch_for(cfg: TitanSpecConfig, arch) -> DraftArch:
-    d = DraftArch.from_target(arch, tap_ids_for(cfg, arch.n_layers), cfg.draft.draft_vocab_size)
+    """The draft for this target; a ``draft.init_from`` directory supplies the draft vocabulary
+    size and tap ids that the config leaves unset (0 / empty)."""
+    vocab, taps = cfg.draft.draft_vocab_size, tuple(cfg.draft.tap_layer_ids)
+    if cfg.draft.init_from and os.path.isdir(cfg.draft.init_from):
+        from titan_spec.models.draft_io import read_draft_arch
+
+        try:
+            found = read_draft_arch(cfg.draft.init_from)
+        except ValueError as e:
+            raise ConfigError(f"draft.init_from: {e}") from None
+        vocab, taps = vocab or found.draft_vocab_size, taps or found.tap_layer_ids
+    if taps:
+        try:
+            validate_tap_layer_ids(taps, arch.n_layers)
+        except ValueError as e:
+            raise ConfigError(f"draft.tap_layer_ids: {e}") from None
+    d = DraftArch.from_target(arch, taps or tap_ids_for(cfg, arch.n_layers), vocab)
     try:
         d.validate()
     except ValueError as e:
@@ -105,7 +124,8 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
     arch = resolve_arch(cfg, tok.get_vocab_size())
     # Taps are read only when the draft trains from them; the LM step returns logits.
     draft_arch = draft_arch_for(cfg, arch)  # validates tap ids and draft vocab even when unused
-    taps = draft_arch.tap_layer_ids if cfg.draft.enable else ()
+    trains_draft = cfg.draft.enable and (cfg.draft.co_train or not cfg.rl.enable)
+    taps = draft_arch.tap_layer_ids if trains_draft else ()
     if cfg.training.seq_len > arch.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}"
@@ -117,14 +137,15 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
     else:
         from torchtitan.models.llama3 import parallelize_llama as parallelize_fn
         from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter as adapter
-    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        check_pipeline_config(cfg, model_config, taps)
 
     spec = ModelSpec(
         name=arch.family,
         flavor="hf" if cfg.model.hf_checkpoint else cfg.model.flavor,
         model=model_config,
         parallelize_fn=_parallelize(parallelize_fn),
-        pipelining_fn=pipeline_llm,
+        pipelining_fn=pipeline_spec,
         post_optimizer_build_fn=None,
         state_dict_adapter=adapter,
     )
@@ -137,7 +158,10 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
     if platform.on_cpu():
         # CUDA graphs capture device work; there is none on CPU.
         training.disable_cuda_graphs = True
-    return SpecTrainer.Config(
+    trainer_cls = SpecTrainer
+    if cfg.rl.enable:
+        from titan_spec.rl.loop import RLTrainer as trainer_cls
+    return trainer_cls.Config(
         spec=cfg,
         arch=arch,
         draft_arch=draft_arch if cfg.draft.enable else None,
@@ -147,7 +171,7 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
         profiler=cfg.profiler,
         metrics=cfg.metrics,
         tokenizer=CharTokenizer.Config(),
-        dataloader=TaskDataLoader.Config(task=cfg.task),
+        dataloader=TaskDataLoader.Config(task=cfg.task, step_rows=cfg.training.local_batch_size),
         optimizer=OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=o.name, optimizer_kwargs=kwargs)],
             implementation=o.implementation,
@@ -197,7 +221,15 @@ class SpecTrainer(Trainer):
             for part in self.model_parts:
                 load_hf_into(part, spec.model.hf_checkpoint, config.arch)
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
-        self.draft_training = self._build_draft_training() if spec.draft.enable else None
+        # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
+        on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
+        self.draft_training = self._build_draft_training() if spec.draft.enable and on_draft_stage else None
+        if self.draft_training is not None:
+            # The draft's optimizer steps right after the policy's (its own clipping and
+            # schedule), inside torchtitan's train_step, so the step's metrics include it.
+            self.optimizers.register_step_post_hook(lambda *_: self.draft_training.step())
+            if self.parallel_dims.pp_enabled:
+                self.pp_schedule.titan_spec_loss.attach_draft(self.draft_training, spec.draft.loss_weight)
 
     def _build_draft_training(self) -> DraftTraining:
         spec, pd = self.config.spec, self.parallel_dims
@@ -221,12 +253,9 @@ class SpecTrainer(Trainer):
         )
 
     def train_step(self, data_iterator):
-        # The draft's optimizer steps right after the policy's, with its own clipping.
         if self.draft_training is not None:
             self.draft_training.zero_grad()
         super().train_step(data_iterator)
-        if self.draft_training is not None:
-            self.draft_training.step()
 
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
         """ONE forward of the policy; its detached taps and logits also train the draft."""
@@ -247,6 +276,10 @@ class SpecTrainer(Trainer):
             total.backward()
         return policy_loss.detach()
 
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+        # Each microbatch's loss on the last stage is policy + lambda * draft (pipeline.py).
+        return pipeline_forward_backward(self, input_dict_mbs, label_mbs, global_valid_tokens)
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         if self.draft_training is not None:
@@ -261,6 +294,10 @@ class SpecTrainer(Trainer):
     def train(self):
         super().train()
         self.export()
+        if torch.distributed.get_rank() == 0:
+            # run_train.sh skips a finished run that a later config requires (job.requires).
+            with open(os.path.join(self.config.dump_folder, "DONE"), "w") as f:
+                f.write(f"{self.step}\n")
 
     def export(self) -> None:
         """End-of-run exports: the policy as an HF checkpoint, the draft for SGLang."""
@@ -278,18 +315,29 @@ class SpecTrainer(Trainer):
     def _log_jsonl(self, log):
         """Wrap MetricsProcessor.log to also append full-precision metrics to metrics.jsonl."""
         path = os.path.join(self.config.dump_folder, "metrics.jsonl")
+        # The first rank of the last pipeline stage sees the loss (torchtitan's loss-visible rank).
+        pd = self.parallel_dims
+        writer = (pd.world_size // pd.pp) * (pd.pp - 1)
 
         def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-            if self.draft_training is not None:
-                extra_metrics = {**(extra_metrics or {}), **self.draft_training.metrics()}
+            extra_metrics = {**(extra_metrics or {}), **self.extra_metrics()}
             log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-            if torch.distributed.get_rank() == 0:
+            if torch.distributed.get_rank() == writer:
                 row = {"step": step, "loss": global_avg_loss, "max_loss": global_max_loss, "grad_norm": grad_norm}
                 row.update({k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))})
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
 
         return logged
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Metrics of the step besides torchtitan's (collective: every rank calls it)."""
+        if self.draft_training is None:
+            return {}
+        out = self.draft_training.metrics()
+        if self.parallel_dims.pp_enabled:  # taps of the last step, counted by microbatch tag
+            out["pp/taps_delivered"] = self.pp_schedule.titan_spec_loss.channel.received
+        return out
 
     def post_dataloading_process(self, input_dict, labels):
         if self.parallel_dims.cp_enabled:
@@ -304,19 +352,67 @@ class SpecTrainer(Trainer):
         return inputs, labels, extra
 
 
+def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
+    """The configs run_train.sh runs for ``path``, in order: the runs it requires
+    (``job.requires``, recursively) that have not finished (no DONE in their dump folder),
+    then ``path`` itself with the command-line overrides.
+
+    Every config of the chain is read and validated here, before anything runs; its input
+    directories are checked too, except those under the dump folder of a run planned
+    before it (that run makes them; they are checked when their reader starts)."""
+    order: list[tuple[str, TitanSpecConfig]] = []
+
+    def visit(p: str, ov: list[str] | None, chain: tuple[str, ...]) -> None:
+        if p in chain:
+            raise ConfigError(f"job.requires forms a cycle: {' -> '.join((*chain, p))}")
+        cfg = load_config(p, ov, check_paths=False)
+        for req in cfg.job.requires:
+            req_path = os.path.normpath(os.path.join(os.path.dirname(p), req))
+            if not os.path.isfile(req_path):
+                raise ConfigError(f"{p}: job.requires names {req!r}, but {req_path} does not exist")
+            req_cfg = load_config(req_path, None, check_paths=False)
+            if not os.path.isfile(os.path.join(req_cfg.job.dump_folder, "DONE")):
+                visit(req_path, None, (*chain, p))
+        if all(p != q for q, _ in order):
+            order.append((p, cfg))
+
+    visit(path, overrides, ())
+    for i, (p, cfg) in enumerate(order):
+        pending = [os.path.abspath(c.job.dump_folder) + os.sep for _, c in order[:i]]
+
+        def made_earlier(d: str) -> bool:
+            return any(os.path.abspath(d).startswith(q) for q in pending)
+
+        inputs = {"model.hf_checkpoint": cfg.model.hf_checkpoint, "draft.init_from": cfg.draft.init_from}
+        for key, d in inputs.items():
+            if d and not made_earlier(d) and not os.path.isdir(d):
+                raise ConfigError(f"{p}: {key} {d!r} is not a directory")
+        if not (cfg.model.hf_checkpoint and made_earlier(cfg.model.hf_checkpoint)):
+            try:
+                to_trainer_config(cfg)
+            except ConfigError as e:
+                raise ConfigError(f"{p}: {e}") from None
+    return [p for p, _ in order]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``--check``: validate the config (and the HF/draft directories it names) and exit;
-    run_train.sh does this in one process before torchrun starts any rank."""
+    ``--plan``: print the configs to run for it, one per line (job.requires first).
+    run_train.sh does both in one process before torchrun starts any rank."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    check_only = "--check" in argv
-    if check_only:
-        argv.remove("--check")
+    check_only, plan_only = "--check" in argv, "--plan" in argv
+    for flag in ("--check", "--plan"):
+        if flag in argv:
+            argv.remove(flag)
     path = None
     if "--config" in argv:
         i = argv.index("--config")
         path = argv[i + 1] if i + 1 < len(argv) else None
         del argv[i : i + 2]
     try:
+        if plan_only:
+            print("\n".join(plan_runs(path or "", argv)))
+            return 0
         cfg = load_config(path, argv)
         trainer_config = to_trainer_config(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:

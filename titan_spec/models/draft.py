@@ -65,6 +65,18 @@ class DraftArch:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"draft heads {self.n_heads} must be a multiple of kv heads {self.n_kv_heads}")
 
+    def misfits(self, target_vocab: int, target_dim: int) -> list[str]:
+        """Why this draft cannot serve a target of this vocabulary and width ([] = it fits).
+        The draft reads the target's embeddings, so its own width is the target's too."""
+        bad = []
+        if self.vocab_size != target_vocab:
+            bad.append(f"draft vocab_size {self.vocab_size} != target vocab {target_vocab}")
+        if self.target_hidden != target_dim:
+            bad.append(f"draft target_hidden {self.target_hidden} != target dim {target_dim}")
+        if self.hidden != target_dim:
+            bad.append(f"draft hidden {self.hidden} != target dim {target_dim} (the draft reads the target's embeddings)")
+        return bad
+
 
 def apply_rotary(x_TNH: torch.Tensor, pos_T: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half (NeoX / HF Llama) rotary embedding, as SGLang's Llama attention uses."""

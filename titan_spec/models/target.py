@@ -29,6 +29,7 @@ from torchtitan.models.qwen3 import Qwen3Model
 from titan_spec.models.attention import DocCausalAttention, DocMetadata, doc_metadata_from_positions
 
 __all__ = [
+    "EMBEDS_TAP",
     "Taps",
     "TappedQwen3Model",
     "TappedLlama3Model",
@@ -64,8 +65,17 @@ class Taps(NamedTuple):
     """h_BLD of each tap layer, in tap_layer_ids order."""
 
 
+EMBEDS_TAP = -1
+"""Key of the token embeddings among a pipeline stage's stashed taps."""
+
+
 class _TapMixin:
     """forward() and get_attention_masks() shared by the tapped Qwen3 and Llama3."""
+
+    stash_taps: bool = False
+    """Pipeline stages set this: forward then returns only its output (what the schedule
+    sends on) and leaves the taps it holds in ``stashed_taps``, {layer id: h_BLD} plus
+    {EMBEDS_TAP: embeds_BLD} on the stage with the embedding, for the TapChannel."""
 
     def forward(
         self,
@@ -88,6 +98,11 @@ class _TapMixin:
         if not self._skip_lm_head and self.lm_head is not None:
             out = self.lm_head(h_BLD)
         if not tap_ids:
+            return out
+        if self.stash_taps:
+            if self.tok_embeddings is not None:
+                taps[EMBEDS_TAP] = embeds_BLD
+            self.stashed_taps = taps
             return out
         return out, Taps(embeds_BLD, tuple(taps[i] for i in tap_ids if i in taps))
 

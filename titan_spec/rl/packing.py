@@ -10,7 +10,7 @@ labels are ignored. No per-sample padding, no attention across documents.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
@@ -26,6 +26,10 @@ class Document:
     loss_from: int = 1
     """Index of the first token that is a training target (e.g. the first completion token)."""
 
+    values: dict[str, list[float]] = field(default_factory=dict)
+    """Per-target values (RL: behaviour log-probs, advantages), one per target token
+    tokens[loss_from:], placed where those tokens are labels; 0 elsewhere."""
+
 
 @dataclass
 class PackedBatch:
@@ -33,17 +37,24 @@ class PackedBatch:
     positions_BL: torch.Tensor
     labels_BL: torch.Tensor
     """Next-token targets; IGNORE_INDEX outside the loss region and across boundaries."""
+    values_BL: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Documents' ``values`` at their label positions (float32), 0 elsewhere."""
 
 
-def pack_documents(docs: list[Document], rows: int, row_len: int, pad_id: int) -> tuple[PackedBatch, int]:
-    """Greedy first-fit packing of docs in order. Returns the batch and how many docs fit.
+def pack_documents(docs: list[Document], rows: int | None, row_len: int, pad_id: int) -> tuple[PackedBatch, int]:
+    """Greedy packing of docs in order (a new row when the next one does not fit). Returns
+    the batch and how many docs fit; ``rows=None`` uses as many rows as all docs need.
 
     A document longer than row_len is an error (the caller sizes budgets), never truncated
     silently.
     """
+    if rows is None:
+        rows = max(_rows_needed(docs, row_len), 1)
     input_BL = torch.full((rows, row_len), pad_id, dtype=torch.long)
     positions_BL = torch.zeros((rows, row_len), dtype=torch.long)
     labels_BL = torch.full((rows, row_len), IGNORE_INDEX, dtype=torch.long)
+    names = sorted({k for d in docs for k in d.values})
+    values_BL = {k: torch.zeros((rows, row_len), dtype=torch.float32) for k in names}
     fill = [0] * rows
     row, used = 0, 0
     for doc in docs:
@@ -62,9 +73,23 @@ def pack_documents(docs: list[Document], rows: int, row_len: int, pad_id: int) -
         tgt = toks[1:].clone()
         tgt[: max(doc.loss_from - 1, 0)] = IGNORE_INDEX
         labels_BL[row, col : col + n - 1] = tgt
+        for k, vals in doc.values.items():
+            if len(vals) != n - doc.loss_from:
+                raise ValueError(f"document values {k!r}: {len(vals)} values for {n - doc.loss_from} targets")
+            # target token i (i >= loss_from) is the label of position i - 1
+            values_BL[k][row, col + doc.loss_from - 1 : col + n - 1] = torch.tensor(vals, dtype=torch.float32)
         fill[row] += n
         used += 1
     # The padding tail of each row is one more document: its positions restart at 0.
     for r in range(rows):
         positions_BL[r, fill[r] :] = torch.arange(row_len - fill[r])
-    return PackedBatch(input_BL, positions_BL, labels_BL), used
+    return PackedBatch(input_BL, positions_BL, labels_BL, values_BL), used
+
+
+def _rows_needed(docs: list[Document], row_len: int) -> int:
+    rows, fill = 0, row_len
+    for doc in docs:
+        if fill + len(doc.tokens) > row_len:
+            rows, fill = rows + 1, 0
+        fill += len(doc.tokens)
+    return rows

@@ -8,8 +8,11 @@ trains with no download. A user's GSM8K-style JSONL file ({"question": ..., "ans
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
+
+from torchtitan.tools.logging import logger
 
 __all__ = ["Problem", "ArithmeticTask", "JsonlTask", "build_task", "exact_match_reward"]
 
@@ -18,6 +21,13 @@ __all__ = ["Problem", "ArithmeticTask", "JsonlTask", "build_task", "exact_match_
 class Problem:
     prompt: str
     answer: str
+    """The correct completion: what the exact-match reward checks."""
+    demonstration: str = ""
+    """What an SFT example shows ('' = the answer); differs from it for noisy demonstrations."""
+
+    @property
+    def sft_target(self) -> str:
+        return self.demonstration or self.answer
 
 
 class ArithmeticTask:
@@ -29,11 +39,15 @@ class ArithmeticTask:
     which is the mix speculative decoding meets in real rollouts.
     """
 
-    def __init__(self, max_operand: int = 99, num_operands: int = 2, operators: str = "+-", show_work: bool = False):
+    def __init__(
+        self, max_operand: int = 99, num_operands: int = 2, operators: str = "+-", show_work: bool = False,
+        wrong_answer_rate: float = 0.0,
+    ):
         self.max_operand = max_operand
         self.num_operands = num_operands
         self.operators = operators
         self.show_work = show_work
+        self.wrong_answer_rate = wrong_answer_rate
 
     def sample(self, rng: random.Random) -> Problem:
         value = rng.randint(0, self.max_operand)
@@ -43,17 +57,25 @@ class ArithmeticTask:
             x = rng.randint(0, self.max_operand)
             value = value + x if op == "+" else value - x if op == "-" else value * x
             text += f"{op}{x}"
+        # Drawn for every problem, so the problems themselves do not depend on the rate.
+        noisy = rng.random() < self.wrong_answer_rate
+        shown = value + rng.choice((-2, -1, 1, 2))
         if self.show_work:
-            return Problem(prompt=f"{text}?", answer=f"{text}={value}")
-        return Problem(prompt=f"{text}=", answer=str(value))
+            return Problem(f"{text}?", f"{text}={value}", f"{text}={shown}" if noisy else "")
+        return Problem(f"{text}=", str(value), str(shown) if noisy else "")
 
 
 class JsonlTask:
     """GSM8K-style lines: {"question": str, "answer": str with the final answer after '####'}."""
 
-    def __init__(self, path: str, on_error: str = "raise"):
+    def __init__(self, path: str, on_malformed: str = "reject"):
+        """``on_malformed``: 'reject' raises on any bad line (naming them), 'skip' drops them
+        (listed in ``errors`` and logged)."""
         self.problems: list[Problem] = []
         self.errors: list[str] = []
+        bad_lines: list[int] = []
+        if not os.path.isfile(path):
+            raise ValueError(f"{path!r} is not a file")
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -67,8 +89,15 @@ class JsonlTask:
                 except (ValueError, KeyError, TypeError) as e:
                     why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                     self.errors.append(f"{path}:{lineno}: {why}")
-        if self.errors and on_error == "raise":
-            raise ValueError(f"{len(self.errors)} malformed line(s), first: {self.errors[0]}")
+                    bad_lines.append(lineno)
+        if self.errors:
+            lines = ", ".join(map(str, bad_lines[:10])) + (", ..." if len(bad_lines) > 10 else "")
+            if on_malformed == "reject":
+                raise ValueError(
+                    f"{path}: {len(self.errors)} malformed line(s) (lines {lines}); first: {self.errors[0]} "
+                    "(fix them, or set task.on_malformed = 'skip')"
+                )
+            logger.warning(f"{path}: skipped {len(self.errors)} malformed line(s): {lines}")
         if not self.problems:
             raise ValueError(f"{path}: no usable problems")
 
@@ -78,8 +107,11 @@ class JsonlTask:
 
 def build_task(task_cfg):
     if task_cfg.name == "arithmetic":
-        return ArithmeticTask(task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators, task_cfg.show_work)
-    return JsonlTask(task_cfg.path)
+        return ArithmeticTask(
+            task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators, task_cfg.show_work,
+            task_cfg.wrong_answer_rate,
+        )
+    return JsonlTask(task_cfg.path, task_cfg.on_malformed)
 
 
 def exact_match_reward(completion: str, answer: str) -> float:

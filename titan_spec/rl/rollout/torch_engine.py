@@ -155,14 +155,8 @@ class TorchRolloutEngine:
     # --- validation ---------------------------------------------------------------------
 
     def _check_draft_fits(self, draft: Eagle3Draft) -> None:
-        a, t = draft.arch, self._target
-        bad = []
-        if a.vocab_size != t.vocab_size:
-            bad.append(f"draft vocab {a.vocab_size} != target vocab {t.vocab_size}")
-        if a.target_hidden != t.dim:
-            bad.append(f"draft target_hidden {a.target_hidden} != target dim {t.dim}")
-        if a.hidden != t.dim:
-            bad.append(f"draft hidden {a.hidden} != target dim {t.dim} (the draft reads the target's embeddings)")
+        t = self._target
+        bad = draft.arch.misfits(t.vocab_size, t.dim)
         if not bad and not _d2t_ok(draft.d2t, t.vocab_size):
             bad.append("its d2t maps draft ids outside the target vocabulary or onto repeated ids")
         if bad:

@@ -1,0 +1,271 @@
+"""RL building blocks: packing of RL values, the co-training objective's gradient separation,
+the rollout worker (weight push, retry on engine failure), task files, run planning, RL
+config errors. The end-to-end runs are in test_rl_e2e.py."""
+
+import math
+import os
+
+import pytest
+import torch
+
+import titan_spec  # noqa: F401
+from titan_spec.config import ConfigError, DraftConfig, RLConfig, load_config
+from titan_spec.draft_training import DraftTraining
+from titan_spec.models.attention import doc_metadata_from_positions
+from titan_spec.models.draft import DraftArch
+from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
+from titan_spec.rl.loop import co_training_loss, token_logprobs
+from titan_spec.rl.packing import Document, pack_documents
+from titan_spec.rl.rollout import SamplingParams
+from titan_spec.rl.tasks import JsonlTask
+
+IGNORE = -100
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_packing_places_rl_values_on_the_completion_labels():
+    # doc a: 3 prompt + 2 completion tokens; doc b: 2 prompt + 3 completion tokens
+    a = Document([1, 5, 6, 7, 8], loss_from=3, values={"adv": [0.5, 0.5], "lp": [-1.0, -2.0]})
+    b = Document([1, 9, 10, 11, 12], loss_from=2, values={"adv": [-1.0] * 3, "lp": [-3.0, -4.0, -5.0]})
+    packed, used = pack_documents([a, b], None, 8, pad_id=0)
+    assert used == 2 and packed.input_BL.shape == (2, 8)  # b does not fit after a: a second row
+    # a's completion tokens 7, 8 are the labels of positions 2, 3
+    assert packed.labels_BL[0, :5].tolist() == [IGNORE, IGNORE, 7, 8, IGNORE]
+    assert packed.values_BL["lp"][0, :5].tolist() == [0.0, 0.0, -1.0, -2.0, 0.0]
+    assert packed.values_BL["adv"][1, :5].tolist() == [0.0, -1.0, -1.0, -1.0, 0.0]
+    assert packed.labels_BL[1, :5].tolist() == [IGNORE, 10, 11, 12, IGNORE]
+    with pytest.raises(ValueError, match="2 values for 3 targets"):
+        pack_documents([Document([1, 2, 3, 4], loss_from=1, values={"x": [0.0, 0.0]})], None, 8, 0)
+
+
+def _tiny(vocab=40, seed=0):
+    torch.manual_seed(seed)
+    arch = with_vocab(flavor_arch("qwen3", "tiny"), vocab)
+    model = build_target_config(arch, tap_layer_ids=(1, 3, 4), max_seq_len=64).build()
+    model.init_weights(buffer_device=None)
+    return model, arch
+
+
+def _batch(vocab=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for i in range(5):
+        p = torch.randint(3, vocab, (4,), generator=g).tolist()
+        c = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
+        docs.append(Document([1] + p + c, loss_from=5, values={
+            "behaviour_logp": (-torch.rand(len(c), generator=g) * 3).tolist(),
+            "advantages": [float(i % 3) - 1.0] * len(c),
+        }))
+    packed, _ = pack_documents(docs, None, 32, pad_id=0)
+    return packed
+
+
+def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss():
+    model, arch = _tiny()
+    draft_cfg = DraftConfig(enable=True, ttt_steps=3)
+    dt = DraftTraining(
+        draft_cfg, DraftArch.from_target(arch, (1, 3, 4), arch.vocab_size), device=torch.device("cpu"),
+        dp_mesh=None, lr_scheduler_cfg=load_config(None).lr_scheduler, training_steps=10, token_counts_V=None, seed=0,
+    )
+    rl = RLConfig(enable=True, temperature=0.7, kl_beta=0.0)
+    b = _batch()
+    meta = doc_metadata_from_positions(b.positions_BL)
+    n_tokens = torch.tensor(int((b.labels_BL != IGNORE).sum()))
+    policy_params = list(model.parameters())
+    draft_params = [p for p in dt.draft.parameters() if p.requires_grad]
+
+    def grads(which: str):
+        model.zero_grad(set_to_none=True)
+        dt.zero_grad()
+        logits, taps = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
+        out = co_training_loss(
+            logits, taps, b.labels_BL, b.values_BL["behaviour_logp"], b.values_BL["advantages"], n_tokens, rl,
+            draft_training=dt, draft_weight=0.5, positions_BL=b.positions_BL, attention_masks=meta,
+        )
+        {"total": out.total, "policy": out.policy.loss, "draft": out.draft.loss}[which].backward()
+        zero = lambda ps: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ps]  # noqa: E731
+        return zero(policy_params), zero(draft_params), out
+
+    p_total, d_total, out = grads("total")
+    p_pol, d_pol, _ = grads("policy")
+    p_dr, d_dr, _ = grads("draft")
+    assert all(g.abs().sum() == 0 for g in d_pol), "the policy loss must not reach the draft"
+    assert all(g.abs().sum() == 0 for g in p_dr), "the draft loss must not reach the policy (taps/logits detached)"
+    assert any(g.abs().sum() > 0 for g in p_pol) and any(g.abs().sum() > 0 for g in d_dr)
+    for a, c in zip(p_total, p_pol):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+    for a, c in zip(d_total, d_dr):
+        torch.testing.assert_close(a, 0.5 * c, rtol=1e-5, atol=1e-7)
+    # The policy loss is the PPO-clip loss on log softmax(logits / T) at the labels.
+    with torch.no_grad():
+        logits, _ = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
+        lp = torch.log_softmax(logits.double() / 0.7, -1)
+        mask = b.labels_BL != IGNORE
+        ref = lp.gather(-1, b.labels_BL.clamp(min=0)[..., None])[..., 0]
+        torch.testing.assert_close(token_logprobs(logits, b.labels_BL, 0.7)[mask], ref[mask].float(), rtol=1e-5, atol=1e-5)
+        ratio = torch.exp(ref[mask].float() - b.values_BL["behaviour_logp"][mask])
+        adv = b.values_BL["advantages"][mask]
+        expect = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum() / n_tokens
+    assert out.policy.loss.item() == pytest.approx(expect.item(), rel=1e-4)
+
+
+def _worker(tmp_path, retries=1):
+    from titan_spec.draft_training import initial_draft
+    from titan_spec.rl.rollouts import RolloutWorker
+
+    model, arch = _tiny()
+    cfg = load_config(None, ["--rl.enable", "true", "--draft.enable", "true", "--rl.rollout_retries", str(retries),
+                             "--rl.baseline_interval", "1", "--rollout.progress", "false"])
+    darch = DraftArch.from_target(arch, (1, 3, 4), 24)
+    draft = initial_draft(cfg.draft, darch, torch.arange(arch.vocab_size).flip(0), seed=3)
+    worker = RolloutWorker(cfg, arch, torch.device("cpu"), draft)
+    worker.push(model.state_dict(), None, version=7)
+    return worker, model
+
+
+def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(tmp_path):
+    worker, _ = _worker(tmp_path)
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+    clean, stats = worker.generate(prompts, sp)
+    assert stats.tokens == sum(len(r.output_ids) for r in clean) and all(r.policy_version == 7 for r in clean)
+
+    calls = {"n": 0}
+    real = worker.main._generate_batch
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated engine crash")
+        return real(*a, **k)
+
+    worker.main._generate_batch = flaky
+    again, _ = worker.generate(prompts, sp)
+    # Retried on a rebuilt engine over the same weights and seed: the same rollouts.
+    assert calls["n"] == 1 and [r.output_ids for r in again] == [r.output_ids for r in clean]
+    assert all(r.policy_version == 7 for r in again)
+
+    def dead(*a, **k):
+        raise RuntimeError("simulated engine crash")
+
+    worker.main._generate_batch = dead
+    worker._rebuild = lambda: _dead_engine(worker)
+    with pytest.raises(RuntimeError, match=r"failed 2 time\(s\).*last checkpoint is intact"):
+        worker.generate(prompts, sp)
+    # The baselines run the same prompts with the frozen draft and without speculation.
+    base = worker.baselines(prompts, sp)
+    assert set(base) == {"frozen", "nospec"} and base["nospec"].verify_steps == base["nospec"].tokens
+
+
+def _dead_engine(worker):
+    from titan_spec.rl.rollout.torch_engine import TorchRolloutEngine
+
+    e = TorchRolloutEngine(worker._target, worker._draft, worker._engine_cfg)
+
+    def dead(*a, **k):
+        raise RuntimeError("simulated engine crash")
+
+    e._generate_batch = dead
+    return e
+
+
+def test_jsonl_task_reports_malformed_lines_and_rejects_or_skips(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(
+        '{"question": "1+1?", "answer": "two #### 2"}\n'
+        "not json\n"
+        '{"question": "2+2?", "answer": "4"}\n'
+        "\n"
+        '{"answer": "#### 3"}\n'
+        '{"question": "3+3?", "answer": "so #### 6"}\n'
+    )
+    with pytest.raises(ValueError, match=r"3 malformed line\(s\) \(lines 2, 3, 5\)"):
+        JsonlTask(str(path))
+    task = JsonlTask(str(path), on_malformed="skip")
+    assert [p.answer for p in task.problems] == ["2", "6"] and len(task.errors) == 3
+    assert "gsm.jsonl:5: missing field 'question'" in task.errors[2]
+    # Through the config: one line before any run starts.
+    with pytest.raises(ConfigError, match=r"task.path: .*lines 2, 3, 5.*task.on_malformed = 'skip'"):
+        load_config(None, ["--task.name", "jsonl", "--task.path", str(path)])
+    cfg = load_config(None, ["--task.name", "jsonl", "--task.path", str(path), "--task.on_malformed", "skip"])
+    assert cfg.task.on_malformed == "skip"
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--draft.enable", "true", "--speculative.enabled", "false"], "draft.co_train = true needs speculative.enabled"),
+        (["--draft.enable", "false"], "needs a draft"),
+        (["--draft.enable", "true", "--draft.offline", "true"], "draft.offline = true freezes the policy"),
+        (["--draft.enable", "true", "--rl.prompts_per_step", "3"], "multiple of the 2 data-parallel ranks"),
+        (["--draft.enable", "true", "--rl.group_size", "1"], "rl.group_size"),
+        (["--draft.enable", "true", "--rl.temperature", "0"], "rl.temperature"),
+    ],
+)
+def test_rl_config_errors(args, needle):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(None, ["--rl.enable", "true", *args], world_size=2)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_plan_runs_follows_requires_and_skips_finished_runs(tmp_path):
+    from titan_spec.train import plan_runs
+
+    def write(name, dump, requires=(), extra=""):
+        req = ", ".join(f'"{r}"' for r in requires)
+        (tmp_path / name).write_text(f'[job]\ndump_folder = "{tmp_path / dump}"\nrequires = [{req}]\n{extra}')
+        return str(tmp_path / name)
+
+    write("a.toml", "a")
+    write("b.toml", "b", ["a.toml"], f'[model]\nhf_checkpoint = "{tmp_path / "a" / "hf"}"\n')
+    c = write("c.toml", "c", ["b.toml"])
+    assert [os.path.basename(p) for p in plan_runs(c)] == ["a.toml", "b.toml", "c.toml"]
+    # A finished run (DONE in its dump folder) is not run again, nor what it required.
+    os.makedirs(tmp_path / "b")
+    (tmp_path / "b" / "DONE").write_text("5\n")
+    assert [os.path.basename(p) for p in plan_runs(c)] == ["c.toml"]
+    # An input that no earlier run makes must exist now.
+    d = write("d.toml", "d", ["a.toml"], '[model]\nhf_checkpoint = "/nonexistent/hf"\n')
+    with pytest.raises(ConfigError, match="model.hf_checkpoint '/nonexistent/hf' is not a directory"):
+        plan_runs(d)
+    write("x.toml", "x", ["y.toml"])
+    write("y.toml", "y", ["x.toml"])
+    with pytest.raises(ConfigError, match="cycle"):
+        plan_runs(str(tmp_path / "x.toml"))
+
+
+def test_default_chain_is_sft_then_offline_draft_then_rl():
+    cfg = load_config(os.path.join(ROOT, "train_configs/debug_cpu.toml"), check_paths=False)
+    assert cfg.rl.enable and cfg.draft.enable and cfg.draft.co_train and cfg.speculative.enabled
+    draft = load_config(os.path.join(ROOT, "train_configs/debug_cpu_draft.toml"), check_paths=False)
+    assert draft.draft.offline and cfg.draft.init_from.startswith(draft.job.dump_folder)
+    sft = load_config(os.path.join(ROOT, "train_configs/debug_cpu_sft.toml"))
+    assert not sft.draft.enable and cfg.model.hf_checkpoint.startswith(sft.job.dump_folder)
+    assert math.isclose(cfg.rl.temperature, 1.0)
+
+
+def test_one_grpo_step_makes_above_average_completions_likelier():
+    """The sign of the whole objective: after one small SGD step on the policy loss, the
+    completions with positive advantage gained log-likelihood and the negative ones lost it."""
+    model, _ = _tiny(seed=4)
+    b = _batch(seed=5)
+    meta = doc_metadata_from_positions(b.positions_BL)
+    rl = RLConfig(enable=True, temperature=1.0)
+    mask = b.labels_BL != IGNORE
+    adv = b.values_BL["advantages"]
+
+    def logps():
+        with torch.no_grad():
+            logits, _ = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
+            return token_logprobs(logits, b.labels_BL, 1.0)
+
+    before = logps()
+    logits, taps = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
+    # On-policy: the behaviour log-probs are the model's own.
+    out = co_training_loss(logits, taps, b.labels_BL, before, adv, mask.sum(), rl)
+    out.total.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad
+    delta = logps() - before
+    assert delta[mask & (adv > 0)].sum() > 0 and delta[mask & (adv < 0)].sum() < 0

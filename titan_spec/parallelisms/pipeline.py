@@ -1,0 +1,343 @@
+"""Pipeline parallelism for co-training: the target split over PP stages, the draft on the last.
+
+Shape legend: B = microbatch rows, L = row length (training.seq_len), D = model dim,
+V = vocab.
+
+``pipeline_spec`` is titan_spec's ``ModelSpec.pipelining_fn`` (the seam torchtitan's
+Trainer calls when ``pipeline_parallel_degree > 1``). It does what torchtitan's
+``pipeline_llm`` does, with its split helpers, and three things more:
+
+- every ``PipelineStage`` gets static input/output metadata, so the first ``step()``
+  runs no shape-inference forward (which would fire every tap hook once more);
+- each stage is a ``TapStage``: its tap hook runs after the stage's forward of a
+  microbatch, outside every compiled or checkpointed block, and hands the taps the
+  stage computed (tapped layer outputs; the embeddings on the first stage) to the
+  ``TapChannel`` tagged with the microbatch;
+- the schedule's loss on the last stage is ``PipelineLoss``: per microbatch, the policy
+  loss + lambda * the draft's TTT loss on that microbatch's taps.
+
+``pipeline_forward_backward`` replaces torchtitan's ``pp_forward_backward_step``: each
+microbatch's target carries its labels, positions and document metadata (the draft
+loss needs them on the last stage), and the channel is opened and closed around the
+schedule's step. The schedule itself is torch's, unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.pipeline_parallel import (
+    _build_get_mesh_callback,
+    _build_pipeline_schedule,
+    _generate_llm_fqn_per_model_part,
+    _get_pipeline_metadata,
+    _get_pp_rank_to_stage_indices_mapping,
+    _split_module,
+)
+
+from titan_spec.models.target import EMBEDS_TAP, Taps
+from titan_spec.parallelisms.tap_channel import TapChannel, TapLayout
+
+__all__ = [
+    "SCHEDULES",
+    "Microbatch",
+    "PipelineLoss",
+    "TapStage",
+    "pipeline_spec",
+    "pipeline_forward_backward",
+    "stage_module_names",
+    "check_pipeline_split",
+    "check_pipeline_config",
+]
+
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+"""Schedules co-training runs and is tested with (full backward per microbatch, so the
+draft's gradients accumulate in the same backward as the policy's)."""
+
+TAP_TIMEOUT_S = 600.0
+"""How long the last stage waits for a microbatch's taps before it raises (the pipeline's
+own P2P waits as long; the first step may include compilation)."""
+
+
+class Microbatch(NamedTuple):
+    """The schedule's per-microbatch "target" on the last stage: all its loss needs."""
+
+    index: int
+    labels_BL: torch.Tensor
+    positions_BL: torch.Tensor | None
+    attention_masks: Any
+    draft_count_S: torch.Tensor | None
+    """The draft loss's normalizer over the whole step (DraftTraining.normalizer)."""
+
+
+# ---------------------------------------------------------------------------
+# The split, and the checks that need only the config
+# ---------------------------------------------------------------------------
+
+
+def stage_module_names(parallelism, n_layers: int, model_config) -> list[list[str]]:
+    """Module names of each virtual stage: the configured split, else torchtitan's."""
+    n_stages, _, input_weight, output_weight = _get_pipeline_metadata(
+        types.SimpleNamespace(pp=parallelism.pipeline_parallel_degree), parallelism, model_config
+    )
+    if parallelism.module_fqns_per_model_part is not None:
+        return [list(names) for names in parallelism.module_fqns_per_model_part]
+    return _generate_llm_fqn_per_model_part(n_stages, n_layers, input_weight, output_weight)
+
+
+def check_pipeline_split(names: list[list[str]], tap_ids: tuple[int, ...], draft: bool) -> None:
+    """Raise ValueError (one line) for a split the co-training cannot run."""
+    if "tok_embeddings" not in names[0]:
+        raise ValueError(f"the first pipeline stage must hold tok_embeddings; it holds {names[0]}")
+    if draft and not {"norm", "lm_head"} <= set(names[-1]):
+        raise ValueError(
+            "the draft trains on the last pipeline stage, next to the logits it learns from, so that stage "
+            f"must hold norm and lm_head; it holds {names[-1]}"
+        )
+    held = {n for stage in names for n in stage}
+    lost = [k for k in tap_ids if f"layers.{k}" not in held]
+    if lost:
+        raise ValueError(
+            f"tap layer ids {lost} name no layer on any pipeline stage (the stages hold "
+            f"{sorted(n for n in held if n.startswith('layers.'))})"
+        )
+
+
+def tap_layout(names: list[list[str]], tap_ids: tuple[int, ...], pp: int, schedule: str,
+               shape_BLD: tuple[int, int, int], dtype: torch.dtype) -> TapLayout:
+    stage_rank = {s: r for r in range(pp) for s in _get_pp_rank_to_stage_indices_mapping(r, pp, schedule, len(names))}
+    stage_keys = {}
+    for s, stage in enumerate(names):
+        keys = ([EMBEDS_TAP] if "tok_embeddings" in stage else []) + [k for k in tap_ids if f"layers.{k}" in stage]
+        if keys:
+            stage_keys[s] = tuple(sorted(keys))
+    return TapLayout(stage_keys, stage_rank, len(names) - 1, shape_BLD, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Stages and the last stage's loss
+# ---------------------------------------------------------------------------
+
+
+class TapStage(PipelineStage):
+    """A PipelineStage whose tap hook hands each microbatch's taps to the TapChannel."""
+
+    def __init__(self, *args, channel: TapChannel | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.channel = channel
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        taps = getattr(self.submod, "stashed_taps", None)
+        self.submod.stashed_taps = None
+        # A stage without tap layers has nothing to hand over (the channel's end_step still
+        # checks that every stage that should have tapped did, once per microbatch).
+        if self.channel is not None and taps:
+            self.channel.put(self.stage_index, fwd_chunk_id, taps)
+        return out
+
+
+class PipelineLoss:
+    """The last stage's loss of one microbatch: policy + lambda * draft (TTT) loss.
+
+    ``draft`` is attached once the trainer has built it (after the pipeline); without
+    it the loss is the policy's alone (plain LM training under PP)."""
+
+    def __init__(self, loss_fn, channel: TapChannel | None, tap_ids: tuple[int, ...]):
+        self.loss_fn, self.channel, self.tap_ids = loss_fn, channel, tap_ids
+        self.draft = None
+        self.weight = 1.0
+        self.policy_losses: list[torch.Tensor] = []
+
+    def attach_draft(self, draft_training, weight: float) -> None:
+        self.draft, self.weight = draft_training, weight
+
+    def __call__(self, logits_BLV: torch.Tensor, mb: Microbatch, global_valid_tokens: torch.Tensor):
+        policy, _ = self.loss_fn(logits_BLV, mb.labels_BL, global_valid_tokens)
+        self.policy_losses.append(policy.detach())
+        if self.draft is None:
+            return policy, None
+        got = self.channel.take(mb.index)
+        taps = Taps(got[EMBEDS_TAP], tuple(got[k] for k in self.tap_ids))
+        draft = self.draft.loss(
+            logits_BLV, taps, mb.positions_BL, mb.labels_BL, mb.attention_masks, mb.draft_count_S
+        )
+        return policy + self.weight * draft.loss, None
+
+
+# ---------------------------------------------------------------------------
+# ModelSpec.pipelining_fn
+# ---------------------------------------------------------------------------
+
+
+def pipeline_spec(
+    model: torch.nn.Module,
+    *,
+    parallel_dims,
+    training,
+    parallelism,
+    compile_config,
+    ac_config,
+    dump_folder: str,
+    device: torch.device,
+    model_config,
+    parallelize_fn,
+    loss_fn,
+):
+    """Same contract as torchtitan's ``pipeline_llm``: (schedule, model parts, has first
+    stage, has last stage). The schedule carries ``titan_spec_loss`` (a PipelineLoss)."""
+    pp_mesh = parallel_dims.get_mesh("pp")
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    schedule_name = parallelism.pipeline_parallel_schedule
+    tap_ids = tuple(model_config.tap_layer_ids)
+    names = stage_module_names(parallelism, len(model_config.layers), model_config)
+    check_pipeline_split(names, tap_ids, draft=bool(tap_ids))
+    n_stages = len(names)
+
+    B, L, D = parallelism.pipeline_parallel_microbatch_size, training.seq_len, model_config.dim
+    dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]  # FSDP's param dtype = activation dtype
+    channel = None
+    if tap_ids:
+        pp_ranks = dist.get_process_group_ranks(pp_mesh.get_group())
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, pp_ranks)
+        all_pp_ranks = sorted({tuple(r) for r in every})
+        channel = TapChannel(
+            tap_layout(names, tap_ids, pp, schedule_name, (B, L, D), dtype),
+            pp_ranks, pp_rank, device, timeout_s=TAP_TIMEOUT_S, all_pp_ranks=[list(r) for r in all_pp_ranks],
+        )
+
+    get_mesh = _build_get_mesh_callback(parallel_dims)
+    stages, parts = [], []
+    for s in _get_pp_rank_to_stage_indices_mapping(pp_rank, pp, schedule_name, n_stages):
+        part = _split_module(model, names[s])
+        part.stash_taps = True
+        part = parallelize_fn(
+            part, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+            compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder,
+        )
+        # Static metadata (meta tensors carry shape, dtype, requires_grad): no inference forward.
+        meta = torch.device("meta")
+        if s == 0:
+            inputs = torch.empty(B, L, dtype=torch.int64, device=meta)
+        else:
+            inputs = torch.empty(B, L, D, dtype=dtype, device=meta, requires_grad=True)
+        width = model_config.vocab_size if s == n_stages - 1 else D
+        outputs = torch.empty(B, L, width, dtype=dtype, device=meta, requires_grad=True)
+        stages.append(TapStage(
+            part, s, n_stages, device, input_args=inputs, output_args=outputs,
+            group=pp_mesh.get_group("pp"), get_mesh=get_mesh, channel=channel,
+        ))
+        parts.append(part)
+
+    loss = PipelineLoss(loss_fn, channel, tap_ids)
+    schedule = _build_pipeline_schedule(
+        parallelism=parallelism, local_batch_size=training.local_batch_size, stages=stages, loss_fn=loss
+    )
+    schedule.titan_spec_loss = loss
+    return schedule, parts, any(st.is_first for st in stages), any(st.is_last for st in stages)
+
+
+# ---------------------------------------------------------------------------
+# Trainer.pp_forward_backward_step
+# ---------------------------------------------------------------------------
+
+
+def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_tokens) -> torch.Tensor:
+    """One pipelined forward+backward of the local batch; returns the policy loss (the sum
+    of the microbatches' losses, each normalized by the global token count) on the last
+    stage, -1 elsewhere, like torchtitan."""
+    schedule = trainer.pp_schedule
+    loss: PipelineLoss = schedule.titan_spec_loss
+    arg_mbs, kwarg_mbs, targets = [], [], []
+    for i, (input_dict, labels) in enumerate(zip(input_dict_mbs, label_mbs, strict=True)):
+        inputs, labels, extra = trainer.post_dataloading_process(input_dict, labels)
+        arg_mbs.append((inputs,))
+        kwarg_mbs.append(extra)
+        targets.append(Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None))
+    if loss.draft is not None:
+        count_S = loss.draft.normalizer([t.positions_BL for t in targets], [t.labels_BL for t in targets])
+        targets = [t._replace(draft_count_S=count_S) for t in targets]
+    if loss.channel is not None:
+        loss.channel.begin_step(len(targets))
+    loss.policy_losses = []
+    with trainer.train_context():
+        schedule.step(
+            arg_mbs=arg_mbs if trainer.pp_has_first_stage else None,
+            kwarg_mbs=kwarg_mbs,
+            target_mbs=targets if trainer.pp_has_last_stage else None,
+            losses=[] if trainer.pp_has_last_stage else None,
+            loss_kwargs={"global_valid_tokens": global_valid_tokens},
+            return_outputs=False,
+        )
+    if loss.channel is not None:
+        loss.channel.end_step()
+    if trainer.pp_has_last_stage:
+        return torch.stack(loss.policy_losses).sum().to(trainer.device)
+    return torch.tensor([-1.0], device=trainer.device)
+
+
+def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
+    """Everything about PP that the config alone decides, as one-line ConfigErrors raised
+    before any process starts (``python -m titan_spec.train --check`` runs this)."""
+    from titan_spec.config import ConfigError
+
+    p = cfg.parallelism
+    try:
+        check_schedule(p, cfg.training.local_batch_size)
+        names = stage_module_names(p, len(model_config.layers), model_config)
+        check_pipeline_split(names, tap_ids, draft=cfg.draft.enable)
+    except ValueError as e:
+        raise ConfigError(f"pipeline parallelism: {e}") from None
+    if getattr(model_config, "enable_weight_tying", False):
+        raise ConfigError(
+            f"pipeline parallelism: model {cfg.model.name}/{cfg.model.flavor} ties its embedding and lm_head, "
+            "which sit on different stages; torchtitan does not support weight tying under PP (use an untied "
+            "model, e.g. model.name = 'llama3')"
+        )
+    if cfg.draft.enable and cfg.draft.offline:
+        raise ConfigError("pipeline parallelism: draft.offline (a frozen target) is not supported; the pipeline "
+                          "backward needs a trainable target (run offline draft training with pp = 1)")
+    if cfg.rl.enable:
+        raise ConfigError("pipeline parallelism: rl.enable is not supported yet (the pipelined step computes "
+                          "the SFT loss, not the GRPO one); run RL with pp = 1")
+    if cfg.job.export_hf:
+        raise ConfigError("pipeline parallelism: job.export_hf is not supported (each stage holds part of the "
+                          "policy); export from a checkpoint with pp = 1")
+
+
+def check_schedule(parallelism, local_batch_size: int) -> None:
+    """Microbatch counts the schedule can use (ValueError, one line); config-only."""
+    name = parallelism.pipeline_parallel_schedule
+    if name not in SCHEDULES:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule = {name!r} is not allowed; it must be one of "
+            f"{', '.join(SCHEDULES)}"
+        )
+    mb = parallelism.pipeline_parallel_microbatch_size
+    if mb < 1 or local_batch_size % mb:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_microbatch_size = {mb} must be >= 1 and divide "
+            f"training.local_batch_size = {local_batch_size}"
+        )
+    n = local_batch_size // mb
+    pp = parallelism.pipeline_parallel_degree
+    single = issubclass(get_schedule_class(name), PipelineScheduleSingle)
+    if name == "1F1B" and n < pp:
+        raise ValueError(
+            f"schedule 1F1B needs at least as many microbatches as stages: {n} microbatches "
+            f"(local_batch_size {local_batch_size} / microbatch_size {mb}) < {pp} stages"
+        )
+    if not single:
+        rounds = max(1, n // pp)
+        if n % rounds:
+            raise ValueError(
+                f"schedule {name} needs the microbatch count to be a multiple of max(1, microbatches // pp) = "
+                f"{rounds}; {n} microbatches (local_batch_size {local_batch_size} / microbatch_size {mb}) is not"
+            )
