@@ -65,6 +65,9 @@ MALFORMED = [
     ("[rollout]\nengine = 'vllm'\n", [], 1, ["rollout.engine", "'torch', 'sglang'"]),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
     ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["tensor_parallel_degree = 2 is not supported yet"]),
+    ("[parallelism]\ncontext_parallel_degree = 2\n", [], 3, ["cp = 2 does not divide the 3 processes"]),
+    ("[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 130\n", [], 2,
+     ["training.seq_len = 130", "a multiple of 2 * parallelism.context_parallel_degree = 4"]),
 ]
 
 

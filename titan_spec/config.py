@@ -438,11 +438,23 @@ class TitanSpecConfig:
                 f" x cp {p.context_parallel_degree} = {others * shard}, but {world_size} processes run"
                 " (set NGPU, or the degrees, so they multiply to it)"
             )
-        for name in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
+        cp = p.context_parallel_degree
+        if cp > 1:
+            # Every document is padded to a multiple of 2*cp; a budget that is one keeps
+            # padded positions inside the row (and the rotary table).
+            _check(t.seq_len % (2 * cp) == 0, "training.seq_len", t.seq_len,
+                   f"a multiple of 2 * parallelism.context_parallel_degree = {2 * cp} (zigzag split)")
+            if p.pipeline_parallel_degree > 1:
+                raise ConfigError("parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 "
+                                  "is not supported yet; use one of them")
+            if self.rl.enable:
+                raise ConfigError("parallelism.context_parallel_degree > 1 with rl.enable = true is not "
+                                  "supported yet (the RL loop does not shard its batches); use cp = 1")
+        for name in ("tensor_parallel_degree", "expert_parallel_degree"):
             if getattr(p, name) > 1:
                 raise ConfigError(
                     f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
-                    "parallel (FSDP) and pipeline parallel now, context parallelism comes with its own issue"
+                    "parallel (FSDP), pipeline parallel and context parallel now"
                 )
         if self.rl.enable:
             self._validate_rl(world_size)

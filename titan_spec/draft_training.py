@@ -8,7 +8,7 @@ SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
     step()                    the draft's own clipping, AdamW step and LR schedule
 
 The draft is small and is trained data-parallel with the policy: FSDP2 over the same
-mesh (sum-reduced; the loss is already normalized by the global count).
+mesh, dp_shard x cp (sum-reduced; the loss is already normalized by the global count).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping
 from titan_spec.models.draft_io import load_draft_into, save_draft
 from titan_spec.models.target import Taps
 from titan_spec.models.ttt import TTTResult, ttt_shifts, ttt_targets
+from titan_spec.parallelisms.context_parallel import CPMetadata
+from titan_spec.parallelisms.cp_batch import TTTHalo
 
 __all__ = ["DraftTraining", "initial_draft", "under_dump_folder"]
 
@@ -86,15 +88,20 @@ class DraftTraining(Stateful):
 
     # --- per step ----------------------------------------------------------------------
 
-    def normalizer(self, positions_BL: list[torch.Tensor], labels_BL: list[torch.Tensor]) -> torch.Tensor:
+    def normalizer(self, positions_BL: list[torch.Tensor], labels_BL: list[torch.Tensor], cp_shifts=None) -> torch.Tensor:
         """count_S: rows each TTT step can train on, summed over the given microbatches and
         the data-parallel ranks. Like torchtitan's global_valid_tokens it is fixed before the
         forward (positions and labels only, not the target's argmax), so splitting a batch
-        into pipeline microbatches leaves the loss and its gradients unchanged."""
-        count_S = sum(
-            torch.stack([valid.sum() for _, valid in ttt_shifts(p.reshape(-1), l.reshape(-1), self.cfg.ttt_steps)])
-            for p, l in zip(positions_BL, labels_BL, strict=True)
-        )
+        into pipeline microbatches leaves the loss and its gradients unchanged. Under context
+        parallelism the rank's shard is counted with its cross-shard ``cp_shifts`` (TTTHalo)
+        and the sum runs over dp x cp."""
+        if cp_shifts is not None:
+            count_S = torch.stack([valid.sum() for _, valid in cp_shifts])
+        else:
+            count_S = sum(
+                torch.stack([valid.sum() for _, valid in ttt_shifts(p.reshape(-1), l.reshape(-1), self.cfg.ttt_steps)])
+                for p, l in zip(positions_BL, labels_BL, strict=True)
+            )
         if self.dp_mesh is not None:
             dist.all_reduce(count_S, group=self.dp_mesh.get_group())
         return count_S
@@ -106,12 +113,19 @@ class DraftTraining(Stateful):
         T = positions_BL.numel()
         logits_TV = logits_BLV.detach().reshape(T, -1)
         positions_T, labels_T = positions_BL.reshape(T), labels_BL.reshape(T)
-        targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps)
+        embeds_TH = taps.embeds_BLD.detach().reshape(T, -1)
+        shifts = None
+        if isinstance(meta, CPMetadata):
+            # Rows t+1+j may live on another CP rank: index [local; halo] rows instead.
+            halo = TTTHalo(meta, self.cfg.ttt_steps, logits_TV.device)
+            logits_TV, labels_T, embeds_TH = (halo.extend(x) for x in (logits_TV, labels_T, embeds_TH))
+            shifts = halo.shifts(labels_T)
+        targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps, shifts)
         if count_S is None:
-            count_S = self.normalizer([positions_BL], [labels_BL])
+            count_S = self.normalizer([positions_BL], [labels_BL], shifts)
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         result = draft(
-            hidden, taps.embeds_BLD.detach().reshape(T, -1), positions_T, meta, targets,
+            hidden, embeds_TH, positions_T, meta, targets,
             self.cfg.loss_decay, count_S,
         )
         self._accumulate(result)

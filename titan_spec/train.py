@@ -50,6 +50,7 @@ from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_ids
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_forward_backward, pipeline_spec
+from titan_spec.parallelisms.cp_batch import shard_batch, without_torch_cp
 
 __all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "main"]
 
@@ -108,6 +109,8 @@ def draft_arch_for(cfg: TitanSpecConfig, arch) -> DraftArch:
 
 def _parallelize(parallelize_fn):
     def parallelize(model, **kwargs):
+        if kwargs["parallel_dims"].cp_enabled:  # titan_spec's ring, not torch's CP
+            kwargs["parallel_dims"] = without_torch_cp(kwargs["parallel_dims"])
         model = parallelize_fn(model, **kwargs)
         platform.force_sum_reduction(model)
         return model
@@ -234,7 +237,7 @@ class SpecTrainer(Trainer):
             # Offline draft training: the policy is a frozen teacher.
             for part in self.model_parts:
                 part.requires_grad_(False)
-        dp_mesh = pd.get_optional_mesh("fsdp") if pd.dp_shard_enabled else None
+        dp_mesh = pd.get_optional_mesh("fsdp") if pd.dp_shard_enabled or pd.cp_enabled else None
         counts = None
         if not spec.draft.init_from:
             counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, self.config.arch.vocab_size)
@@ -337,6 +340,11 @@ class SpecTrainer(Trainer):
         return out
 
     def post_dataloading_process(self, input_dict, labels):
+        if self.parallel_dims.cp_enabled:
+            # Zigzag-shard for the ring (parallelisms/cp_batch.py), not torch's CP input split.
+            inputs, labels, extra = shard_batch(input_dict, labels, self.parallel_dims.get_mesh("cp"))
+            self.ntokens_seen += extra["attention_masks"].num_real_rows()
+            return inputs, labels, extra
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         attn = self.model_config.first_attention
         if isinstance(attn.inner_attention, DocCausalAttention.Config) and "positions" in extra:

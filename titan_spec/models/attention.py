@@ -451,6 +451,14 @@ class DocCausalAttention(Module):
         assert enable_gqa or N == K, f"{N} query heads vs {K} kv heads needs enable_gqa"
         assert N % K == 0, f"{N} query heads is not a multiple of {K} kv heads"
         scale = 1.0 / math.sqrt(H) if scale is None else scale
+        if not isinstance(attention_masks, DocMetadata):
+            # A context-parallel shard (parallelisms/context_parallel.CPMetadata)
+            # brings its ring attention.
+            out_TNH = attention_masks.attention(
+                q_BLNH.reshape(B * L, N, H), k_BLNH.reshape(B * L, K, H),
+                v_BLNH.reshape(B * L, K, Hv), scale,
+            )
+            return out_TNH.view(B, L, N, Hv)
         out_TNH, _ = doc_attention(
             q_BLNH.reshape(B * L, N, H),
             k_BLNH.reshape(B * L, K, H),

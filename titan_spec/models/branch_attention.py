@@ -209,7 +209,11 @@ def ttt_attention(
     q_TNH: the step-j draft queries; k0/v0_TKH: step-0 keys/values (trunk);
     kb/vb_JTKH: keys/values of steps 1..J at the same rows (J may be 0).
     Differentiable w.r.t. q, k0, v0, kb, vb. Returns out_TNH in q's dtype.
+    meta may also be a context-parallel shard (parallelisms/context_parallel.CPMetadata),
+    which runs the trunk over its ring.
     """
+    if not isinstance(meta, DocMetadata):
+        return meta.ttt_attention(q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, scale)
     return _TTTAttention.apply(
         q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH,
         meta.cu_seqlens, meta.cu_seqlens_cpu, scale,

@@ -63,13 +63,14 @@ def ttt_shifts(positions_T: torch.Tensor, labels_T: torch.Tensor, steps: int):
 
 
 @torch.no_grad()
-def ttt_targets(draft: Eagle3Draft, positions_T, labels_T, target_logits_TV, steps: int):
+def ttt_targets(draft: Eagle3Draft, positions_T, labels_T, target_logits_TV, steps: int, shifts=None):
     """Per step j: (src_T, valid_T, target_p_TVd). valid adds the mask 'target argmax is in
     the draft vocab' to ttt_shifts; target_p is the target's distribution at t+1+j
-    restricted to the draft vocab (renormalized)."""
+    restricted to the draft vocab (renormalized). ``shifts`` replaces ttt_shifts where rows
+    t+1+j live elsewhere (context parallel: parallelisms/cp_batch.TTTHalo)."""
     d2t_ids = draft.draft_to_target_ids()
     out = []
-    for src, valid in ttt_shifts(positions_T, labels_T, steps):
+    for src, valid in shifts or ttt_shifts(positions_T, labels_T, steps):
         tgt_TV = target_logits_TV[src].float()
         valid = valid & draft.t2d[tgt_TV.argmax(-1)]
         out.append((src, valid, torch.softmax(tgt_TV[:, d2t_ids], dim=-1)))

@@ -1,0 +1,569 @@
+# Context parallelism for packed, document-causal attention with EAGLE-3
+# branch keys: per-document zigzag sharding and a ring attention custom op.
+#
+# Shape suffix legend:
+#   T = packed tokens of the global stream, R = local rows on this rank,
+#   N = query heads, K = kv heads (GQA: N % K == 0), H = head dim,
+#   J = TTT branch steps so far, D = documents
+#
+# Layout (DESIGN.md, as TransformerEngine THD): every document is padded to a
+# multiple of 2*cp and cut into 2*cp chunks of c_d rows; rank r holds chunks r
+# and 2*cp-1-r of every document, document-major. Every rank therefore holds
+# the same number of rows per document (2*c_d), so all ranks share one local
+# cu_seqlens and every ring message has the same shape.
+#
+# Ring: the trunk K/V (step-0 keys) travels the CP group. With source rank s
+# and local rank r, per document (local rows [a, a+2c)):
+#   s == r: the two local chunks in order, causal (plain document-causal)
+#   s <  r: every local query vs the source's first chunk (k rows [a, a+c)),
+#           no mask: both local chunks come after chunk s
+#   s >  r: the local second chunk (q rows [a+c, a+2c)) vs both source chunks,
+#           no mask; the local first chunk precedes both and is skipped
+# so every step costs every rank the same 2*c*c query-key pairs per document:
+# the zigzag is what balances causal work. The branch part (keys k_1..k_J at
+# the query's own row) is position-aligned and needs no communication. All
+# partials merge by log-sum-exp; the backward feeds every part the MERGED
+# (out, lse) and sends dK/dV of the trunk around the ring back to its owner.
+#
+# Pad rows sit at the end of their document, so a real query never sees a pad
+# key: in a no-mask block all keys precede the query chunk, and the causal
+# block masks later rows. Pad rows get finite but meaningless outputs;
+# callers mask them (labels = IGNORE_INDEX).
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from titan_spec.models.attention import DocMetadata, _fa_varlen_bwd, _fa_varlen_fwd, merge_partials
+from titan_spec.models.branch_attention import branch_backward, branch_part
+
+__all__ = [
+    "CPMetadata",
+    "ZigzagLayout",
+    "ring_attention",
+    "ring_blocks",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
+
+
+# ---------------------------------------------------------------------------
+# Layout: shard / unshard
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZigzagLayout:
+    """Per-document zigzag split of one packed stream over a CP group.
+
+    doc_lens: the global (unpadded) document lengths, in stream order; empty
+        documents are allowed and hold no rows.
+    cp: the context-parallel degree.
+    """
+
+    doc_lens: tuple[int, ...]
+    cp: int
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_host, cp: int) -> "ZigzagLayout":
+        cu = [int(x) for x in cu_host]
+        return cls(tuple(e - s for s, e in zip(cu[:-1], cu[1:])), cp)
+
+    @cached_property
+    def chunk_lens(self) -> tuple[int, ...]:
+        """c_d: rows per chunk of each document (its padded length / 2cp)."""
+        n = 2 * self.cp
+        return tuple(-(-length // n) for length in self.doc_lens)
+
+    @property
+    def global_len(self) -> int:
+        return sum(self.doc_lens)
+
+    @property
+    def local_len(self) -> int:
+        """Rows on every rank (the same on all of them)."""
+        return 2 * sum(self.chunk_lens)
+
+    @cached_property
+    def local_cu_seqlens(self) -> tuple[int, ...]:
+        """Local document offsets (2*c_d rows each), identical on every rank."""
+        cu = [0]
+        for c in self.chunk_lens:
+            cu.append(cu[-1] + 2 * c)
+        return tuple(cu)
+
+    def local_positions(self, rank: int) -> torch.Tensor:
+        """[R] int64: position within its document of every local row (pads included)."""
+        out = []
+        for c in self.chunk_lens:
+            for chunk in (rank, 2 * self.cp - 1 - rank):
+                out.append(torch.arange(chunk * c, (chunk + 1) * c))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+    def global_index(self, rank: int) -> torch.Tensor:
+        """[R] int64: index into the global stream of every local row, -1 for a pad row."""
+        pos_R = self.local_positions(rank)
+        start_R, len_R = [], []
+        s = 0
+        for length, c in zip(self.doc_lens, self.chunk_lens):
+            start_R.append(torch.full((2 * c,), s))
+            len_R.append(torch.full((2 * c,), length))
+            s += length
+        if not start_R:
+            return pos_R
+        start_R, len_R = torch.cat(start_R), torch.cat(len_R)
+        return torch.where(pos_R < len_R, start_R + pos_R, -1)
+
+    def local_metadata(self, device) -> DocMetadata:
+        cu = torch.tensor(self.local_cu_seqlens, dtype=torch.int32)
+        return DocMetadata(cu.to(device), cu.clone())
+
+
+def zigzag_shard(x_T: torch.Tensor, layout: ZigzagLayout, rank: int, pad_value=0) -> torch.Tensor:
+    """This rank's rows of a global stream x_T[T, ...] (dim 0), pads set to pad_value."""
+    if x_T.shape[0] != layout.global_len:
+        raise ValueError(f"zigzag_shard: {x_T.shape[0]} rows for a layout of {layout.global_len} tokens")
+    idx_R = layout.global_index(rank).to(x_T.device)
+    x_R = x_T[idx_R.clamp(min=0)]
+    pad_R = (idx_R < 0).view(-1, *([1] * (x_T.dim() - 1)))
+    return torch.where(pad_R, torch.as_tensor(pad_value, dtype=x_T.dtype, device=x_T.device), x_R)
+
+
+def zigzag_unshard(x_R: torch.Tensor, layout: ZigzagLayout, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of zigzag_shard: all-gather the CP group's rows, drop pads -> x_T[T, ...]."""
+    cp = dist.get_world_size(group)
+    parts = [torch.empty_like(x_R) for _ in range(cp)]
+    dist.all_gather(parts, x_R.contiguous(), group=group)
+    x_T = x_R.new_empty(layout.global_len, *x_R.shape[1:])
+    for rank, part in enumerate(parts):
+        idx_R = layout.global_index(rank).to(x_R.device)
+        keep_R = idx_R >= 0
+        x_T[idx_R[keep_R]] = part[keep_R]
+    return x_T
+
+
+# ---------------------------------------------------------------------------
+# Ring blocks: which (query rows, key rows, causal) each ring step computes
+# ---------------------------------------------------------------------------
+
+
+def ring_blocks(local_cu, rank: int, src: int) -> list[tuple[int, int, int, int, bool]]:
+    """(q_start, q_end, k_start, k_end, causal) blocks of local queries against
+    the kv shard of rank ``src`` (rows in the shared local layout)."""
+    blocks = []
+    for a, e in zip(local_cu[:-1], local_cu[1:]):
+        c = (e - a) // 2
+        if c == 0:
+            continue
+        if src == rank:
+            blocks.append((a, e, a, e, True))
+        elif src < rank:
+            blocks.append((a, e, a, a + c, False))
+        else:
+            blocks.append((a + c, e, a, e, False))
+    return blocks
+
+
+def _repeat_kv(x_RKH: torch.Tensor, num_heads: int) -> torch.Tensor:
+    K = x_RKH.shape[1]
+    return x_RKH if K == num_heads else x_RKH.repeat_interleave(num_heads // K, 1)
+
+
+def _fold_gqa(dx_RNH: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    R, N, H = dx_RNH.shape
+    if N == num_kv_heads:
+        return dx_RNH
+    return dx_RNH.float().view(R, num_kv_heads, N // num_kv_heads, H).sum(2).to(dx_RNH.dtype)
+
+
+def _1NLH(x_RNH: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    return x_RNH[s:e].transpose(0, 1).unsqueeze(0)
+
+
+# Kernels over a list of blocks. CPU: the aten flash kernels per block (they
+# take Lq != Lk, return lse and consume a given (out, lse) in backward; the
+# attention tests check that). CUDA fp16/bf16: one FA2 varlen call per ring
+# step over all blocks (cu_seqlens_q != cu_seqlens_k), flash_attn's when
+# installed, else the FA2 build inside the torch CUDA wheel, exactly as
+# models/attention.py does for the local case; written against those APIs but
+# UNTESTED (no GPU here). Anything else: fp32 math per block.
+
+
+def _math_block_scores(q_LNH, k_MNH, causal, scale):
+    s_NLM = torch.einsum("lnh,mnh->nlm", q_LNH.float(), k_MNH.float()) * scale
+    if causal:
+        L = q_LNH.shape[0]
+        future_LM = torch.ones(L, L, dtype=torch.bool, device=q_LNH.device).triu(1)
+        s_NLM = s_NLM.masked_fill(future_LM, -math.inf)
+    return s_NLM
+
+
+def _varlen_plan(blocks, device):
+    # Rows of the blocks gathered into contiguous varlen batches. Blocks of one
+    # step never share query rows or key rows, so scatter-back is a plain copy.
+    q_idx = torch.cat([torch.arange(qs, qe) for qs, qe, _, _, _ in blocks]).to(device)
+    k_idx = torch.cat([torch.arange(ks, ke) for _, _, ks, ke, _ in blocks]).to(device)
+    cu_q = [0]
+    cu_k = [0]
+    for qs, qe, ks, ke, _ in blocks:
+        cu_q.append(cu_q[-1] + qe - qs)
+        cu_k.append(cu_k[-1] + ke - ks)
+    max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+    max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+    as_cu = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)
+    return q_idx, k_idx, as_cu(cu_q), as_cu(cu_k), max_q, max_k, blocks[0][4]
+
+
+def _use_cuda_flash(q_RNH: torch.Tensor) -> bool:
+    return q_RNH.is_cuda and q_RNH.dtype in (torch.float16, torch.bfloat16)
+
+
+def _cuda_blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
+    R, N, _ = q_RNH.shape
+    out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
+    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
+    if not blocks:
+        return out_RNH, lse_NR
+    q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(blocks, q_RNH.device)
+    q, k, v = q_RNH[q_idx].contiguous(), k_RKH[k_idx].contiguous(), v_RKH[k_idx].contiguous()
+    if _fa_varlen_fwd is not None and q.shape[-1] % 8 == 0:
+        out, lse, _, _ = _fa_varlen_fwd(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        )
+    else:
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        )
+    out_RNH[q_idx] = out
+    lse_NR[:, q_idx] = lse.float()
+    return out_RNH, lse_NR
+
+
+def _cuda_blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
+    dq_RNH, dk_RKH, dv_RKH = (torch.zeros_like(x) for x in (q_RNH, k_RKH, v_RKH))
+    if not blocks:
+        return dq_RNH, dk_RKH, dv_RKH
+    q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(blocks, q_RNH.device)
+    dtype = q_RNH.dtype
+    q, k, v = q_RNH[q_idx].contiguous(), k_RKH[k_idx].contiguous(), v_RKH[k_idx].contiguous()
+    dout = dout_RNH[q_idx].to(dtype).contiguous()
+    out = out_RNH[q_idx].to(dtype).contiguous()
+    lse = lse_NR[:, q_idx].float().contiguous()
+    if _fa_varlen_bwd is not None and q.shape[-1] % 8 == 0:
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        _fa_varlen_bwd(  # writes dq, dk, dv in place
+            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+            dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, deterministic=False,
+        )
+    else:
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
+            scale=scale,
+        )
+    dq_RNH[q_idx] = dq
+    dk_RKH[k_idx] = dk
+    dv_RKH[k_idx] = dv
+    return dq_RNH, dk_RKH, dv_RKH
+
+
+def _blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
+    if _use_cuda_flash(q_RNH):
+        return _cuda_blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale)
+    R, N, _ = q_RNH.shape
+    k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
+    out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
+    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
+    for qs, qe, ks, ke, causal in blocks:
+        if q_RNH.device.type == "cpu":
+            o_1NLH, lse_1NL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _1NLH(q_RNH, qs, qe), _1NLH(k_RNH, ks, ke), _1NLH(v_RNH, ks, ke),
+                0.0, causal, scale=scale,
+            )
+            out_RNH[qs:qe] = o_1NLH[0].transpose(0, 1)
+            lse_NR[:, qs:qe] = lse_1NL[0]
+        else:
+            s_NLM = _math_block_scores(q_RNH[qs:qe], k_RNH[ks:ke], causal, scale)
+            lse_NL = torch.logsumexp(s_NLM, -1)
+            p_NLM = torch.exp(s_NLM - lse_NL.unsqueeze(-1))
+            out_RNH[qs:qe] = torch.einsum("nlm,mnh->lnh", p_NLM, v_RNH[ks:ke].float()).to(out_RNH.dtype)
+            lse_NR[:, qs:qe] = lse_NL
+    return out_RNH, lse_NR
+
+
+def _blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
+    if _use_cuda_flash(q_RNH):
+        return _cuda_blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale)
+    R, N, _ = q_RNH.shape
+    K = k_RKH.shape[1]
+    k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
+    dq_RNH, dk_RNH, dv_RNH = (torch.zeros_like(x) for x in (q_RNH, k_RNH, v_RNH))
+    dout_RNH, out_RNH = dout_RNH.to(q_RNH.dtype), out_RNH.to(q_RNH.dtype)
+    lse_NR = lse_NR.to(torch.float64 if q_RNH.dtype == torch.float64 else torch.float32)
+    for qs, qe, ks, ke, causal in blocks:
+        if q_RNH.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _1NLH(dout_RNH, qs, qe), _1NLH(q_RNH, qs, qe),
+                _1NLH(k_RNH, ks, ke), _1NLH(v_RNH, ks, ke),
+                _1NLH(out_RNH, qs, qe), lse_NR[:, qs:qe].unsqueeze(0),
+                0.0, causal, scale=scale,
+            )
+            dq, dk, dv = (x[0].transpose(0, 1) for x in (dq, dk, dv))
+        else:
+            s_NLM = _math_block_scores(q_RNH[qs:qe], k_RNH[ks:ke], causal, scale)
+            p_NLM = torch.exp(s_NLM - lse_NR[:, qs:qe].float().unsqueeze(-1))
+            do_LNH = dout_RNH[qs:qe].float()
+            delta_NL = (do_LNH * out_RNH[qs:qe].float()).sum(-1).t()
+            dp_NLM = torch.einsum("lnh,mnh->nlm", do_LNH, v_RNH[ks:ke].float())
+            ds_NLM = p_NLM * (dp_NLM - delta_NL.unsqueeze(-1)) * scale
+            dq = torch.einsum("nlm,mnh->lnh", ds_NLM, k_RNH[ks:ke].float())
+            dk = torch.einsum("nlm,lnh->mnh", ds_NLM, q_RNH[qs:qe].float())
+            dv = torch.einsum("nlm,lnh->mnh", p_NLM, do_LNH)
+        # Blocks of one step never share query or key rows, so += is only for safety.
+        dq_RNH[qs:qe] += dq.to(dq_RNH.dtype)
+        dk_RNH[ks:ke] += dk.to(dk_RNH.dtype)
+        dv_RNH[ks:ke] += dv.to(dv_RNH.dtype)
+    return dq_RNH, _fold_gqa(dk_RNH, K), _fold_gqa(dv_RNH, K)
+
+
+# ---------------------------------------------------------------------------
+# Ring communication
+# ---------------------------------------------------------------------------
+
+_KV_TAG, _DKV_TAG = 11, 12
+
+
+class _Ring:
+    """Non-blocking send to rank+1 / receive from rank-1 within the CP group."""
+
+    def __init__(self, group_name: str):
+        self.group = dist.distributed_c10d._resolve_process_group(group_name)
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+
+    def shift(self, x: torch.Tensor, tag: int):
+        """Start passing x one rank forward; returns (received buffer, handles)."""
+        recv, sent = torch.empty_like(x), x.contiguous()
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        works = [
+            dist.isend(sent, group=self.group, group_dst=nxt, tag=tag),
+            dist.irecv(recv, group=self.group, group_src=prv, tag=tag),
+        ]
+        # The sent buffer rides along so that it outlives the send.
+        return recv, (works, sent)
+
+
+def _wait(pending) -> None:
+    if pending:
+        for w in pending[0]:
+            w.wait()
+
+
+def _pack(k_RKH: torch.Tensor, v_RKH: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k_RKH.reshape(-1), v_RKH.reshape(-1)])
+
+
+def _unpack(kv: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
+    n = k_shape.numel()
+    return kv[:n].view(k_shape), kv[n:].view(v_shape)
+
+
+# ---------------------------------------------------------------------------
+# The custom ops
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("titan_spec::ring_attn_fwd", mutates_args=())
+def ring_attn_fwd(
+    q_RNH: torch.Tensor,
+    k0_RKH: torch.Tensor,
+    v0_RKH: torch.Tensor,
+    kb_JRKH: torch.Tensor,
+    vb_JRKH: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor,
+    group_name: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zigzag ring trunk attention + local branch attention, one softmax.
+
+    Returns (out_RNH in q's dtype, lse_NR fp32) for the local queries.
+    cu_seqlens_cpu is the shared local layout (ZigzagLayout.local_cu_seqlens).
+    """
+    ring = _Ring(group_name)
+    cu = cu_seqlens_cpu.tolist()
+    kv = _pack(k0_RKH, v0_RKH)
+    outs, lses = [], []
+    for i in range(ring.size):
+        if i + 1 < ring.size:
+            kv_next, works = ring.shift(kv, _KV_TAG)
+        k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
+        src = (ring.rank - i) % ring.size
+        out_RNH, lse_NR = _blocks_fwd(q_RNH, k_RKH, v_RKH, ring_blocks(cu, ring.rank, src), scale)
+        # Merge as we go: memory stays at one partial, whatever cp is.
+        if outs:
+            out_RNH, lse_NR = merge_partials([outs[0], out_RNH], [lses[0], lse_NR])
+        outs, lses = [out_RNH], [lse_NR]
+        if i + 1 < ring.size:
+            _wait(works)
+            kv = kv_next
+    out_b, lse_b = branch_part(q_RNH, kb_JRKH, vb_JRKH, scale)
+    out_RNH, lse_NR = merge_partials([outs[0], out_b], [lses[0], lse_b])
+    # Contiguous, as the fake promises: the merge's broadcasts may permute strides.
+    return out_RNH.to(q_RNH.dtype).contiguous(), lse_NR.contiguous()
+
+
+@ring_attn_fwd.register_fake
+def _ring_attn_fwd_fake(q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, cu_seqlens_cpu, group_name, scale):
+    R, N, _ = q_RNH.shape
+    return q_RNH.new_empty(R, N, v0_RKH.shape[-1]), q_RNH.new_empty(N, R, dtype=torch.float32)
+
+
+@torch.library.custom_op("titan_spec::ring_attn_bwd", mutates_args=())
+def ring_attn_bwd(
+    dout_RNH: torch.Tensor,
+    q_RNH: torch.Tensor,
+    k0_RKH: torch.Tensor,
+    v0_RKH: torch.Tensor,
+    kb_JRKH: torch.Tensor,
+    vb_JRKH: torch.Tensor,
+    out_RNH: torch.Tensor,
+    lse_NR: torch.Tensor,
+    cu_seqlens_cpu: torch.Tensor,
+    group_name: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk0, dv0, dkb, dvb) of ring_attn_fwd, every part fed the merged (out, lse).
+
+    The trunk K/V travel the ring again; the dK/dV accumulated for a shard travel
+    with it and, after cp hops, arrive back at the rank that owns the shard.
+    """
+    ring = _Ring(group_name)
+    cu = cu_seqlens_cpu.tolist()
+    dq_RNH = torch.zeros(q_RNH.shape, dtype=torch.float32, device=q_RNH.device)
+    kv = _pack(k0_RKH, v0_RKH)
+    dkv = None  # the accumulated grads of the shard held this step (none before step 0)
+    dkv_works = None
+    for i in range(ring.size):
+        if i + 1 < ring.size:
+            kv_next, kv_works = ring.shift(kv, _KV_TAG)
+        k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
+        src = (ring.rank - i) % ring.size
+        dq, dk, dv = _blocks_bwd(
+            dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, ring_blocks(cu, ring.rank, src), scale
+        )
+        dq_RNH += dq.float()
+        # Accumulate in fp32: a shard's grad is summed over cp hops.
+        local = _pack(dk.float(), dv.float())
+        _wait(dkv_works)
+        dkv = local if dkv is None else dkv + local
+        dkv, dkv_works = ring.shift(dkv, _DKV_TAG)
+        if i + 1 < ring.size:
+            _wait(kv_works)
+            kv = kv_next
+    _wait(dkv_works)  # the last hop brings this rank's own shard home
+    dk0_RKH, dv0_RKH = _unpack(dkv, k0_RKH.shape, v0_RKH.shape)
+    # The branch part last: its J-deep grads would otherwise sit through the
+    # ring loop's buffers and raise the peak.
+    dq_b_RNH, dkb_JRKH, dvb_JRKH = branch_backward(
+        dout_RNH, q_RNH, kb_JRKH, vb_JRKH, out_RNH, lse_NR, scale
+    )
+    dq_RNH += dq_b_RNH.float()
+    # Fresh contiguous tensors, as the fake promises (dk0 and dv0 are views of one
+    # buffer, and a custom op's outputs may not alias each other).
+    grads = (dq_RNH.to(q_RNH.dtype), dk0_RKH.to(k0_RKH.dtype), dv0_RKH.to(v0_RKH.dtype), dkb_JRKH, dvb_JRKH)
+    return tuple(g.clone(memory_format=torch.contiguous_format) for g in grads)
+
+
+@ring_attn_bwd.register_fake
+def _ring_attn_bwd_fake(dout_RNH, q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, out_RNH, lse_NR,
+                        cu_seqlens_cpu, group_name, scale):
+    return tuple(x.new_empty(x.shape) for x in (q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, cu_seqlens_cpu, group_name, scale = inputs
+    out_RNH, lse_NR = output
+    ctx.mark_non_differentiable(lse_NR)
+    ctx.save_for_backward(q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, out_RNH, lse_NR, cu_seqlens_cpu)
+    ctx.group_name, ctx.scale = group_name, scale
+
+
+def _backward(ctx, dout_RNH, _dlse_NR):
+    q, k0, v0, kb, vb, out, lse, cu_cpu = ctx.saved_tensors
+    grads = torch.ops.titan_spec.ring_attn_bwd(
+        dout_RNH, q, k0, v0, kb, vb, out, lse, cu_cpu, ctx.group_name, ctx.scale
+    )
+    return (*grads, None, None, None)
+
+
+ring_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# What models see
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CPMetadata:
+    """attention_masks for a zigzag-sharded packed stream. DocCausalAttention and the
+    draft's ttt_attention call its methods (ring attention) instead of local attention
+    when they are handed this instead of a DocMetadata."""
+
+    layout: ZigzagLayout
+    """The split of the global stream; its local offsets are every rank's."""
+    local: DocMetadata
+    """Local document offsets (layout.local_cu_seqlens) as tensors."""
+    group: dist.ProcessGroup
+    """The context-parallel process group (the ring)."""
+    group_name: str
+    """Its registered name: what the custom op takes (and all that compiled code reads)."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def num_real_rows(self) -> int:
+        """Local rows that are tokens of the batch (not document padding)."""
+        return int((self.layout.global_index(self.rank) >= 0).sum())
+
+    def attention(self, q_RNH, k_RKH, v_RKH, scale: float) -> torch.Tensor:
+        """The target's document-causal attention over this rank's rows."""
+        return ring_attention(q_RNH, k_RKH, v_RKH, self, scale)[0]
+
+    def ttt_attention(self, q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, scale: float) -> torch.Tensor:
+        """The draft's TTT attention (trunk over the ring + local branch)."""
+        return ring_attention(q_RNH, k0_RKH, v0_RKH, self, scale, kb_JRKH, vb_JRKH)[0]
+
+    @classmethod
+    def build(cls, layout: ZigzagLayout, group: dist.ProcessGroup, device) -> "CPMetadata":
+        return cls(layout, layout.local_metadata(device), group, group.group_name)
+
+
+def ring_attention(
+    q_RNH: torch.Tensor,
+    k0_RKH: torch.Tensor,
+    v0_RKH: torch.Tensor,
+    meta: CPMetadata,
+    scale: float,
+    kb_JRKH: torch.Tensor | None = None,
+    vb_JRKH: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable ring (+ branch) attention over this rank's rows: (out_RNH, lse_NR).
+
+    Without kb/vb it is the target's document-causal attention; with them, the
+    draft's TTT attention at step J = kb.shape[0].
+    """
+    if kb_JRKH is None:
+        kb_JRKH = vb_JRKH = k0_RKH.new_zeros((0, *k0_RKH.shape))
+    return torch.ops.titan_spec.ring_attn_fwd(
+        q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, meta.local.cu_seqlens_cpu, meta.group_name, scale
+    )
