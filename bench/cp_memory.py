@@ -29,7 +29,6 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -256,15 +255,10 @@ def _run_config(variant: str, S: int, cp: int, args: argparse.Namespace) -> dict
         "--steps", str(args.steps), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
         "--head-dim", str(args.head_dim), "--doc-len", str(args.doc_len),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-        row.update(status="failed", note=f"rc={proc.returncode}: {tail[0][:160]}")
-        return row
-    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    return row
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ttt_attention import run_worker  # bench/ttt_attention.py
+
+    return run_worker(cmd, row, OMP_NUM_THREADS="1")
 
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:

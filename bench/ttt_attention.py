@@ -202,12 +202,18 @@ def _run_config(variant: str, S: int, args: argparse.Namespace) -> dict:
         "--doc-len", str(args.doc_len), "--iters", str(args.iters),
         "--threads", str(args.threads),
     ]
-    env = dict(os.environ)
+    return run_worker(cmd, row)
+
+
+def run_worker(cmd: list[str], row: dict, **env_extra: str) -> dict:
+    """Run one measurement in a fresh process (its own RSS high-water mark); the worker's
+    last stdout line is a JSON row merged into ``row`` (or a 'failed' status with the cause)."""
+    env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-        row.update(status="failed", note=f"rc={proc.returncode}: {tail[0][:120]}")
+        row.update(status="failed", note=f"rc={proc.returncode}: {tail[0][:160]}")
         return row
     row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
     return row
