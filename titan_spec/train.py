@@ -13,12 +13,18 @@ each capability titan_spec adds hooks in at one of the parent's seams:
   detached taps and logits also give the draft's TTT loss (draft_training.py);
 - ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
   stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
-- ``train_step``: the draft's optimizer steps right after the policy's;
-- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint.
+- ``train_step`` / the policy optimizer's step post-hook: the draft's optimizer steps
+  right after the policy's (its own clipping and schedule);
+- ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
+  sharded over the cp ranks (parallelisms/cp_batch.py);
+- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint;
+- ``extra_metrics``: the draft's loss and per-step accuracy join the step's metrics.
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
 -> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
-loss) -> optimizers.step -> DraftTraining.step.
+loss) -> optimizers.step (+ DraftTraining.step in its post-hook).
+
+One RL step is the same path with rollouts as the data source: titan_spec/rl/loop.py.
 """
 
 from __future__ import annotations
