@@ -99,8 +99,7 @@ def default_task():
 def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: int) -> dict:
     """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1):
     the distribution co-training keeps the draft on. Returns the new draft state dict."""
-    from titan_spec.models.attention import doc_metadata_from_positions
-    from titan_spec.models.ttt import ttt_targets
+    from titan_spec.models.ttt import ttt_inputs_for_sequences
 
     rng = random.Random(seed + 7)
     task = default_task()
@@ -116,14 +115,7 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: in
     model = engine.target
     for step in range(steps):
         batch = [seqs[(step * 16 + i) % len(seqs)] for i in range(16)]
-        tok_1T = torch.tensor([t for s in batch for t in s])[None]
-        pos_1T = torch.cat([torch.arange(len(s)) for s in batch])[None]
-        meta = doc_metadata_from_positions(pos_1T)
-        with torch.no_grad():
-            logits, taps = model(tok_1T, pos_1T, meta)
-            emb = taps.embeds_BLD[0]
-        targets = ttt_targets(draft, pos_1T[0], tok_1T[0], logits[0], 4)
-        loss = draft(tuple(h[0] for h in taps.hidden), emb, pos_1T[0], meta, targets).loss
+        loss = draft(*ttt_inputs_for_sequences(model, draft, batch, 4)).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

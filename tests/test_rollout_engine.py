@@ -17,7 +17,7 @@ from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft import DraftArch, Eagle3Draft
 from titan_spec.models.draft_io import EXPORT_KEYS
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.models.ttt import ttt_targets
+from titan_spec.models.ttt import ttt_inputs_for_sequences
 from titan_spec.rl.rollout import RolloutEngine, SamplingParams, TorchEngineConfig, TorchRolloutEngine
 
 V = 32
@@ -69,19 +69,12 @@ def fit_draft(model, arch, steps: int = 40, seed: int = 0) -> Eagle3Draft:
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=40))]
     sampled = plain.generate(prompts[:8], SamplingParams(1.0, max_new_tokens=40, seed=seed))
     seqs += [r.prompt_ids + r.output_ids for r in sampled]
-    tok_1T = torch.tensor([t for s in seqs for t in s])[None]
-    pos_1T = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-    meta = doc_metadata_from_positions(pos_1T)
-    with torch.no_grad():
-        logits, taps = model(tok_1T, pos_1T, meta)
-        emb_TD = taps.embeds_BLD[0]
     draft = make_draft(arch, seed)
     draft.train()
-    targets = ttt_targets(draft, pos_1T[0], tok_1T[0], logits[0], 3)
+    inputs = ttt_inputs_for_sequences(model, draft, seqs, 3)
     opt = torch.optim.AdamW(draft.parameters(), lr=2e-2)
-    hidden = tuple(h[0] for h in taps.hidden)
     for _ in range(steps):
-        loss = draft(hidden, emb_TD, pos_1T[0], meta, targets).loss
+        loss = draft(*inputs).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

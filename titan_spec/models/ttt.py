@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
 
-from titan_spec.models.attention import DocMetadata
+from titan_spec.models.attention import DocMetadata, doc_metadata_from_positions
 from titan_spec.models.branch_attention import ttt_attention
 from titan_spec.models.draft import Eagle3Draft
 
-__all__ = ["TTTResult", "ttt_shifts", "ttt_targets", "ttt_unroll"]
+__all__ = ["TTTResult", "ttt_inputs_for_sequences", "ttt_shifts", "ttt_targets", "ttt_unroll"]
 
 
 @dataclass
@@ -75,6 +75,19 @@ def ttt_targets(draft: Eagle3Draft, positions_T, labels_T, target_logits_TV, ste
         valid = valid & draft.t2d[tgt_TV.argmax(-1)]
         out.append((src, valid, torch.softmax(tgt_TV[:, d2t_ids], dim=-1)))
     return out
+
+
+def ttt_inputs_for_sequences(target, draft: Eagle3Draft, seqs: list[list[int]], steps: int) -> tuple:
+    """Offline distillation inputs: token sequences packed as documents, the target's
+    (no-grad) taps, embeddings and logits over them, and the TTT targets of every position.
+    ``draft(*inputs).loss`` is then the draft's TTT loss on them."""
+    tok_T = torch.tensor([t for s in seqs for t in s])
+    pos_T = torch.cat([torch.arange(len(s)) for s in seqs])
+    meta = doc_metadata_from_positions(pos_T[None])
+    with torch.no_grad():
+        logits_1TV, taps = target(tok_T[None], pos_T[None], meta)
+    targets = ttt_targets(draft, pos_T, tok_T, logits_1TV[0], steps)
+    return tuple(h[0] for h in taps.hidden), taps.embeds_BLD[0], pos_T, meta, targets
 
 
 def ttt_unroll(

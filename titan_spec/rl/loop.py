@@ -153,7 +153,6 @@ class RLTrainer(SpecTrainer):
                 seed=(self.config.spec.task.seed * 1_000_003 + step_index) * 4096 + self.dataloader.dp_rank,
             )
             rollouts, stats = self.worker.generate(prompts, sampling)
-            t_gen = time.perf_counter()
             baselines = {}
             if rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0):
                 baselines = self.worker.baselines(prompts, sampling)
@@ -173,7 +172,7 @@ class RLTrainer(SpecTrainer):
                 raise ValueError(f"{e}: raise training.seq_len or lower rl.max_new_tokens") from None
             self._rl = {
                 "reward_sum": float(rewards_PG.sum()), "completions": len(rollouts), "rollout": stats,
-                "baselines": baselines, "push_s": t_push - t0, "rollout_s": t_gen - t_push,
+                "baselines": baselines, "push_s": t_push - t0,
                 "batch_ready": time.perf_counter(), "policy_version": version,
                 "stopped": sum(r.finish_reason == "stop" for r in rollouts),
             }
@@ -223,7 +222,7 @@ class RLTrainer(SpecTrainer):
         for n in names:
             b = s["baselines"].get(n)
             sums += [b.tokens, b.verify_steps] if b is not None else [0, 0]
-        maxes = [stats.seconds, s["push_s"], s["rollout_s"], train_s] + [
+        maxes = [stats.seconds, s["push_s"], train_s] + [
             s["baselines"][n].seconds if n in s["baselines"] else 0.0 for n in names
         ]
         sums_t, maxes_t = torch.tensor(sums, dtype=torch.float64), torch.tensor(maxes, dtype=torch.float64)
@@ -232,7 +231,7 @@ class RLTrainer(SpecTrainer):
             dist.all_reduce(sums_t, group=group)
             dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=group)
         (reward, n, stopped, tokens, verify, f_tok, f_ver, n_tok, n_ver) = sums_t.tolist()
-        gen_s, push_s, rollout_s, train_s, f_s, n_s = maxes_t.tolist()
+        rollout_s, push_s, train_s, f_s, n_s = maxes_t.tolist()
         out.update({
             "rl/reward": reward / n,
             "rl/stop_fraction": stopped / n,
@@ -241,7 +240,7 @@ class RLTrainer(SpecTrainer):
             "rl/policy_version": s["policy_version"],
             "rollout/tokens": tokens,
             "rollout/accept_len": tokens / max(verify, 1),
-            "rollout/tokens_per_s": tokens / max(gen_s, 1e-9),
+            "rollout/tokens_per_s": tokens / max(rollout_s, 1e-9),
             "time/push_s": push_s,
             "time/rollout_s": rollout_s,
             "time/train_s": train_s,
@@ -253,7 +252,6 @@ class RLTrainer(SpecTrainer):
                 out["rollout/tokens_per_s_frozen"] = f_tok / max(f_s, 1e-9)
             if "nospec" in s["baselines"]:
                 out["rollout/tokens_per_s_nospec"] = n_tok / max(n_s, 1e-9)
-                out["rollout/accept_len_cotrained"] = out["rollout/accept_len"]
                 out["time/rollout_s_nospec"] = n_s
         self._rl = {}
         return out
