@@ -68,6 +68,10 @@ MALFORMED = [
     ("[parallelism]\ncontext_parallel_degree = 2\n", [], 3, ["cp = 2 does not divide the 3 processes"]),
     ("[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 130\n", [], 2,
      ["training.seq_len = 130", "a multiple of 2 * parallelism.context_parallel_degree = 4"]),
+    ("[parallelism]\ncontext_parallel_degree = 2\npipeline_parallel_degree = 2\n[task]\ndocument_multiple = 2\n",
+     [], 4, ["task.document_multiple = 2 under pipeline x context parallelism", "a multiple of 2 * context_parallel_degree = 4"]),
+    ("[task]\ndocument_multiple = -1\n", [], 1, ["task.document_multiple = -1", ">= 0"]),
+    ("[task]\ndocument_multiple = 3\n[training]\nseq_len = 128\n", [], 1, ["training.seq_len = 128", "document multiple 3"]),
 ]
 
 

@@ -59,15 +59,23 @@ def test_pp2_matches_pp1_for_each_schedule(tmp_path, many):
         assert [r["pp/taps_delivered"] for r in rows] == [4 * 4] * 3, s
 
 
-def test_pp2_x_dp2_matches_pp1(tmp_path, many):
-    """4 processes: pp = 2 x FSDP dp = 2 (draft FSDP'd over the last stage's 2 ranks) against
-    pp = 1 x dp = 4, same 8-row global batches."""
-    runs = [(str(tmp_path / "dp4"), (*COMMON, "--training.local_batch_size", "2", *PP1,
+def test_pp2_x_dp2_and_pp2_x_cp2_match_pp1(tmp_path, many):
+    """4 processes, one launch, 8-row global batches of documents padded to multiples of 4
+    tokens (what pp x cp = 2 packs automatically): pp = 2 x FSDP dp = 2 (draft FSDP'd over the
+    last stage's 2 ranks) and pp = 2 x cp = 2 (each microbatch zigzag-split over 2 ranks per
+    stage, ring attention inside the stages, CP-sharded taps over the channel, the draft's
+    TTT halo on the last stage) against pp = 1 x dp = 4."""
+    aligned = ("--task.document_multiple", "4")
+    runs = [(str(tmp_path / "dp4"), (*COMMON, *aligned, "--training.local_batch_size", "2", *PP1,
                                       "--parallelism.data_parallel_shard_degree", "4")),
-            (str(tmp_path / "pp2dp2"), (*COMMON, *_pp("1F1B", dp=2, mb=2)))]
-    ref, rows = many(4, runs)
-    _assert_same_training(ref, rows, runs[0][0], runs[1][0], "pp2 x dp2")
-    assert [r["pp/taps_delivered"] for r in rows] == [2 * 4] * 3
+            (str(tmp_path / "pp2dp2"), (*COMMON, *aligned, *_pp("1F1B", dp=2, mb=2))),
+            (str(tmp_path / "pp2cp2"), (*COMMON, "--training.local_batch_size", "8", *_pp("1F1B", dp=1, mb=2),
+                                         "--parallelism.context_parallel_degree", "2"))]
+    ref, dp_rows, cp_rows = many(4, runs)
+    _assert_same_training(ref, dp_rows, runs[0][0], runs[1][0], "pp2 x dp2")
+    assert [r["pp/taps_delivered"] for r in dp_rows] == [2 * 4] * 3
+    _assert_same_training(ref, cp_rows, runs[0][0], runs[2][0], "pp2 x cp2")
+    assert [r["pp/taps_delivered"] for r in cp_rows] == [4 * 4] * 3
 
 
 BAD = [

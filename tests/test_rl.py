@@ -46,7 +46,7 @@ def _tiny(vocab=40, seed=0):
     return model, arch
 
 
-def _batch(vocab=40, seed=1):
+def _batch(vocab=40, seed=1, multiple=1):
     g = torch.Generator().manual_seed(seed)
     docs = []
     for i in range(5):
@@ -56,8 +56,33 @@ def _batch(vocab=40, seed=1):
             "behaviour_logp": (-torch.rand(len(c), generator=g) * 3).tolist(),
             "advantages": [float(i % 3) - 1.0] * len(c),
         }))
-    packed, _ = pack_documents(docs, None, 32, pad_id=0)
+    packed, _ = pack_documents(docs, None, 32, pad_id=0, multiple=multiple)
     return packed
+
+
+def test_documents_padded_to_a_multiple_keep_their_real_tokens_logits_and_labels():
+    """task.document_multiple: pad tokens continue a document's positions with ignored labels,
+    so a causal model's logits and the labels of the real tokens are those of tight packing."""
+    model, _ = _tiny()
+    tight, aligned = _batch(), _batch(multiple=4)
+    out = {}
+    for name, packed in (("tight", tight), ("aligned", aligned)):
+        with torch.no_grad():
+            logits_BLV, _ = model(packed.input_BL, positions=packed.positions_BL,
+                                  attention_masks=model.get_attention_masks(packed.positions_BL))
+        starts = (packed.positions_BL.reshape(-1) == 0).nonzero().flatten().tolist()
+        ends = starts[1:] + [packed.positions_BL.numel()]
+        docs = [(s, e) for s, e in zip(starts, ends) if packed.input_BL.reshape(-1)[s] == 1]  # BOS: a document
+        out[name] = [(packed.input_BL.reshape(-1)[s:e], packed.labels_BL.reshape(-1)[s:e],
+                      logits_BLV.reshape(-1, logits_BLV.shape[-1])[s:e]) for s, e in docs]
+        if name == "aligned":
+            assert all((e - s) % 4 == 0 for s, e in docs)
+    assert len(out["tight"]) == len(out["aligned"]) == 5
+    for (tok_a, lab_a, log_a), (tok_b, lab_b, log_b) in zip(out["tight"], out["aligned"]):
+        n = int((tok_a != 0).sum())  # a tight document has no pad tokens
+        assert (tok_b[:n] == tok_a[:n]).all() and (tok_b[n:] == 0).all()
+        assert (lab_b[:n] == lab_a[:n]).all() and (lab_b[n:] == IGNORE).all()
+        torch.testing.assert_close(log_b[:n], log_a[:n], rtol=1e-5, atol=1e-5)
 
 
 def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss():

@@ -150,7 +150,15 @@ class TaskConfig:
     (noisy demonstrations, as real SFT data has; the RL reward always checks the true
     result, so RL has something to fix)."""
 
+    document_multiple: int = 0
+    """Pad every packed SFT document to a multiple of this many tokens (pad tokens continue
+    its positions and are never targets, so the losses of its real tokens are unchanged).
+    0 = automatic: 2 x parallelism.context_parallel_degree under pipeline x context
+    parallelism (each CP rank's share of a microbatch then has the static length
+    microbatch rows x seq_len / cp the pipeline stages are built with), else 1."""
+
     def validate(self) -> None:
+        _check(self.document_multiple >= 0, "task.document_multiple", self.document_multiple, ">= 0")
         _check(self.max_operand >= 1, "task.max_operand", self.max_operand, ">= 1")
         _check(self.num_operands >= 2, "task.num_operands", self.num_operands, ">= 2")
         _check(
@@ -444,12 +452,17 @@ class TitanSpecConfig:
             # padded positions inside the row (and the rotary table).
             _check(t.seq_len % (2 * cp) == 0, "training.seq_len", t.seq_len,
                    f"a multiple of 2 * parallelism.context_parallel_degree = {2 * cp} (zigzag split)")
-            if p.pipeline_parallel_degree > 1:
-                raise ConfigError("parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 "
-                                  "is not supported yet; use one of them")
+            if p.pipeline_parallel_degree > 1 and self.document_multiple() % (2 * cp):
+                raise ConfigError(
+                    f"task.document_multiple = {self.task.document_multiple} under pipeline x context parallelism "
+                    f"must be a multiple of 2 * context_parallel_degree = {2 * cp} (or 0 = automatic), so every "
+                    "CP shard of a microbatch has the pipeline's static length"
+                )
             if self.rl.enable:
                 raise ConfigError("parallelism.context_parallel_degree > 1 with rl.enable = true is not "
                                   "supported yet (the RL loop does not shard its batches); use cp = 1")
+        m = self.document_multiple()
+        _check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
         for name in ("tensor_parallel_degree", "expert_parallel_degree"):
             if getattr(p, name) > 1:
                 raise ConfigError(
@@ -458,6 +471,14 @@ class TitanSpecConfig:
                 )
         if self.rl.enable:
             self._validate_rl(world_size)
+
+    def document_multiple(self) -> int:
+        """task.document_multiple resolved (0 = automatic, see its docstring)."""
+        if self.task.document_multiple:
+            return self.task.document_multiple
+        p = self.parallelism
+        both = p.pipeline_parallel_degree > 1 and p.context_parallel_degree > 1
+        return 2 * p.context_parallel_degree if both else 1
 
     def check_paths(self) -> None:
         """Inputs named by the config exist (checked when the run starts: an earlier run of

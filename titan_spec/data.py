@@ -93,6 +93,10 @@ class TaskDataLoader(BaseDataLoader):
         hands them out ``local_batch_size`` rows at a time (pipeline parallelism asks for
         microbatches). 0 = the loader's local_batch_size."""
 
+        document_multiple: int = 1
+        """Every packed document is padded to a multiple of this many tokens (the resolved
+        task.document_multiple; see rl/packing.py)."""
+
     def __init__(
         self,
         config: Config,
@@ -110,6 +114,7 @@ class TaskDataLoader(BaseDataLoader):
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.rows, self.row_len = local_batch_size, seq_len
         self.step_rows = config.step_rows or local_batch_size
+        self.document_multiple = config.document_multiple
         if self.step_rows % self.rows:
             raise ValueError(f"a step's {self.step_rows} rows do not split into batches of {self.rows}")
         self.batch_index = 0
@@ -126,7 +131,7 @@ class TaskDataLoader(BaseDataLoader):
             prob = self.task.sample(rng)
             docs.append(sft_document(self.tokenizer, prob.prompt, prob.sft_target))
             total += len(docs[-1].tokens)
-        packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id)
+        packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id, self.document_multiple)
         return packed
 
     def _batch(self, index: int):

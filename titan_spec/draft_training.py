@@ -88,23 +88,27 @@ class DraftTraining(Stateful):
 
     # --- per step ----------------------------------------------------------------------
 
-    def normalizer(self, positions_BL: list[torch.Tensor], labels_BL: list[torch.Tensor], cp_shifts=None) -> torch.Tensor:
+    def normalizer(self, positions_BL: list[torch.Tensor], labels_BL: list[torch.Tensor], metas: list) -> torch.Tensor:
         """count_S: rows each TTT step can train on, summed over the given microbatches and
         the data-parallel ranks. Like torchtitan's global_valid_tokens it is fixed before the
         forward (positions and labels only, not the target's argmax), so splitting a batch
         into pipeline microbatches leaves the loss and its gradients unchanged. Under context
-        parallelism the rank's shard is counted with its cross-shard ``cp_shifts`` (TTTHalo)
-        and the sum runs over dp x cp."""
-        if cp_shifts is not None:
-            count_S = torch.stack([valid.sum() for _, valid in cp_shifts])
-        else:
-            count_S = sum(
-                torch.stack([valid.sum() for _, valid in ttt_shifts(p.reshape(-1), l.reshape(-1), self.cfg.ttt_steps)])
-                for p, l in zip(positions_BL, labels_BL, strict=True)
-            )
+        parallelism (a microbatch's meta is a CPMetadata) the rank's shard is counted with its
+        cross-shard rows (TTTHalo) and the sum runs over dp x cp."""
+        return self._global_count(sum(
+            _count_S(self._shifts(p, l, meta)) for p, l, meta in zip(positions_BL, labels_BL, metas, strict=True)
+        ))
+
+    def _global_count(self, count_S: torch.Tensor) -> torch.Tensor:
         if self.dp_mesh is not None:
             dist.all_reduce(count_S, group=self.dp_mesh.get_group())
         return count_S
+
+    def _shifts(self, positions_BL, labels_BL, meta):
+        if isinstance(meta, CPMetadata):
+            halo = TTTHalo(meta, self.cfg.ttt_steps, labels_BL.device)
+            return halo.shifts(halo.extend(labels_BL.reshape(-1)))
+        return ttt_shifts(positions_BL.reshape(-1), labels_BL.reshape(-1), self.cfg.ttt_steps)
 
     def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta, count_S=None) -> TTTResult:
         """The TTT loss of one (micro)batch, normalized by ``count_S`` (default: this batch's
@@ -121,8 +125,8 @@ class DraftTraining(Stateful):
             logits_TV, labels_T, embeds_TH = (halo.extend(x) for x in (logits_TV, labels_T, embeds_TH))
             shifts = halo.shifts(labels_T)
         targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps, shifts)
-        if count_S is None:
-            count_S = self.normalizer([positions_BL], [labels_BL], shifts)
+        if count_S is None:  # this batch alone (the shifts of the CP halo are already built)
+            count_S = self._global_count(_count_S(shifts or ttt_shifts(positions_T, labels_T, self.cfg.ttt_steps)))
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         result = draft(
             hidden, embeds_TH, positions_T, meta, targets,
@@ -194,6 +198,10 @@ class DraftTraining(Stateful):
         copy = Eagle3Draft(self.draft.arch)
         copy.load_state_dict(full)
         save_draft(copy, path)
+
+
+def _count_S(shifts) -> torch.Tensor:
+    return torch.stack([valid.sum() for _, valid in shifts])
 
 
 def under_dump_folder(dump_folder: str, export_dir: str) -> str:

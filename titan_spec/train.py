@@ -177,7 +177,9 @@ def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
         profiler=cfg.profiler,
         metrics=cfg.metrics,
         tokenizer=CharTokenizer.Config(),
-        dataloader=TaskDataLoader.Config(task=cfg.task, step_rows=cfg.training.local_batch_size),
+        dataloader=TaskDataLoader.Config(
+            task=cfg.task, step_rows=cfg.training.local_batch_size, document_multiple=cfg.document_multiple()
+        ),
         optimizer=OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=o.name, optimizer_kwargs=kwargs)],
             implementation=o.implementation,

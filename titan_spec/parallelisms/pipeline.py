@@ -16,6 +16,13 @@ Trainer calls when ``pipeline_parallel_degree > 1``). It does what torchtitan's
 - the schedule's loss on the last stage is ``PipelineLoss``: per microbatch, the policy
   loss + lambda * the draft's TTT loss on that microbatch's taps.
 
+Under context parallelism (pp x cp) each stage runs on its CP rank's zigzag share of every
+microbatch: one packed stream of microbatch_rows * seq_len / cp rows (documents are
+packed padded to multiples of 2 * cp, so that length is static), the ring attention runs
+inside the stages over the cp group, the TapChannel carries the CP shards of the taps
+between the stages of the same CP rank, and the draft loss gathers its TTT halo on the
+last stage.
+
 ``pipeline_forward_backward`` replaces torchtitan's ``pp_forward_backward_step``: each
 microbatch's target carries its labels, positions and document metadata (the draft
 loss needs them on the last stage), and the channel is opened and closed around the
@@ -201,6 +208,10 @@ def pipeline_spec(
     n_stages = len(names)
 
     B, L, D = parallelism.pipeline_parallel_microbatch_size, training.seq_len, model_config.dim
+    if parallel_dims.cp_enabled:
+        # A CP rank's share of a microbatch is one packed stream of B*L/cp rows: documents are
+        # padded to multiples of 2*cp (task.document_multiple), so the zigzag split adds none.
+        B, L = 1, B * L // parallel_dims.cp
     dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]  # FSDP's param dtype = activation dtype
     channel = None
     if tap_ids:
@@ -262,7 +273,9 @@ def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_t
         kwarg_mbs.append(extra)
         targets.append(Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None))
     if loss.draft is not None:
-        count_S = loss.draft.normalizer([t.positions_BL for t in targets], [t.labels_BL for t in targets])
+        count_S = loss.draft.normalizer(
+            [t.positions_BL for t in targets], [t.labels_BL for t in targets], [t.attention_masks for t in targets]
+        )
         targets = [t._replace(draft_count_S=count_S) for t in targets]
     if loss.channel is not None:
         loss.channel.begin_step(len(targets))
