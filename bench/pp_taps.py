@@ -11,8 +11,10 @@
 #            features the last stage already has (fixed buffers of the taps' shape)
 #
 # overhead = (channel - control) / control, from the median (and the min) step times; and,
-# less noisy on a shared machine, the time spent inside the channel's calls per step
-# (the slower rank; it includes waiting for a microbatch's taps that are still in flight).
+# less noisy on a shared machine: the CPU seconds both ranks spend on a step (other
+# processes' load does not add to them; waiting is not counted, so the wall-clock column
+# still has to show that nothing waits), and the time spent inside the channel's calls
+# per step (the slower rank; it includes waiting for taps that are still in flight).
 #
 # Usage: PYTHONPATH=. python bench/pp_taps.py [--microbatches 2,4,8] [--steps 8] [--out PATH]
 
@@ -120,6 +122,7 @@ def _worker(args) -> None:
         control = _LocalFeatures(real)
         data = trainer.batch_generator(trainer.dataloader)
         times = {"channel": [], "control": []}
+        cpu = {"channel": [], "control": []}
         in_channel = []
 
         def run(mode, k, keep):
@@ -127,11 +130,13 @@ def _worker(args) -> None:
             for _ in range(k):
                 trainer.step += 1
                 dist.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 trainer.train_step(data)
-                dist.barrier()
+                c = torch.tensor([time.process_time() - c], dtype=torch.float64)
+                dist.all_reduce(c)  # both ranks' CPU seconds of the step (the barrier after it)
                 if keep:
                     times[mode].append(time.perf_counter() - t)
+                    cpu[mode].append(float(c))
             if keep and mode == "channel":
                 in_channel.append(real.seconds / k)
             real.seconds = 0.0
@@ -151,6 +156,10 @@ def _worker(args) -> None:
                 "overhead_pct": 100 * (ch - ct) / ct,
                 "channel_min_ms": 1e3 * min(times["channel"]), "control_min_ms": 1e3 * min(times["control"]),
                 "min_overhead_pct": 100 * (min(times["channel"]) - min(times["control"])) / min(times["control"]),
+                "cpu_channel_ms": 1e3 * statistics.median(cpu["channel"]),
+                "cpu_control_ms": 1e3 * statistics.median(cpu["control"]),
+                "cpu_overhead_pct": 100 * (statistics.median(cpu["channel"]) - statistics.median(cpu["control"]))
+                / statistics.median(cpu["control"]),
                 "in_channel_ms": 1e3 * float(spent), "in_channel_pct": 100 * float(spent) / ct,
                 "tap_bytes_per_step": n * len(real.layout.keys) * args.seq_len * real.layout.shape_BLD[2] * 4,
                 "channel_all_ms": [1e3 * t for t in times["channel"]],
@@ -179,13 +188,16 @@ def main(argv=None) -> None:
     load_after = os.getloadavg()
 
     print(f"pp=2, 1F1B, llama3/tiny, seq_len {args.seq_len}, 1-row microbatches, 2 gloo processes on CPU")
-    print("step ms: median (min) over the measured steps; in-channel: time inside TapChannel calls per step")
+    print("step ms: median (min) over the measured steps; CPU: both ranks' CPU ms per step, median;")
+    print("in-channel: time inside TapChannel calls per step")
     print(f"{'microbatches':>12} {'channel ms':>16} {'control ms':>16} {'overhead med (min)':>19} "
+          f"{'CPU channel':>11} {'CPU control':>11} {'CPU overhead':>12} "
           f"{'in-channel ms':>14} {'in-channel %':>13} {'tap MB/step':>11}")
     for r in rows:
         print(f"{r['microbatches']:>12} {r['channel_ms']:>8.1f} ({r['channel_min_ms']:>5.0f}) "
               f"{r['control_ms']:>8.1f} ({r['control_min_ms']:>5.0f}) "
               f"{r['overhead_pct']:>9.1f}% ({r['min_overhead_pct']:>5.1f}%) "
+              f"{r['cpu_channel_ms']:>11.1f} {r['cpu_control_ms']:>11.1f} {r['cpu_overhead_pct']:>11.1f}% "
               f"{r['in_channel_ms']:>14.2f} {r['in_channel_pct']:>12.2f}% {r['tap_bytes_per_step'] / 1e6:>11.2f}")
     print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     report = {

@@ -204,8 +204,9 @@ class RLTrainer(SpecTrainer):
                 attention_masks=extra_kwargs.get("attention_masks"), ref_logp_BL=ref_logp,
             )
             loss.total.backward()
-        self._rl["clip_fraction"] = float(loss.policy.clip_fraction)
-        self._rl["kl"] = float(loss.policy.kl)
+        # Token-weighted, so the logged means are over all ranks' completion tokens.
+        n = float((labels != IGNORE_INDEX).sum())
+        self._rl.update(policy_tokens=n, clip_sum=n * float(loss.policy.clip_fraction), kl_sum=n * float(loss.policy.kl))
         return loss.policy.loss.detach()
 
     # --- 7: metrics -------------------------------------------------------------------------
@@ -218,7 +219,8 @@ class RLTrainer(SpecTrainer):
         train_s = time.perf_counter() - s["batch_ready"]
         stats: RolloutStats = s["rollout"]
         names = ("frozen", "nospec")
-        sums = [s["reward_sum"], s["completions"], s["stopped"], stats.tokens, stats.verify_steps]
+        sums = [s["reward_sum"], s["completions"], s["stopped"], stats.tokens, stats.verify_steps,
+                s.get("policy_tokens", 0.0), s.get("clip_sum", 0.0), s.get("kl_sum", 0.0)]
         for n in names:
             b = s["baselines"].get(n)
             sums += [b.tokens, b.verify_steps] if b is not None else [0, 0]
@@ -230,13 +232,13 @@ class RLTrainer(SpecTrainer):
             group = self.parallel_dims.get_mesh("batch").get_group()
             dist.all_reduce(sums_t, group=group)
             dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=group)
-        (reward, n, stopped, tokens, verify, f_tok, f_ver, n_tok, n_ver) = sums_t.tolist()
+        (reward, n, stopped, tokens, verify, policy_tokens, clip_sum, kl_sum, f_tok, f_ver, n_tok, n_ver) = sums_t.tolist()
         rollout_s, push_s, train_s, f_s, n_s = maxes_t.tolist()
         out.update({
             "rl/reward": reward / n,
             "rl/stop_fraction": stopped / n,
-            "rl/clip_fraction": s.get("clip_fraction", 0.0),
-            "rl/kl": s.get("kl", 0.0),
+            "rl/clip_fraction": clip_sum / max(policy_tokens, 1.0),
+            "rl/kl": kl_sum / max(policy_tokens, 1.0),
             "rl/policy_version": s["policy_version"],
             "rollout/tokens": tokens,
             "rollout/accept_len": tokens / max(verify, 1),
