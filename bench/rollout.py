@@ -17,10 +17,15 @@
 #   CONFIG_FILE=train_configs/debug_cpu_draft.toml ./run_train.sh   (runs the SFT it requires)
 # (about 6 minutes on 2 CPU cores).
 #
-# Prompts are the default config's task ("<bos>37+5?", completions like "37+5=42<eos>").
+# Prompts come from the [task] of --task-config (default: the default chain's SFT config,
+# "<bos>7+5?" -> "7+5=12<eos>", 5-7 tokens). The benchmark chain (train_configs/
+# bench_rollout_sft.toml -> bench_rollout_draft.toml) trains a policy and offline draft on
+# 8-operand problems whose completions are about 27 tokens; bench it with
+#   --policy outputs/bench_rollout/sft/hf --draft outputs/bench_rollout/draft/draft
+#   --task-config train_configs/bench_rollout_sft.toml --stop-at-eos
 # Completions run to --max-new-tokens without stopping (steady-state decoding, much of it
 # past <eos>, text neither model was trained on); --stop-at-eos stops at <eos> (the
-# task's real completions, about 8-11 tokens).
+# task's real completions).
 #
 # Usage: PYTHONPATH=. python bench/rollout.py [--quick] [--out PATH] [--compile]
 
@@ -58,6 +63,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop completions at <eos>")
+    p.add_argument("--task-config", default=str(REPO_ROOT / "train_configs/debug_cpu_sft.toml"),
+                   help="TOML whose [task] makes the prompts (and the distillation data)")
     p.add_argument("--distill-steps", type=int, default=0, help="also bench a draft fine-tuned on rollouts")
     p.add_argument("--compile", action="store_true", help="torch.compile the model steps (slow first call)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
@@ -91,23 +98,24 @@ def tokenizer_for(policy: str) -> CharTokenizer:
     return CharTokenizer()
 
 
-def default_task():
-    """The task the default policy was trained on (train_configs/debug_cpu_sft.toml's [task])."""
-    return build_task(load_config(str(REPO_ROOT / "train_configs/debug_cpu_sft.toml")).task)
+def task_of(config_path: str):
+    """The task a policy was trained on: the [task] of its training config."""
+    return build_task(load_config(config_path).task)
 
 
-def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: int) -> dict:
-    """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1):
-    the distribution co-training keeps the draft on. Returns the new draft state dict."""
+def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, seed: int,
+            max_new_tokens: int = 64, stop: tuple[int, ...] = ()) -> dict:
+    """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1, on
+    prompts other than the benchmark's): the distribution co-training keeps the draft on.
+    Returns the new draft state dict."""
     from titan_spec.models.ttt import ttt_inputs_for_sequences
 
     rng = random.Random(seed + 7)
-    task = default_task()
     prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(64)]
     plain = TorchRolloutEngine(engine.target, None, TorchEngineConfig(num_draft_tokens=0))
     seqs = []
     for T in (0.0, 1.0):
-        out = plain.generate(prompts, SamplingParams(T, max_new_tokens=64, seed=seed))
+        out = plain.generate(prompts, SamplingParams(T, max_new_tokens=max_new_tokens, stop_token_ids=stop, seed=seed))
         seqs += [r.prompt_ids + r.output_ids for r in out]
     draft = engine.draft
     draft.train()
@@ -163,10 +171,11 @@ def main(argv=None) -> int:
     if args.distill_steps:
         engines["distilled"] = engine(K)
         t0 = time.perf_counter()
-        distill(engines["distilled"], tok, args.distill_steps, args.seed)
+        distill(engines["distilled"], tok, task_of(args.task_config), args.distill_steps, args.seed,
+                args.max_new_tokens, (tok.eos_id,) if args.stop_at_eos else ())
         print(f"distilled the draft on policy rollouts: {args.distill_steps} steps, {time.perf_counter() - t0:.0f}s")
 
-    task, rng = default_task(), random.Random(args.seed)
+    task, rng = task_of(args.task_config), random.Random(args.seed)
     stop = (tok.eos_id,) if args.stop_at_eos else ()
     rows = []
     for T in temps:
@@ -193,7 +202,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "rollout_engine",
         "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
-        "stop_at_eos": args.stop_at_eos, "compile": args.compile, "threads": torch.get_num_threads(),
+        "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(),
         "distill_steps": args.distill_steps, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "torch": torch.__version__, "rows": rows,
     }
