@@ -8,6 +8,8 @@
 #   untrained  K draft tokens with a freshly initialized draft of the same shape
 #   distilled  (optional, --distill-steps N) the trained draft fine-tuned by TTT on the
 #              policy's own rollouts, i.e. what co-training keeps the draft close to
+# Every timed run generates --requests prompts, `batch` at a time (batch 1: one request
+# after another), so acceptance and tokens/s are not one prompt's.
 # For every (temperature, batch) the engines run interleaved, `--repeats` times, and the
 # median is reported, so a busy machine slows all of them alike.
 #
@@ -62,6 +64,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="requests per timed run, generated `batch` at a time (batch 1: one after another)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop completions at <eos>")
     p.add_argument("--task-config", default=str(REPO_ROOT / "train_configs/debug_cpu_sft.toml"),
                    help="TOML whose [task] makes the prompts (and the distillation data)")
@@ -73,7 +77,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rollout.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.batch_sizes, args.max_new_tokens, args.repeats = "1,8", 32, 1
+        args.batch_sizes, args.max_new_tokens, args.repeats, args.requests = "1,8", 32, 1, 8
     return args
 
 
@@ -131,9 +135,11 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, se
     return {k: v.detach().clone() for k, v in draft.state_dict().items()}
 
 
-def run_once(engine, prompts, sp) -> dict:
+def run_once(engine, prompts, sp, batch: int) -> dict:
     t0 = time.perf_counter()
-    out = engine.generate(prompts, sp)
+    out = []
+    for s in range(0, len(prompts), batch):
+        out += engine.generate(prompts[s : s + batch], sp)
     dt = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in out)
     steps = sum(r.verify_steps for r in out)
@@ -180,14 +186,16 @@ def main(argv=None) -> int:
     rows = []
     for T in temps:
         for B in batches:
-            prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(B)]
+            # Whole batches of at least --requests prompts, so batch 1 is not one prompt's luck.
+            n = -(-max(B, args.requests) // B) * B
+            prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(n)]
             sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed)
             for e in engines.values():  # warm-up (and compile, when on)
                 e.generate(prompts[: min(B, 2)], SamplingParams(T, max_new_tokens=8, seed=0))
             runs = {name: [] for name in engines}
             for _ in range(args.repeats):
                 for name, e in engines.items():
-                    runs[name].append(run_once(e, prompts, sp))
+                    runs[name].append(run_once(e, prompts, sp, B))
             base = statistics.median(r["tok_s"] for r in runs["plain"])
             for name, rs in runs.items():
                 tok_s = statistics.median(r["tok_s"] for r in rs)
@@ -195,7 +203,7 @@ def main(argv=None) -> int:
                     "temperature": T, "batch": B, "engine": name, "K": 0 if name == "plain" else K,
                     "tok_s": tok_s, "accept_len": statistics.median(r["accept_len"] for r in rs),
                     "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
-                    "speedup": tok_s / base, "tokens": rs[0]["tokens"], "repeats": len(rs),
+                    "speedup": tok_s / base, "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
                 })
                 print(_row(rows[-1]), flush=True)
 
@@ -203,7 +211,7 @@ def main(argv=None) -> int:
         "benchmark": "rollout_engine",
         "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
         "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(),
-        "distill_steps": args.distill_steps, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "torch": torch.__version__, "rows": rows,
     }
     print()
