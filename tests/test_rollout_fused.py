@@ -44,3 +44,13 @@ def test_fused_weight_follows_in_place_changes_and_replaced_parameters():
     assert torch.equal(fused.get()[4:], b.weight)
     a.weight = nn.Parameter(torch.zeros(4, 8))  # a replaced parameter
     assert torch.equal(fused.get()[:4], torch.zeros(4, 8))
+
+
+def test_fused_weight_of_inference_tensors_is_rebuilt_every_call():
+    with torch.inference_mode():  # such weights have no version counter to watch
+        a, b = nn.Linear(8, 4, bias=False), nn.Linear(8, 2, bias=False)
+    fused = FusedLinearWeight(a, b)
+    assert torch.equal(fused.get(), torch.cat([a.weight, b.weight]))
+    with torch.inference_mode():
+        b.weight.zero_()
+    assert torch.equal(fused.get()[4:], torch.zeros(2, 8))

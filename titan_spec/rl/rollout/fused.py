@@ -25,7 +25,9 @@ class FusedLinearWeight:
     The weights are read from the modules on every ``get()`` (so a replaced parameter is
     seen) and the concatenation is rebuilt when any weight's storage or in-place version
     counter changes: a weight push (``copy_``), an optimizer step and ``load_state_dict``
-    all bump the version, so the fused copy never serves stale weights.
+    all bump the version, so the fused copy never serves stale weights. Weights that are
+    inference tensors (made under inference_mode) have no version counter and are
+    concatenated on every call.
     """
 
     def __init__(self, *modules: nn.Module):
@@ -38,6 +40,10 @@ class FusedLinearWeight:
 
     def get(self) -> torch.Tensor:
         ws = [m.weight for m in self.modules]
+        if any(w.is_inference() for w in ws):
+            # Weights made under inference_mode have no version counter: rebuild every time.
+            with torch.no_grad():
+                return torch.cat([w.detach() for w in ws], dim=0)
         key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
         if key != self._key:
             with torch.no_grad():
