@@ -98,12 +98,14 @@ def _write(k_BKSH, v_BKSH, st: _Step, k_BLKH, v_BLKH) -> None:
     v_BKSH[st.rows_BL, :, st.pos_BL] = v_BLKH
 
 
-def _attend(k_BKSH, v_BKSH, st: _Step, q_BLNH, scale):
-    """SDPA of this call's queries over the slots in use of their rows."""
+def _attend(k_BKSH, v_BKSH, st: _Step, q_BLNH, scale, gqa: bool):
+    """SDPA of this call's queries over the slots in use of their rows. ``gqa`` is a Python
+    bool from the head counts: under torch.compile(dynamic=True) a comparison of tensor
+    sizes is symbolic, which SDPA refuses (a graph break that skips the whole forward)."""
     n_slots = st.mask_B1LS.shape[-1]
     out_BNLH = F.scaled_dot_product_attention(
         q_BLNH.transpose(1, 2), k_BKSH[:, :, :n_slots], v_BKSH[:, :, :n_slots], attn_mask=st.mask_B1LS,
-        scale=scale, enable_gqa=q_BLNH.shape[2] != k_BKSH.shape[1],
+        scale=scale, enable_gqa=gqa,
     )
     return out_BNLH.transpose(1, 2)
 
@@ -160,6 +162,7 @@ class CachedTarget:
         _require(norms, nn.RMSNorm)
         attn = self.blocks[0].attention
         self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
+        self._gqa = bool(attn.n_heads != attn.n_kv_heads)
         self.max_seq_len = int(model.config.max_seq_len)
         self.vocab_size = int(model.config.vocab_size)
         self.dim = int(model.config.dim)
@@ -223,7 +226,7 @@ class CachedTarget:
             xq_BLNH, xk_BLKH = attn.rope.apply_rotary_emb(xq_BLNH, xk_BLKH, rope_cache)
             scale = attn.scaling if attn.scaling is not None else attn.head_dim**-0.5
             _write(k_YBKSH[y], v_YBKSH[y], st, xk_BLKH, xv_BLKH)
-            out_BLNH = _attend(k_YBKSH[y], v_YBKSH[y], st, xq_BLNH, scale)
+            out_BLNH = _attend(k_YBKSH[y], v_YBKSH[y], st, xq_BLNH, scale, self._gqa)
             h_BLD = h_BLD + F.linear(out_BLNH.flatten(2), attn.wo.weight)
             gate_BLF, up_BLF = F.linear(_rms(h_BLD, block.ffn_norm), fused[2 * y + 1]).chunk(2, dim=-1)
             h_BLD = h_BLD + F.linear(F.silu(gate_BLF) * up_BLF, block.feed_forward.w2.weight)
@@ -259,6 +262,7 @@ class CachedDraft:
                   "post_attention_layernorm": ml.post_attention_layernorm, "norm": draft.norm}, nn.RMSNorm)
         self.scale = a.head_dim**-0.5
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self._gqa = bool(a.n_heads != a.n_kv_heads)
         self._qkv = FusedLinearWeight(ml.self_attn.q_proj, ml.self_attn.k_proj, ml.self_attn.v_proj)
         self._gate_up = FusedLinearWeight(ml.mlp.gate_proj, ml.mlp.up_proj)
         self.rotary = RotaryTable(a.head_dim, a.rope_theta, device=draft.fc.weight.device)
@@ -321,11 +325,11 @@ class CachedDraft:
         q_BLNH, k_BLKH, v_BLKH = self._qkv_rows(h_BLH, tokens_BL, st.pos_BL, w)
         _write(k_BKSH, v_BKSH, st, k_BLKH, v_BLKH)
         rows_B = st.rows_BL[:, 0]
-        out_B1NH = _attend(k_BKSH, v_BKSH, st_last, q_BLNH[rows_B, last_B][:, None], self.scale)
+        out_B1NH = _attend(k_BKSH, v_BKSH, st_last, q_BLNH[rows_B, last_B][:, None], self.scale, self._gqa)
         return self._finish(h_BLH[rows_B, last_B], out_B1NH[:, 0], w)
 
     def _step_core(self, h_BH, tokens_B, st: _Step, k_BKSH, v_BKSH, w):
         q_B1NH, k_B1KH, v_B1KH = self._qkv_rows(h_BH[:, None], tokens_B[:, None], st.pos_BL, w)
         _write(k_BKSH, v_BKSH, st, k_B1KH, v_B1KH)
-        out_B1NH = _attend(k_BKSH, v_BKSH, st, q_B1NH, self.scale)
+        out_B1NH = _attend(k_BKSH, v_BKSH, st, q_B1NH, self.scale, self._gqa)
         return self._finish(h_BH, out_B1NH[:, 0], w)
