@@ -1,7 +1,7 @@
 """Small helpers that cut per-op overhead in the rollout engine's decode path.
 
-Shape legend: O = output features, I = input features, S = positions, Hd = head dim,
-T = tokens, N = heads.
+Shape legend: O = output features, I = input features, S = positions, Hd (H in
+rotate_half_apply's names) = head dim, T = tokens (and any leading dims), N = heads.
 
 At decode sizes (a handful of tokens per row) a forward is bound by the number of ops and
 Python calls, not by FLOPs, so the engine (a) fuses projections that read the same input

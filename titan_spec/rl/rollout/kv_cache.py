@@ -2,7 +2,8 @@
 
 Shape legend: B = batch rows (requests), L = new tokens per row this call, S = cache slots,
 D = target dim, H = draft hidden, N = query heads, K = kv heads, Hd = head dim,
-C = tap layers (3), V = target vocab, Vd = draft vocab, Y = layers.
+C = tap layers (3), V = target vocab, Vd = draft vocab, Y = layers, F = output features
+of a fused projection, n = the q + k (+ v) heads of a fused projection.
 
 Both caches use "slot == position": the K/V of the token at position t of a request
 sits in slot t of its row. A query at position p attends to slots <= p of its row, so
