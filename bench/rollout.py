@@ -8,6 +8,8 @@
 #   untrained  K draft tokens with a freshly initialized draft of the same shape
 #   distilled  (optional, --distill-steps N) the trained draft fine-tuned by TTT on the
 #              policy's own rollouts, i.e. what co-training keeps the draft close to
+# Every timed run generates --requests prompts, `batch` at a time (batch 1: one request
+# after another), so acceptance and tokens/s are not one prompt's.
 # For every (temperature, batch) the engines run interleaved, `--repeats` times, and the
 # median is reported, so a busy machine slows all of them alike.
 #
@@ -17,10 +19,15 @@
 #   CONFIG_FILE=train_configs/debug_cpu_draft.toml ./run_train.sh   (runs the SFT it requires)
 # (about 6 minutes on 2 CPU cores).
 #
-# Prompts are the default config's task ("<bos>37+5?", completions like "37+5=42<eos>").
+# Prompts come from the [task] of --task-config (default: the default chain's SFT config,
+# "<bos>7+5?" -> "7+5=12<eos>", 5-7 tokens). The benchmark chain (train_configs/
+# bench_rollout_sft.toml -> bench_rollout_draft.toml) trains a policy and offline draft on
+# 8-operand problems whose completions are about 27 tokens; bench it with
+#   --policy outputs/bench_rollout/sft/hf --draft outputs/bench_rollout/draft/draft
+#   --task-config train_configs/bench_rollout_sft.toml --stop-at-eos
 # Completions run to --max-new-tokens without stopping (steady-state decoding, much of it
 # past <eos>, text neither model was trained on); --stop-at-eos stops at <eos> (the
-# task's real completions, about 8-11 tokens).
+# task's real completions).
 #
 # Usage: PYTHONPATH=. python bench/rollout.py [--quick] [--out PATH] [--compile]
 
@@ -57,7 +64,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="requests per timed run, generated `batch` at a time (batch 1: one after another)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop completions at <eos>")
+    p.add_argument("--task-config", default=str(REPO_ROOT / "train_configs/debug_cpu_sft.toml"),
+                   help="TOML whose [task] makes the prompts (and the distillation data)")
     p.add_argument("--distill-steps", type=int, default=0, help="also bench a draft fine-tuned on rollouts")
     p.add_argument("--compile", action="store_true", help="torch.compile the model steps (slow first call)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
@@ -66,7 +77,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rollout.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.batch_sizes, args.max_new_tokens, args.repeats = "1,8", 32, 1
+        args.batch_sizes, args.max_new_tokens, args.repeats, args.requests = "1,8", 32, 1, 8
     return args
 
 
@@ -91,23 +102,24 @@ def tokenizer_for(policy: str) -> CharTokenizer:
     return CharTokenizer()
 
 
-def default_task():
-    """The task the default policy was trained on (train_configs/debug_cpu_sft.toml's [task])."""
-    return build_task(load_config(str(REPO_ROOT / "train_configs/debug_cpu_sft.toml")).task)
+def task_of(config_path: str):
+    """The task a policy was trained on: the [task] of its training config."""
+    return build_task(load_config(config_path).task)
 
 
-def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: int) -> dict:
-    """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1):
-    the distribution co-training keeps the draft on. Returns the new draft state dict."""
+def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, seed: int,
+            max_new_tokens: int = 64, stop: tuple[int, ...] = ()) -> dict:
+    """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1, on
+    prompts other than the benchmark's): the distribution co-training keeps the draft on.
+    Returns the new draft state dict."""
     from titan_spec.models.ttt import ttt_inputs_for_sequences
 
     rng = random.Random(seed + 7)
-    task = default_task()
     prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(64)]
     plain = TorchRolloutEngine(engine.target, None, TorchEngineConfig(num_draft_tokens=0))
     seqs = []
     for T in (0.0, 1.0):
-        out = plain.generate(prompts, SamplingParams(T, max_new_tokens=64, seed=seed))
+        out = plain.generate(prompts, SamplingParams(T, max_new_tokens=max_new_tokens, stop_token_ids=stop, seed=seed))
         seqs += [r.prompt_ids + r.output_ids for r in out]
     draft = engine.draft
     draft.train()
@@ -123,9 +135,11 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, steps: int, seed: in
     return {k: v.detach().clone() for k, v in draft.state_dict().items()}
 
 
-def run_once(engine, prompts, sp) -> dict:
+def run_once(engine, prompts, sp, batch: int) -> dict:
     t0 = time.perf_counter()
-    out = engine.generate(prompts, sp)
+    out = []
+    for s in range(0, len(prompts), batch):
+        out += engine.generate(prompts[s : s + batch], sp)
     dt = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in out)
     steps = sum(r.verify_steps for r in out)
@@ -163,22 +177,25 @@ def main(argv=None) -> int:
     if args.distill_steps:
         engines["distilled"] = engine(K)
         t0 = time.perf_counter()
-        distill(engines["distilled"], tok, args.distill_steps, args.seed)
+        distill(engines["distilled"], tok, task_of(args.task_config), args.distill_steps, args.seed,
+                args.max_new_tokens, (tok.eos_id,) if args.stop_at_eos else ())
         print(f"distilled the draft on policy rollouts: {args.distill_steps} steps, {time.perf_counter() - t0:.0f}s")
 
-    task, rng = default_task(), random.Random(args.seed)
+    task, rng = task_of(args.task_config), random.Random(args.seed)
     stop = (tok.eos_id,) if args.stop_at_eos else ()
     rows = []
     for T in temps:
         for B in batches:
-            prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(B)]
+            # Whole batches of at least --requests prompts, so batch 1 is not one prompt's luck.
+            n = -(-max(B, args.requests) // B) * B
+            prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(n)]
             sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed)
             for e in engines.values():  # warm-up (and compile, when on)
                 e.generate(prompts[: min(B, 2)], SamplingParams(T, max_new_tokens=8, seed=0))
             runs = {name: [] for name in engines}
             for _ in range(args.repeats):
                 for name, e in engines.items():
-                    runs[name].append(run_once(e, prompts, sp))
+                    runs[name].append(run_once(e, prompts, sp, B))
             base = statistics.median(r["tok_s"] for r in runs["plain"])
             for name, rs in runs.items():
                 tok_s = statistics.median(r["tok_s"] for r in rs)
@@ -186,15 +203,15 @@ def main(argv=None) -> int:
                     "temperature": T, "batch": B, "engine": name, "K": 0 if name == "plain" else K,
                     "tok_s": tok_s, "accept_len": statistics.median(r["accept_len"] for r in rs),
                     "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
-                    "speedup": tok_s / base, "tokens": rs[0]["tokens"], "repeats": len(rs),
+                    "speedup": tok_s / base, "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
                 })
                 print(_row(rows[-1]), flush=True)
 
     result = {
         "benchmark": "rollout_engine",
         "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
-        "stop_at_eos": args.stop_at_eos, "compile": args.compile, "threads": torch.get_num_threads(),
-        "distill_steps": args.distill_steps, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(),
+        "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "torch": torch.__version__, "rows": rows,
     }
     print()

@@ -71,7 +71,7 @@ class ModelConfig:
     """Model family of the policy/target."""
 
     flavor: str = "tiny"
-    """Named size (qwen3: tiny, small, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
+    """Named size (qwen3: tiny, small, tiny16, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
     hf_checkpoint is set (the checkpoint's config.json defines the architecture)."""
 
     hf_checkpoint: str = ""

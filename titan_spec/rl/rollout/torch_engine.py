@@ -74,7 +74,8 @@ def filtered_probs(logits_NV: torch.Tensor, sampling: SamplingParams) -> torch.T
 def _behaviour_logprobs(logits_NLV: torch.Tensor, tokens_NL: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     # log_softmax(logits / T); greedy uses T = 1 (a one-hot would give 0 / -inf, useless to RL).
     t = sampling.temperature if not sampling.greedy else 1.0
-    logp_NLV = torch.log_softmax(logits_NLV.float() / t, dim=-1)
+    logits_NLV = logits_NLV.float()
+    logp_NLV = torch.log_softmax(logits_NLV / t if t != 1.0 else logits_NLV, dim=-1)
     return logp_NLV.gather(-1, tokens_NL[..., None])[..., 0]
 
 
@@ -239,51 +240,62 @@ class TorchRolloutEngine:
         # Slots: prompt + completion, plus room for a final verify window that overshoots.
         slots = P + sp.max_new_tokens + K + 1
         self._target.new_cache(B, slots)
+        # Fused weights and rotary tables, current for this batch (weights cannot change mid-call).
+        tw = self._target.fused_weights()
+        dw = None
         if K:
             self._draft.new_cache(B, slots)
+            dw = self._draft.weights()
         tokens_BP = torch.zeros(B, P, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             tokens_BP[b, : len(p)] = torch.tensor(p, device=dev)
-        stop_S = torch.tensor(sp.stop_token_ids or [-1], device=dev)
+        stop = set(sp.stop_token_ids or ())
         bar = self._progress_bar(B * sp.max_new_tokens)
         try:
             # Prefill: the whole prompt, logits at its last token -> the first completion token.
-            logits_BV, taps_BPCD = self._target.forward(tokens_BP, torch.zeros_like(P_B), P_B - 1)
-            y_B = self._sample(filtered_probs(logits_BV, sp), gen)
+            logits_BV, taps_BPCD = self._target.forward(tokens_BP, torch.zeros_like(P_B), P_B - 1, n_slots=P, fused=tw)
+            y_B = self._pick(logits_BV, sp, gen)
             lp_B1 = _behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
             a_B = torch.zeros_like(P_B)
-            keep = self._emit(reqs, done, y_B[:, None], a_B, lp_B1, stop_S, sp, bar)
-            c_B = P_B  # target positions processed; y_B sits at position c_B
+            keep, a_host = self._emit(reqs, done, y_B[:, None], a_B, lp_B1, stop, sp, bar)
+            # Positions live twice: on the device (index math) and on the host (slot counts,
+            # so no forward needs a sync); the host copy advances from _emit's one transfer.
+            c_B, c_host = P_B, [len(p) for p in prompts]  # target positions processed; y_B sits at c_B
             pend = None
             if K:
                 # The draft's pending trunk rows t = 0..P-1 read x[t+1]: the prompt shifted by one, then y.
                 pend_tok_BP = torch.roll(tokens_BP, -1, dims=1)
                 pend_tok_BP[torch.arange(B, device=dev), P_B - 1] = y_B
                 pend = (taps_BPCD, pend_tok_BP, torch.zeros_like(P_B), P_B)
+                pend_slots = P  # host bound on the pending rows' last position + 1
             while reqs:
                 if keep is not None:
-                    reqs = [reqs[i] for i in keep.tolist()]
-                    c_B, y_B = c_B[keep], y_B[keep]
-                    self._target.cache.keep(keep)
+                    reqs = [reqs[i] for i in keep]
+                    c_host = [c_host[i] for i in keep]
+                    keep_B = torch.tensor(keep, dtype=torch.long, device=dev)
+                    c_B, y_B = c_B[keep_B], y_B[keep_B]
+                    self._target.cache.keep(keep_B)
                     if K:
-                        pend = tuple(x[keep] for x in pend)
-                        self._draft.cache.keep(keep)
+                        pend = tuple(x[keep_B] for x in pend)
+                        self._draft.cache.keep(keep_B)
                     if not reqs:
                         break
+                c_max = max(c_host)
                 d_BK = q_BKVd = d_idx_BK = None
                 if K:
-                    d_BK, d_idx_BK, q_BKVd = self._propose(pend, c_B, sp, gen)
+                    d_BK, d_idx_BK, q_BKVd = self._propose(pend, pend_slots, c_B, c_max, sp, gen, dw)
                     verify_BL = torch.cat([y_B[:, None], d_BK], dim=1)
                 else:
                     verify_BL = y_B[:, None]
-                logits_BLV, taps_BLCD = self._target.forward(verify_BL, c_B)
+                logits_BLV, taps_BLCD = self._target.forward(verify_BL, c_B, n_slots=c_max + K + 1, fused=tw)
                 a_B, new_BL = self._accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, sp, gen)
                 lp_BL = _behaviour_logprobs(logits_BLV, new_BL, sp)
-                keep = self._emit(reqs, done, new_BL, a_B, lp_BL, stop_S, sp, bar)
+                keep, a_host = self._emit(reqs, done, new_BL, a_B, lp_BL, stop, sp, bar)
                 if K:
-                    pend = (taps_BLCD, new_BL, c_B, a_B + 1)
+                    pend, pend_slots = (taps_BLCD, new_BL, c_B, a_B + 1), c_max + K + 1
                 y_B = new_BL.gather(1, a_B[:, None])[:, 0]
                 c_B = c_B + a_B + 1
+                c_host = [c + a + 1 for c, a in zip(c_host, a_host)]
         finally:
             self._target.cache = None
             if K:
@@ -302,15 +314,17 @@ class TorchRolloutEngine:
 
     # --- draft, verify, emit --------------------------------------------------------------
 
-    def _propose(self, pend, c_B, sp: SamplingParams, gen):
-        """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy)."""
+    def _propose(self, pend, pend_slots: int, c_B, c_max: int, sp: SamplingParams, gen, dw):
+        """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy).
+        pend_slots, c_max: host-side slot bounds (no sync); dw: the draft's batch weights."""
         taps_BLCD, tok_BL, start_B, n_B = pend
         d2t_Vd = self.draft.draft_to_target_ids()
-        h_BH, logits_BVd = self._draft.extend(taps_BLCD, tok_BL, start_B, n_B)
+        h_BH, logits_BVd = self._draft.extend(taps_BLCD, tok_BL, start_B, n_B, n_slots=pend_slots, weights=dw)
         d, d_idx, q = [], [], []
         for j in range(self.K):
             if j:
-                h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j)
+                # Step j of the row at c-1 sits at position c-1+j (its branch slot).
+                h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j, n_slots=c_max + j, weights=dw)
             if sp.greedy:
                 idx_B = logits_BVd.argmax(-1)
             else:
@@ -359,37 +373,47 @@ class TorchRolloutEngine:
     def _sample(probs_NV: torch.Tensor, gen) -> torch.Tensor:
         return torch.multinomial(probs_NV, 1, generator=gen)[:, 0]
 
-    def _emit(self, reqs, done, new_BL, a_B, lp_BL, stop_S, sp: SamplingParams, bar):
+    def _pick(self, logits_NV: torch.Tensor, sp: SamplingParams, gen) -> torch.Tensor:
+        """One token per row from the sampling distribution (argmax when greedy)."""
+        if sp.greedy:
+            return logits_NV.argmax(-1)
+        return self._sample(filtered_probs(logits_NV, sp), gen)
+
+    def _emit(self, reqs, done, new_BL, a_B, lp_BL, stop: set[int], sp: SamplingParams, bar):
         """Appends each row's committed tokens (cut after a stop token or at the budget).
-        Returns the rows still running, or None when all are."""
-        B, L = new_BL.shape
-        idx_L = torch.arange(L, device=new_BL.device)
-        is_stop_BL = torch.isin(new_BL, stop_S) & (idx_L[None] <= a_B[:, None])
-        first_stop_B = torch.where(is_stop_BL.any(1), is_stop_BL.float().argmax(1), L)
-        budget_B = torch.tensor([sp.max_new_tokens - len(r.out) for r in reqs], device=new_BL.device)
-        n_B = torch.minimum(torch.minimum(a_B + 1, first_stop_B + 1), budget_B)
-        stopped_B = first_stop_B < n_B
-        n, a, stopped = n_B.tolist(), a_B.tolist(), stopped_B.tolist()
-        toks, lps = new_BL.tolist(), lp_BL.tolist()
-        running = []
+        Returns (the rows still running, or None when all are; accepted drafts per row).
+
+        The round's one device->host transfer: tokens, accepted counts and log-probs travel
+        together (as float64, exact for token ids and float32 log-probs); the stop and budget
+        logic then runs on the host."""
+        L = new_BL.shape[1]
+        host = torch.cat([new_BL.double(), a_B[:, None].double(), lp_BL.double()], dim=1).tolist()
+        running, a_host, emitted = [], [], 0
         for b, r in enumerate(reqs):
-            r.out += toks[b][: n[b]]
-            r.logprobs += lps[b][: n[b]]
+            row = host[b]
+            a = int(row[L])
+            n = min(a + 1, sp.max_new_tokens - len(r.out))
+            toks = [int(t) for t in row[:n]]
+            cut = next((i for i, t in enumerate(toks) if t in stop), None) if stop else None
+            if cut is not None:
+                n, toks = cut + 1, toks[: cut + 1]
+            r.out += toks
+            r.logprobs += row[L + 1 : L + 1 + n]
             r.verify_steps += 1
-            r.accepted += min(a[b], n[b])
-            if stopped[b] or len(r.out) >= sp.max_new_tokens:
-                r.finish = "stop" if stopped[b] else "length"
+            r.accepted += min(a, n)
+            emitted += n
+            a_host.append(a)
+            if cut is not None or len(r.out) >= sp.max_new_tokens:
+                r.finish = "stop" if cut is not None else "length"
                 done.append(r)
             else:
                 running.append(b)
         if bar is not None:
-            bar.update(sum(n))
+            bar.update(emitted)
             steps = sum(r.verify_steps for r in reqs)
             toks_total = sum(len(r.out) for r in reqs)
             bar.set_postfix(accept_len=f"{toks_total / max(steps, 1):.2f}", refresh=False)
-        if len(running) == B:
-            return None
-        return torch.tensor(running, dtype=torch.long, device=new_BL.device)
+        return (None if len(running) == len(reqs) else running), a_host
 
     def _progress_bar(self, total: int):
         if not self.config.progress:

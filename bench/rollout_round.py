@@ -1,0 +1,131 @@
+# Benchmark: the cost of one round of the built-in rollout engine, split by phase.
+#
+# A round = draft extend + K-1 draft steps + one target verify forward + accept + behaviour
+# log-probs + emit (the one host transfer). Models are random (tiny Qwen3 flavor by default,
+# EAGLE-3 draft with a 32-token draft vocab), so only cost is measured, not acceptance:
+# every generate runs --max-new-tokens rounds-worth of tokens with no stop token.
+# Reported per engine (K = 0 plain decoding, K = --num-draft-tokens speculative):
+# ms per round, min and median over --repeats generate calls (the min is the least
+# disturbed by other load on a shared machine), and the per-phase split of the best call.
+#
+# Usage: PYTHONPATH=. python bench/rollout_round.py [--batch 1] [--temperature 0] [--flavor tiny]
+# Only public engine methods are timed (wrapped by name), so the same script measures an
+# older checkout: PYTHONPATH=/path/to/old/checkout python bench/rollout_round.py
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Appended, not prepended: a PYTHONPATH checkout (an older one, for before/after) wins.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import titan_spec.rl.rollout.torch_engine as torch_engine  # noqa: E402
+from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping  # noqa: E402
+from titan_spec.models.registry import build_target_config, flavor_arch  # noqa: E402
+from titan_spec.rl.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+
+
+def _parse_args(argv=None):
+    p = argparse.ArgumentParser(description="rollout engine: ms per round, by phase")
+    p.add_argument("--family", default="qwen3")
+    p.add_argument("--flavor", default="tiny")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="TorchEngineConfig(compile=True) (minutes of compile on CPU)")
+    return p.parse_args(argv)
+
+
+def build(args):
+    torch.manual_seed(0)
+    arch = flavor_arch(args.family, args.flavor)
+    L = arch.n_layers
+    taps = (1, L // 2 - 1, L - 4)
+    target = build_target_config(arch, tap_layer_ids=taps, max_seq_len=1024).build()
+    target.init_weights(buffer_device=None)
+    draft = Eagle3Draft(DraftArch.from_target(arch, taps, 32))
+    draft.reset_parameters()
+    counts = torch.zeros(arch.vocab_size)
+    counts[:64] = torch.arange(64, 0, -1).float()
+    draft.set_vocab_mapping(*build_vocab_mapping(counts, 32))
+    return target.eval(), draft.eval()
+
+
+class Timers:
+    """Wall time per wrapped method, accumulated until reset."""
+
+    def __init__(self):
+        self.s = collections.defaultdict(float)
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            out = f(*a, **k)
+            self.s[label] += time.perf_counter() - t0
+            return out
+
+        setattr(obj, name, timed)
+
+
+def measure(engine, timers: Timers, prompts, sp, repeats: int):
+    engine.generate(prompts, sp)  # warm-up
+    runs = []
+    for _ in range(repeats):
+        timers.s.clear()
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+        rounds = max(r.verify_steps for r in out)
+        runs.append((dt / rounds * 1e3, {k: v / rounds * 1e3 for k, v in timers.s.items()}))
+    return runs
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, draft = build(args)
+    K = args.num_draft_tokens
+    prompts = [[1 + (7 * i + b) % 60 for i in range(args.prompt_len)] for b in range(args.batch)]
+    sp = SamplingParams(args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
+    results = {}
+    logprobs_fn = torch_engine._behaviour_logprobs
+    for k in (0, K):
+        timers = Timers()
+        e = TorchRolloutEngine(target, draft if k else None, TorchEngineConfig(num_draft_tokens=k, compile=args.compile))
+        timers.wrap(e._target, "forward", "target forward")
+        if k:
+            timers.wrap(e._draft, "extend", "draft extend")
+            timers.wrap(e._draft, "step", "draft steps")
+        timers.wrap(e, "_accept", "accept")
+        timers.wrap(torch_engine, "_behaviour_logprobs", "log-probs")
+        timers.wrap(e, "_emit", "emit")
+        try:
+            with torch.inference_mode():
+                results[k] = measure(e, timers, prompts, sp, args.repeats)
+        finally:
+            torch_engine._behaviour_logprobs = logprobs_fn  # unwrap for the next engine
+    print(f"{args.family}/{args.flavor}, batch {args.batch}, T = {args.temperature:g}, "
+          f"{args.max_new_tokens} new tokens, {args.repeats} repeats, {torch.get_num_threads()} thread(s), "
+          f"{'compiled' if args.compile else 'eager'}, "
+          f"engine from {Path(torch_engine.__file__).parents[3]}")
+    for k, runs in results.items():
+        ms = [r[0] for r in runs]
+        best = min(runs, key=lambda r: r[0])
+        split = ", ".join(f"{name} {v:.2f}" for name, v in best[1].items())
+        print(f"K = {k}: ms/round min {min(ms):.2f} median {statistics.median(ms):.2f} | best call: {split}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The rollout engine's decode-path shortcuts give the numbers of the ops they replace:
+the rotary table, the CPU float32 RMSNorm, and fused projection weights that follow
+in-place weight changes."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_spec.models.draft import apply_rotary
+from titan_spec.rl.rollout.fused import FusedLinearWeight, RotaryTable, rotate_half_apply
+from titan_spec.rl.rollout.kv_cache import _rms
+
+
+def test_rotary_table_is_bitwise_the_on_the_fly_rotary():
+    g = torch.Generator().manual_seed(0)
+    table = RotaryTable(head_dim=16, theta=1e6)
+    table.ensure(40)
+    table.ensure(300)  # grown: recomputed, not appended
+    pos_T = torch.tensor([0, 1, 7, 39, 40, 299])
+    x_TNH = torch.randn(6, 6, 16, generator=g)
+    got = rotate_half_apply(x_TNH, table.cos_SHd[pos_T][:, None], table.sin_SHd[pos_T][:, None])
+    assert torch.equal(got, apply_rotary(x_TNH, pos_T, 1e6))
+
+
+def test_cpu_rms_norm_is_bitwise_f_rms_norm():
+    g = torch.Generator().manual_seed(1)
+    for eps in (1e-6, None):
+        norm = nn.RMSNorm(64, eps=eps)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(64, generator=g))
+        for shape in ((1, 5, 64), (32, 5, 64), (3, 64)):
+            x = torch.randn(*shape, generator=g) * 3
+            assert torch.equal(_rms(x, norm), F.rms_norm(x, (64,), norm.weight, eps))
+
+
+def test_fused_weight_follows_in_place_changes_and_replaced_parameters():
+    a, b = nn.Linear(8, 4, bias=False), nn.Linear(8, 2, bias=False)
+    fused = FusedLinearWeight(a, b)
+    x = torch.randn(3, 8)
+    assert torch.equal(F.linear(x, fused.get()), torch.cat([a(x), b(x)], -1))
+    assert fused.get() is fused.get()  # cached while nothing changed
+    with torch.no_grad():
+        b.weight.mul_(2.0)  # a weight push / optimizer step: in place
+    assert torch.equal(fused.get()[4:], b.weight)
+    a.weight = nn.Parameter(torch.zeros(4, 8))  # a replaced parameter
+    assert torch.equal(fused.get()[:4], torch.zeros(4, 8))
+
+
+def test_fused_weight_of_inference_tensors_is_rebuilt_every_call():
+    with torch.inference_mode():  # such weights have no version counter to watch
+        a, b = nn.Linear(8, 4, bias=False), nn.Linear(8, 2, bias=False)
+    fused = FusedLinearWeight(a, b)
+    assert torch.equal(fused.get(), torch.cat([a.weight, b.weight]))
+    with torch.inference_mode():
+        b.weight.zero_()
+    assert torch.equal(fused.get()[4:], torch.zeros(2, 8))
+
+
+def test_cached_forwards_trace_as_one_graph_each():
+    """TorchEngineConfig(compile=True) compiles these cores with dynamic shapes; a graph
+    break makes dynamo skip the whole frame and run it eager (still correct, 4x slower),
+    so trace them with fullgraph=True (aot_eager: tracing only, no codegen)."""
+    import torch._dynamo
+
+    from titan_spec.models.draft import DraftArch, Eagle3Draft
+    from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
+    from titan_spec.rl.rollout.kv_cache import CachedDraft, CachedTarget
+
+    torch.manual_seed(0)
+    arch = with_vocab(flavor_arch("qwen3", "tiny"), 32)
+    model = build_target_config(arch, tap_layer_ids=(1, 3, 4), max_seq_len=64).build()
+    model.init_weights(buffer_device=None)
+    draft = Eagle3Draft(DraftArch.from_target(arch, (1, 3, 4), 32))
+    draft.reset_parameters()
+    ct, cd = CachedTarget(model.eval(), (1, 3, 4)), CachedDraft(draft.eval(), model.tok_embeddings)
+
+    def full(fn):
+        return torch.compile(fn, dynamic=True, backend="aot_eager", fullgraph=True)
+
+    ct._core, cd._extend, cd._step = full(ct._forward_core), full(cd._extend_core), full(cd._step_core)
+    torch._dynamo.reset()
+    tok = torch.randint(0, 32, (2, 6))
+    with torch.inference_mode():
+        ct.new_cache(2, 16)
+        cd.new_cache(2, 16)
+        _, taps = ct.forward(tok, torch.tensor([0, 0]), n_slots=6)
+        ct.forward(tok[:, :3], torch.tensor([6, 6]), n_slots=9)  # a verify window
+        h, _ = cd.extend(taps, tok, torch.tensor([0, 0]), torch.tensor([6, 4]), n_slots=6)
+        cd.step(h, tok[:, 0], torch.tensor([6, 4]), n_slots=7)
