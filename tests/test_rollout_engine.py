@@ -365,6 +365,8 @@ def test_engine_stats_edges_and_protocol(pair):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_compiled_engine_matches_eager(pair, temperature):
+    """The engine compiles its cached forwards with fullgraph=True, so this also fails on a
+    graph break (which would otherwise run the forward eager, silently)."""
     model, _, draft = pair
     prompts = random_prompts(3, seed=6)
     sp = SamplingParams(temperature, max_new_tokens=12, seed=0)

@@ -54,36 +54,3 @@ def test_fused_weight_of_inference_tensors_is_rebuilt_every_call():
     with torch.inference_mode():
         b.weight.zero_()
     assert torch.equal(fused.get()[4:], torch.zeros(2, 8))
-
-
-def test_cached_forwards_trace_as_one_graph_each():
-    """TorchEngineConfig(compile=True) compiles these cores with dynamic shapes; a graph
-    break makes dynamo skip the whole frame and run it eager (still correct, 4x slower),
-    so trace them with fullgraph=True (aot_eager: tracing only, no codegen)."""
-    import torch._dynamo
-
-    from titan_spec.models.draft import DraftArch, Eagle3Draft
-    from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-    from titan_spec.rl.rollout.kv_cache import CachedDraft, CachedTarget
-
-    torch.manual_seed(0)
-    arch = with_vocab(flavor_arch("qwen3", "tiny"), 32)
-    model = build_target_config(arch, tap_layer_ids=(1, 3, 4), max_seq_len=64).build()
-    model.init_weights(buffer_device=None)
-    draft = Eagle3Draft(DraftArch.from_target(arch, (1, 3, 4), 32))
-    draft.reset_parameters()
-    ct, cd = CachedTarget(model.eval(), (1, 3, 4)), CachedDraft(draft.eval(), model.tok_embeddings)
-
-    def full(fn):
-        return torch.compile(fn, dynamic=True, backend="aot_eager", fullgraph=True)
-
-    ct._core, cd._extend, cd._step = full(ct._forward_core), full(cd._extend_core), full(cd._step_core)
-    torch._dynamo.reset()
-    tok = torch.randint(0, 32, (2, 6))
-    with torch.inference_mode():
-        ct.new_cache(2, 16)
-        cd.new_cache(2, 16)
-        _, taps = ct.forward(tok, torch.tensor([0, 0]), n_slots=6)
-        ct.forward(tok[:, :3], torch.tensor([6, 6]), n_slots=9)  # a verify window
-        h, _ = cd.extend(taps, tok, torch.tensor([0, 0]), torch.tensor([6, 4]), n_slots=6)
-        cd.step(h, tok[:, 0], torch.tensor([6, 4]), n_slots=7)
