@@ -137,3 +137,18 @@ def test_draft_vocab_larger_than_target_is_an_error():
     cfg = load_config(DEFAULT, ["--draft.enable", "true", "--draft.draft_vocab_size", "100000"])
     with pytest.raises(ConfigError, match=r"draft.draft_vocab_size = 100000 must be in 1\.\.100"):
         to_trainer_config(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "train_configs"))
+                                        if f.endswith(".toml")))
+def test_every_shipped_config_is_valid(name):
+    """Each train_configs/*.toml loads and validates (inputs made by earlier runs of a chain are
+    not checked: check_paths=False), at the world size its parallel degrees need."""
+    import tomllib
+
+    path = os.path.join(os.path.dirname(__file__), "..", "train_configs", name)
+    with open(path, "rb") as f:
+        p = tomllib.load(f).get("parallelism", {})
+    world = p.get("pipeline_parallel_degree", 1) * p.get("context_parallel_degree", 1)
+    cfg = load_config(path, world_size=world, check_paths=False)
+    assert cfg.training.steps >= 1
