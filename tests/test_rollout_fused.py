@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_spec.models.draft import apply_rotary
-from titan_spec.rl.rollout.fused import FusedLinearWeight, RotaryTable, rotate_half_apply
+from titan_spec.models.draft import apply_rotary, rotate_half
+from titan_spec.rl.rollout.fused import FusedLinearWeight, RotaryTable
 from titan_spec.rl.rollout.kv_cache import _rms
 
 
@@ -18,7 +18,7 @@ def test_rotary_table_is_bitwise_the_on_the_fly_rotary():
     table.ensure(300)  # grown: recomputed, not appended
     pos_T = torch.tensor([0, 1, 7, 39, 40, 299])
     x_TNH = torch.randn(6, 6, 16, generator=g)
-    got = rotate_half_apply(x_TNH, table.cos_SHd[pos_T][:, None], table.sin_SHd[pos_T][:, None])
+    got = rotate_half(x_TNH, table.cos_SHd[pos_T][:, None], table.sin_SHd[pos_T][:, None])
     assert torch.equal(got, apply_rotary(x_TNH, pos_T, 1e6))
 
 

@@ -126,7 +126,9 @@ class DraftTraining(Stateful):
             shifts = halo.shifts(labels_T)
         targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps, shifts)
         if count_S is None:  # this batch alone (the shifts of the CP halo are already built)
-            count_S = self._global_count(_count_S(shifts or ttt_shifts(positions_T, labels_T, self.cfg.ttt_steps)))
+            count_S = self._global_count(_count_S(
+                shifts if shifts is not None else ttt_shifts(positions_T, labels_T, self.cfg.ttt_steps)
+            ))
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         result = draft(
             hidden, embeds_TH, positions_T, meta, targets,

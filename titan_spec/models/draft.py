@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["DraftArch", "Eagle3Draft", "build_vocab_mapping", "apply_rotary"]
+__all__ = ["DraftArch", "Eagle3Draft", "build_vocab_mapping", "apply_rotary", "rotary_cos_sin", "rotate_half"]
 
 
 @dataclass(frozen=True)
@@ -78,16 +78,26 @@ class DraftArch:
         return bad
 
 
+def rotary_cos_sin(pos_T: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_TH, sin_TH of the rotate-half rotary embedding at positions pos_T (float32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_T.device, dtype=torch.float32) / head_dim))
+    ang_TF = pos_T.to(torch.float32)[:, None] * inv_freq[None, :]
+    ang_TH = torch.cat([ang_TF, ang_TF], -1)
+    return ang_TH.cos(), ang_TH.sin()
+
+
+def rotate_half(x_TNH: torch.Tensor, cos_T1H: torch.Tensor, sin_T1H: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), in float32."""
+    hd = x_TNH.shape[-1]
+    x = x_TNH.float()
+    rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], dim=-1)
+    return (x * cos_T1H + rot * sin_T1H).to(x_TNH.dtype)
+
+
 def apply_rotary(x_TNH: torch.Tensor, pos_T: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half (NeoX / HF Llama) rotary embedding, as SGLang's Llama attention uses."""
-    hd = x_TNH.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x_TNH.device, dtype=torch.float32) / hd))
-    ang_TF = pos_T.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = torch.cat([ang_TF, ang_TF], -1).cos()[:, None, :], torch.cat([ang_TF, ang_TF], -1).sin()[:, None, :]
-    x = x_TNH.float()
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    rot = torch.cat([-x2, x1], dim=-1)
-    return (x * cos + rot * sin).to(x_TNH.dtype)
+    cos_TH, sin_TH = rotary_cos_sin(pos_T, x_TNH.shape[-1], theta)
+    return rotate_half(x_TNH, cos_TH[:, None], sin_TH[:, None])
 
 
 class _Attention(nn.Module):

@@ -1,7 +1,6 @@
 """Small helpers that cut per-op overhead in the rollout engine's decode path.
 
-Shape legend: O = output features, I = input features, S = positions, Hd (H in
-rotate_half_apply's names) = head dim, T = tokens (and any leading dims), N = heads.
+Shape legend: O = output features, I = input features, S = positions, Hd = head dim.
 
 At decode sizes (a handful of tokens per row) a forward is bound by the number of ops and
 Python calls, not by FLOPs, so the engine (a) fuses projections that read the same input
@@ -16,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["FusedLinearWeight", "RotaryTable", "rotate_half_apply"]
+from titan_spec.models.draft import rotary_cos_sin
+
+__all__ = ["FusedLinearWeight", "RotaryTable"]
 
 
 class FusedLinearWeight:
@@ -53,31 +54,14 @@ class FusedLinearWeight:
 
 
 class RotaryTable:
-    """cos/sin of the rotate-half (NeoX) rotary embedding for positions 0..S-1.
-
-    The values are computed with the same float32 ops as ``models.draft.apply_rotary``
-    (inv_freq, angle = position * inv_freq, duplicated halves), so gathering a row is
-    bitwise the on-the-fly result. Grows on demand; never shrinks.
-    """
+    """cos/sin of the draft's rotary embedding (models.draft.rotary_cos_sin) for positions
+    0..S-1, so gathering a row is the on-the-fly result. Grows on demand; never shrinks."""
 
     def __init__(self, head_dim: int, theta: float, device=None):
         self.head_dim, self.theta, self.device = head_dim, float(theta), device
         self.cos_SHd = self.sin_SHd = torch.empty(0, head_dim, device=device)
 
     def ensure(self, n_positions: int) -> None:
-        if self.cos_SHd.shape[0] >= n_positions:
-            return
-        hd = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, hd, 2, device=self.device, dtype=torch.float32) / hd))
-        pos_S = torch.arange(n_positions, device=self.device)
-        ang_SF = pos_S.to(torch.float32)[:, None] * inv_freq[None, :]
-        ang_SHd = torch.cat([ang_SF, ang_SF], -1)
-        self.cos_SHd, self.sin_SHd = ang_SHd.cos(), ang_SHd.sin()
-
-
-def rotate_half_apply(x_TNH: torch.Tensor, cos_T1H: torch.Tensor, sin_T1H: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1) (float32 math)."""
-    hd = x_TNH.shape[-1]
-    x = x_TNH.float()
-    rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], dim=-1)
-    return (x * cos_T1H + rot * sin_T1H).to(x_TNH.dtype)
+        if self.cos_SHd.shape[0] < n_positions:
+            pos_S = torch.arange(n_positions, device=self.device)
+            self.cos_SHd, self.sin_SHd = rotary_cos_sin(pos_S, self.head_dim, self.theta)

@@ -42,8 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_spec.models.draft import Eagle3Draft
-from titan_spec.rl.rollout.fused import FusedLinearWeight, RotaryTable, rotate_half_apply
+from titan_spec.models.draft import Eagle3Draft, rotate_half
+from titan_spec.rl.rollout.fused import FusedLinearWeight, RotaryTable
 
 __all__ = ["KVCache", "CachedTarget", "CachedDraft", "causal_slot_mask"]
 
@@ -312,7 +312,7 @@ class CachedDraft:
         nq, nk = self.n_heads, self.n_kv_heads
         qkv_BLnH = F.linear(x_BL2H, w_qkv).view(B, L, nq + 2 * nk, self.head_dim)
         # q and k heads are adjacent: one rotation for both.
-        qk_BLnH = rotate_half_apply(qkv_BLnH[:, :, : nq + nk], cos_SHd[pos_BL][:, :, None], sin_SHd[pos_BL][:, :, None])
+        qk_BLnH = rotate_half(qkv_BLnH[:, :, : nq + nk], cos_SHd[pos_BL][:, :, None], sin_SHd[pos_BL][:, :, None])
         return qk_BLnH[:, :, :nq], qk_BLnH[:, :, nq:], qkv_BLnH[:, :, nq + nk :]
 
     def _finish(self, h_BH, attn_BNH, w):
