@@ -3,6 +3,8 @@ one step of policy + draft with cp = 2 (and dp x cp) gives the losses and gradie
 
 import pytest
 
+from numerics import assert_same_draft_accuracy
+
 COMMON = ("--training.steps", "2", "--lr_scheduler.total_steps", "2", "--checkpoint.enable", "false",
           "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3")
 
@@ -15,8 +17,7 @@ def _assert_same_run(a_rows, b_rows, what):
         for key in ("loss", "draft/loss", "grad_norm", "draft/grad_norm"):
             assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-4), (what, key, a, b)
         assert b["n_tokens_seen"] == a["n_tokens_seen"], (what, a, b)  # document padding is not counted
-        for j in range(3):
-            assert b[f"draft/acc_{j}"] == pytest.approx(a[f"draft/acc_{j}"], abs=1e-9), (what, j)
+        assert_same_draft_accuracy(a, b, 3, what)  # the ring reduces in another order: one argmax flip
 
 
 def test_cp_co_training_matches_cp1(tmp_path, train):

@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from titan_spec.config import ConfigError, load_config
 from titan_spec.train import to_trainer_config
 
+from numerics import assert_adam_weights_close, assert_same_draft_accuracy
+
 # train_configs/debug_cpu_pp.toml: llama3/tiny, as torchtitan has no weight tying under PP (qwen3/tiny ties). 8 layers, taps (1, 3, 4).
 # 1F1B/GPipe: stage 0 = embeddings + layers 0-3 (embeddings, taps 1 and 3 are sent), stage 1 = layers
 # 4-7 (tap 4 used in place). Interleaved1F1B, 4 virtual stages: stage 0 (rank 0) sends the embeddings
@@ -19,7 +21,8 @@ COMMON = ("--model.name", "llama3", "--training.seq_len", "64", "--training.step
           "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3",
           "--checkpoint.enable", "false", "--lr_scheduler.total_steps", "3")
 PP1 = ("--parallelism.pipeline_parallel_degree", "1")
-KEYS = ["loss", "grad_norm", "draft/loss", "draft/grad_norm", "draft/acc_0", "draft/acc_1", "draft/acc_2"]
+KEYS = ["loss", "grad_norm", "draft/loss", "draft/grad_norm"]
+DRAFT_LR, STEPS = 3e-3, 3  # [draft] lr default; training.steps in COMMON
 
 
 def _pp(schedule, dp=1, mb=1):
@@ -29,15 +32,23 @@ def _pp(schedule, dp=1, mb=1):
 
 
 def _assert_same_training(ref, rows, ref_dump, dump, label):
+    """Pipelined and flat steps reduce in other orders (microbatch gradient accumulation, FSDP
+    reduce-scatter), so they agree to rounding, not bitwise: losses and gradient norms (what the
+    optimizers consume) at rel 2e-5; accuracies to one argmax flip; the draft's weights after
+    3 AdamW steps to Adam's sign-flip bound (tests/numerics.py says why each)."""
     assert [r["step"] for r in rows] == [r["step"] for r in ref] == [1, 2, 3], label
     for a, b in zip(ref, rows):
         for key in KEYS:  # losses, and the gradients through their norms and the next steps' losses
             assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), (label, key, a, b)
+        assert_same_draft_accuracy(a, b, 3, label)
     # The draft trained on the last stage ends where the pp = 1 draft ends.
     want, got = load_file(os.path.join(ref_dump, "draft/model.safetensors")), load_file(os.path.join(dump, "draft/model.safetensors"))
     assert want.keys() == got.keys()
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=f"{label}: draft {k}")
+        if want[k].is_floating_point():
+            assert_adam_weights_close(got[k], want[k], DRAFT_LR, STEPS, msg=f"{label}: draft {k}")
+        else:  # d2t / t2d: the vocabulary map, counted from the same data
+            assert torch.equal(got[k], want[k]), (label, k)
 
 
 def test_pp2_matches_pp1_for_each_schedule(tmp_path, many):

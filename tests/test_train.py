@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from numerics import assert_same_draft_accuracy
+
 
 def test_fsdp_dp2_matches_dp1_and_resume_is_exact(tmp_path, train):
     """Policy + draft co-training (one forward trains both): under FSDP (dp=2) the policy
@@ -23,8 +25,7 @@ def test_fsdp_dp2_matches_dp1_and_resume_is_exact(tmp_path, train):
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5, rel=1e-5), (a, b)
         assert b["draft/loss"] == pytest.approx(a["draft/loss"], abs=1e-5, rel=1e-5), (a, b)
-        for j in range(3):
-            assert b[f"draft/acc_{j}"] == pytest.approx(a[f"draft/acc_{j}"], abs=1e-9)
+        assert_same_draft_accuracy(a, b, 3, "dp=2")  # FSDP reduces in another order: one argmax flip
 
     # Interrupt after step 3 (a checkpoint), then resume to step 6 in the same folder.
     dump = str(tmp_path / "resume")

@@ -155,7 +155,7 @@ class DraftTraining(Stateful):
             self._acc[name] = self._acc[name] + v if name in self._acc else v
 
     def metrics(self) -> dict[str, float]:
-        """Mean draft loss and accuracy per TTT step since the last call (all ranks)."""
+        """Mean draft loss, accuracy and scored positions per TTT step since the last call (all ranks)."""
         if not self._acc:
             return {}
         stacked = torch.stack([self._acc["loss_sum"], self._acc["count"], self._acc["correct"]])
@@ -168,6 +168,10 @@ class DraftTraining(Stateful):
         out["draft/loss"] = float((loss_sum / n).mean())
         for j in range(len(count)):
             out[f"draft/acc_{j}"] = float(correct[j] / n[j])
+            # Positions scored at step j: parity tests compare accuracies to one argmax flip
+            # in this many (an exact count equality is bitwise; the argmax of logits computed
+            # in another reduction order is not at a near-tie).
+            out[f"draft/tokens_{j}"] = int(count[j])
         return out
 
     # --- state -------------------------------------------------------------------------
