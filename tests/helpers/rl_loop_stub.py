@@ -1,0 +1,78 @@
+"""Stand-ins for RLTrainer's collaborators, so the REAL RLTrainer methods run in-process on a
+tiny model without torchrun or a torchtitan Trainer: ``rollout_step`` runs one iteration of
+``RLTrainer._rollout_batches`` (prompts -> scripted completions -> rewards -> advantages ->
+packed batch). Only attributes those methods read are provided; a method that starts
+reading another one fails here with an AttributeError, not silently."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from titan_spec.config import RLConfig
+from titan_spec.rl.loop import RLTrainer
+from titan_spec.rl.rollout.base import Rollout
+
+BOS, EOS, PAD = 1, 2, 0
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz? "
+
+
+class CharTokenizer:
+    """One token per character (ids 3..), BOS 1, EOS 2, pad 0."""
+
+    bos_id, eos_id, pad_id = BOS, EOS, PAD
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return ([BOS] if add_bos else []) + [3 + ALPHABET.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(ALPHABET[i - 3] for i in ids if i >= 3)
+
+
+class ScriptedWorker:
+    """generate() answers each prompt with the next scripted completion of ITS problem, found
+    by the prompt's text, so the result does not depend on how the loop orders the prompts."""
+
+    def __init__(self, tok: CharTokenizer, script: dict[str, list[str]]):
+        self.tok, self.script, self.pushes = tok, script, []
+
+    def push(self, policy_state, draft_state, version):
+        self.pushes.append((draft_state, version))
+
+    def generate(self, prompts, sampling):
+        from titan_spec.rl.rollouts import RolloutStats
+
+        taken: dict[str, int] = {}
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p)
+            k = taken[text] = taken.get(text, -1) + 1
+            ids = self.tok.encode(self.script[text][k])
+            out.append(Rollout(list(p), ids, [-0.5] * len(ids), "length", verify_steps=len(ids)))
+        return out, RolloutStats.of(out, 0.0)
+
+    def baselines(self, prompts, sampling):
+        return {}
+
+
+def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, scale_advantages: bool = True):
+    """One ``RLTrainer._rollout_batches`` iteration over ``problems`` = (prompt, answer,
+    its G completions). Returns (input dict, labels_BL, tokenizer)."""
+    tok = CharTokenizer()
+    G = len(problems[0][2])
+    rl = RLConfig(enable=True, prompts_per_step=len(problems), group_size=G, baseline_interval=0,
+                  scale_advantages=scale_advantages, max_new_tokens=8)
+    worker = ScriptedWorker(tok, {p: c for p, _, c in problems})
+    dataloader = SimpleNamespace(
+        batch_index=0, dp_rank=0,
+        next_problems=lambda n: [SimpleNamespace(prompt=p, answer=a) for p, a, _ in problems[:n]],
+    )
+    fake = SimpleNamespace(
+        tokenizer=tok, rl=rl, step=1, model_parts=[torch.nn.Linear(2, 2)], draft_training=None, worker=worker,
+        dataloader=dataloader,
+        config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0)),
+                               training=SimpleNamespace(seq_len=seq_len)),
+    )
+    inputs, labels_BL = next(RLTrainer._rollout_batches(fake))
+    return inputs, labels_BL, tok
