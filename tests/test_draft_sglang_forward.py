@@ -125,7 +125,7 @@ def sglang_eagle3_forward(path: str, taps_T3Ht: torch.Tensor, embeds_TH: torch.T
     w = {k: (v.double() if v.is_floating_point() else v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
     H, N, Kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     Hd = cfg.get("head_dim", H // N)
-    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+    eps, theta = cfg["rms_norm_eps"], cfg.get("rope_theta", 10000)  # SGLang's default
     Tn = embeds_TH.shape[0]
 
     # Stacked projections, as SGLang's loader builds them.
