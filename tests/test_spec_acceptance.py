@@ -23,10 +23,12 @@ temperature first; top-k keeps every token whose logit is >= the k-th largest (t
 k-th value all stay); top-p then works on the renormalized top-k distribution and keeps the
 smallest prefix of the sorted tokens whose mass is >= top_p: a token is dropped when the mass
 strictly before it already reaches top_p (HF: cumulative mass from the bottom <= 1 - top_p).
-SGLang's torch-native sampler (sampler.py, top_k_top_p_min_p_sampling_from_probs_torch)
-differs only on measure-zero boundaries: it keeps exactly k sorted positions (ties broken by
-sort order), drops a token only when the mass before it is strictly > top_p, and measures
-top-p on the unrenormalized probabilities.
+SGLang 0.5.23's torch-native sampler (layers/sampler.py,
+top_k_top_p_min_p_sampling_from_probs_torch) differs on measure-zero boundaries (it keeps
+exactly k sorted positions, ties broken by the sort, and drops a token only when the mass
+before it is strictly > top_p) and, when top-k and top-p are both set, in substance: it
+measures top-p on the probabilities before top-k, not on the renormalized ones (see
+test_filtered_probs_top_k_then_top_p_on_the_renormalized_mass for a case where they differ).
 """
 
 import math
@@ -129,7 +131,7 @@ def test_acceptance_rule_emits_the_target_distribution_at_every_position():
                 assert chi2_pvalue(stat, df) > 1e-4, f"position {j} after token {prev}: chi2 = {stat:.1f} on {df} df"
 
     # Power: the bonus tokens are told apart from the previous position's distribution (the
-    # bug "bonus drawn from p_K") and from the draft's last q by a wide margin.
+    # bug "bonus drawn from p_K") by a wide margin.
     bonus_V = torch.bincount(new_NL[a_N == K, K], minlength=V)
     assert chi2_pvalue(*pearson(bonus_V, P_LV[K - 1])) < 1e-12
 
@@ -212,7 +214,8 @@ def test_filtered_probs_top_p_boundary():
 
 def test_filtered_probs_top_k_then_top_p_on_the_renormalized_mass():
     # Probabilities (0.4, 0.3, 0.2, 0.1); top_k = 2 leaves (4/7, 3/7). top_p = 0.5 is then
-    # reached by the first token alone (4/7 >= 0.5), though 0.4 of the unfiltered mass is not.
+    # reached by the first token alone (4/7 >= 0.5); on the mass before top-k (0.4 < 0.5, as
+    # SGLang's torch sampler measures it) both would stay.
     logits = torch.tensor([[math.log(0.4), math.log(0.3), math.log(0.2), math.log(0.1)]])
     _close(filtered_probs(logits, _sp(top_k=2, top_p=0.5)), [[1.0, 0.0, 0.0, 0.0]])
     _close(filtered_probs(logits, _sp(top_k=2, top_p=0.6)), [[4 / 7, 3 / 7, 0.0, 0.0]])
