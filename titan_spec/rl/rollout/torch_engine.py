@@ -33,7 +33,7 @@ from titan_spec.models.draft import Eagle3Draft
 from titan_spec.rl.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
 from titan_spec.rl.rollout.kv_cache import CachedDraft, CachedTarget
 
-__all__ = ["TorchEngineConfig", "TorchRolloutEngine", "filtered_probs"]
+__all__ = ["TorchEngineConfig", "TorchRolloutEngine", "filtered_probs", "speculative_accept"]
 
 
 @dataclass
@@ -69,6 +69,41 @@ def filtered_probs(logits_NV: torch.Tensor, sampling: SamplingParams) -> torch.T
         drop_NV = (p_sorted_NV.cumsum(-1) - p_sorted_NV) >= sampling.top_p
         logits_NV = logits_NV.scatter(-1, order_NV, sorted_NV.masked_fill(drop_NV, float("-inf")))
     return logits_NV.softmax(-1)
+
+
+def speculative_accept(
+    p_BLV: torch.Tensor, d_BK: torch.Tensor, d_idx_BK: torch.Tensor, q_BKVd: torch.Tensor,
+    d2t_Vd: torch.Tensor, gen: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled acceptance rule (module docstring, step 3) on plain tensors, K >= 1.
+
+    p_BLV: the target's sampling distributions p_1..p_{K+1} (filtered_probs of the verify
+    logits); d_BK / d_idx_BK: the draft tokens as target / draft-vocab ids; q_BKVd: the
+    draft distributions they were sampled from; d2t_Vd: target id of each draft id.
+    Returns (a_B accepted draft tokens, new_BL: the a+1 committed tokens, left-aligned;
+    entries past a+1 are filler). Draws u_BK first, then one multinomial per row.
+    """
+    B, L, V = p_BLV.shape
+    K = L - 1
+    rows_B = torch.arange(B, device=p_BLV.device)
+    p_d_BK = p_BLV[:, :K].gather(-1, d_BK[..., None])[..., 0]
+    q_d_BK = q_BKVd.gather(-1, d_idx_BK[..., None])[..., 0]  # > 0: d was sampled from q
+    u_BK = torch.rand(B, K, device=p_BLV.device, generator=gen)
+    ok_BK = (u_BK * q_d_BK < p_d_BK).long()  # u < p/q, i.e. accept with prob min(1, p/q)
+    a_B = ok_BK.cumprod(1).sum(1)
+    # Residual at the first rejection a < K: max(0, p_a - q_a) with q mapped to target ids;
+    # at a == K the padded q row is zero, so the residual is p_{K+1}: the bonus token.
+    q_pad_BLVd = torch.cat([q_BKVd, q_BKVd.new_zeros(B, 1, q_BKVd.shape[-1])], dim=1)
+    q_a_BV = torch.zeros(B, V, device=p_BLV.device, dtype=p_BLV.dtype)
+    q_a_BV.scatter_(1, d2t_Vd.expand(B, -1), q_pad_BLVd[rows_B, a_B])
+    p_a_BV = p_BLV[rows_B, a_B]
+    r_BV = (p_a_BV - q_a_BV).clamp(min=0)
+    # p == q up to rounding: a rejection (probability ~0) falls back to p itself.
+    r_BV = torch.where(r_BV.sum(-1, keepdim=True) > 0, r_BV, p_a_BV)
+    y_B = torch.multinomial(r_BV, 1, generator=gen)[:, 0]  # = TorchRolloutEngine._sample
+    new_BL = torch.cat([d_BK, d_BK[:, :1]], dim=1)
+    new_BL[rows_B, a_B] = y_B
+    return a_B, new_BL
 
 
 def _behaviour_logprobs(logits_NLV: torch.Tensor, tokens_NL: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -347,27 +382,9 @@ class TorchRolloutEngine:
             match_BK = (d_BK == arg_BL[:, :K]).long()
             return match_BK.cumprod(1).sum(1), arg_BL
         p_BLV = filtered_probs(logits_BLV, sp)
-        rows_B = torch.arange(B, device=p_BLV.device)
         if K == 0:
             return torch.zeros(B, dtype=torch.long, device=p_BLV.device), self._sample(p_BLV[:, 0], gen)[:, None]
-        p_d_BK = p_BLV[:, :K].gather(-1, d_BK[..., None])[..., 0]
-        q_d_BK = q_BKVd.gather(-1, d_idx_BK[..., None])[..., 0]  # > 0: d was sampled from q
-        u_BK = torch.rand(B, K, device=p_BLV.device, generator=gen)
-        ok_BK = (u_BK * q_d_BK < p_d_BK).long()  # u < p/q, i.e. accept with prob min(1, p/q)
-        a_B = ok_BK.cumprod(1).sum(1)
-        # Residual at the first rejection a < K: max(0, p_a - q_a) with q mapped to target ids;
-        # at a == K the padded q row is zero, so the residual is p_{K+1}: the bonus token.
-        q_pad_BLVd = torch.cat([q_BKVd, q_BKVd.new_zeros(B, 1, q_BKVd.shape[-1])], dim=1)
-        q_a_BV = torch.zeros(B, V, device=p_BLV.device, dtype=p_BLV.dtype)
-        q_a_BV.scatter_(1, self.draft.draft_to_target_ids().expand(B, -1), q_pad_BLVd[rows_B, a_B])
-        p_a_BV = p_BLV[rows_B, a_B]
-        r_BV = (p_a_BV - q_a_BV).clamp(min=0)
-        # p == q up to rounding: a rejection (probability ~0) falls back to p itself.
-        r_BV = torch.where(r_BV.sum(-1, keepdim=True) > 0, r_BV, p_a_BV)
-        y_B = self._sample(r_BV, gen)
-        new_BL = torch.cat([d_BK, d_BK[:, :1]], dim=1)
-        new_BL[rows_B, a_B] = y_B
-        return a_B, new_BL
+        return speculative_accept(p_BLV, d_BK, d_idx_BK, q_BKVd, self.draft.draft_to_target_ids(), gen)
 
     @staticmethod
     def _sample(probs_NV: torch.Tensor, gen) -> torch.Tensor:
