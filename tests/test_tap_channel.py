@@ -76,7 +76,8 @@ def _ok(rank):
 
 # --- misuse cases: what the sender (rank 0) and the receiver (rank 1) do in one step ---------
 # A good sender sends every microbatch; a good receiver takes every one. Each case breaks one
-# end; the default of the other is the good behaviour.
+# end. A sender that fails never sends microbatch 1: the receiver then asks for it first, so
+# its wait is certain to time out (and no wait under T_SHORT is one for data that is sent).
 
 def _send_all(ch, step):
     for mb in range(N):
@@ -206,23 +207,40 @@ def _misuse(rank, case):
     ch = TapChannel(LAYOUT, [0, 1], rank, torch.device("cpu"), timeout_s=T_LONG, all_pp_ranks=[[0, 1]])
     for step in range(1, warm + 1):  # good steps first (the stale case needs a previous step)
         ch.begin_step(N)
-        _send_all(ch, step) if rank == 0 else _take(ch, step)
+        if rank == 0:
+            _send_all(ch, step)
+        else:
+            _take(ch, step)
         ch.end_step()
     step = warm + 1
     ch.begin_step(N)  # the receiver's irecvs are posted here, so the sender's sends complete
-    out = "ok"
-    if rank == 0:
-        out = _outcome(lambda: (send(ch, step), ch.end_step()))
+
+    def sender_step():
+        send(ch, step)
+        ch.end_step()
+
+    def receiver_step():
+        if sender_failed:
+            # A failed sender never sent microbatch 1 (see CASES): this wait cannot succeed.
+            ch.timeout_s = T_SHORT
+            _take(ch, step, order=[1, 0])
+        else:
+            take(ch, step)
+        ch.end_step()
+
+    def next_sender_step():
+        ch.timeout_s = T_SHORT  # the receiver is gone: no irecv will match these sends
+        ch.begin_step(N)
+        _send_all(ch, step + 1)
+        ch.end_step()
+
+    out = _outcome(sender_step) if rank == 0 else "ok"
     sender_failed = _agree(out != "ok")[0]
     if rank == 1:
-        if sender_failed:
-            ch.timeout_s = T_SHORT  # microbatch 1 was never sent: this wait cannot succeed
-        out = _outcome(lambda: (take(ch, step) if not sender_failed else _take(ch, step, order=[1, 0]),
-                                ch.end_step()))
+        out = _outcome(receiver_step)
     receiver_failed = _agree(out != "ok")[1]
     if rank == 0 and out == "ok" and receiver_failed:
-        ch.timeout_s = T_SHORT  # the receiver is gone: no irecv will match these sends
-        out = _outcome(lambda: (ch.begin_step(N), _send_all(ch, step + 1), ch.end_step()))
+        out = _outcome(next_sender_step)
     return out
 
 
