@@ -102,25 +102,41 @@ def test_missing_config_file():
     ],
 )
 def test_run_train_config_error_is_one_line_and_starts_nothing(tmp_path, config, args, needle):
-    """Through ./run_train.sh: one line, exit 2, no torchrun, no output folder."""
+    """Through ./run_train.sh: one line, exit 2, no torchrun, no output folder.
+
+    run_train.sh works in its own folder and the chain's runs write to ./outputs/ there, so
+    it runs from a view of the repository in tmp_path (links to its files): any folder that
+    a started run makes shows up in the view, whatever the repository's outputs/ holds."""
     dump = tmp_path / "never"
     env = dict(os.environ, CONFIG_FILE=config) if config else None
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    before = _output_dirs(root)
+    view = _repo_view(tmp_path)
+    before = sorted(os.listdir(view))
     out = subprocess.run(
         ["./run_train.sh", "--job.dump_folder", str(dump), *args],
-        capture_output=True, text=True, timeout=300, cwd=root, env=env,
+        capture_output=True, text=True, timeout=300, cwd=view, env=env,
     )
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "register_constant" not in line]
     assert len(lines) == 1 and needle in lines[0], out.stderr
     assert not dump.exists()
-    assert _output_dirs(root) == before  # no required run started either
+    # No required run started either: run_train.sh announces none, and nothing was written
+    # where they write (no ./outputs/ in the view).
+    assert "titan_spec: run" not in out.stdout, out.stdout
+    assert sorted(os.listdir(view)) == before
 
 
-def _output_dirs(root: str) -> set[str]:
-    top = os.path.join(root, "outputs")
-    return {d for d, _, _ in os.walk(top) if d[len(top):].count(os.sep) <= 2}
+_VIEW = ("run_train.sh", "scripts", "titan_spec", "train_configs", "pyproject.toml", ".venv")
+
+
+def _repo_view(tmp_path) -> str:
+    """A folder of links to what run_train.sh needs from the repository (scripts/ensure_env.sh
+    finds .venv and pyproject.toml next to its scripts/ folder, i.e. in the view)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    view = tmp_path / "repo"
+    view.mkdir()
+    for name in _VIEW:
+        (view / name).symlink_to(os.path.join(root, name))
+    return str(view)
 
 
 def test_tap_ids_out_of_range_is_a_config_error():

@@ -5,6 +5,10 @@ SGLang 0.5.23 needs CUDA, so its HTTP surface is played here by ``StubSGLang``: 
 HTTP server (http.server, in a thread) that answers SGLang's endpoints with SGLang's
 response shapes and records every request. It checks what titan_spec sends and how it
 reacts; it says nothing about SGLang itself, which the GPU test at the end exercises.
+
+No outcome depends on how fast this machine is: every request that gets an answer runs
+under a 60 s request timeout; a short timeout is only ever set for a wait that cannot end
+otherwise (a stub that hangs until the test ends, a process that never serves).
 """
 
 import base64
@@ -15,7 +19,6 @@ import pickle
 import subprocess
 import sys
 import threading
-import time
 import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -225,10 +228,13 @@ class StubSGLang:
     """Answers SGLang 0.5.23's endpoints (sglang/srt/entrypoints/http_server.py) with their
     response shapes and records (endpoint, payload); pushed tensors are unpickled."""
 
-    def __init__(self, fail_update=False, hang_generate=0.0):
+    def __init__(self, fail_update=False):
         self.calls, self.pushed = [], []
         self.version = "default"
         self.unhealthy = False
+        self.hang = threading.Event()  # set: /generate never answers (until stop())
+        self._released = threading.Event()
+        self.client = None  # the HttpClient that _engine's connect made for this stub
         stub = self
 
         class H(BaseHTTPRequestHandler):
@@ -256,7 +262,8 @@ class StubSGLang:
                 name = self.path.strip("/").split("?")[0]
                 stub.calls.append((name, body))
                 if name == "generate":
-                    time.sleep(stub_hang[0])
+                    if stub.hang.is_set():
+                        stub._released.wait()
                     if stub.unhealthy:
                         return self._answer(503, {"message": "unhealthy"})
                     return self._answer(200, [stub.result(p, s) for p, s in zip(body["input_ids"], body["sampling_params"])])
@@ -267,8 +274,6 @@ class StubSGLang:
                     stub.version = body["weight_version"]
                 self._answer(200, {"success": True, "message": "Success"})
 
-        stub_hang = [hang_generate]
-        self.hang = stub_hang
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
@@ -288,6 +293,7 @@ class StubSGLang:
         return [c[0] for c in self.calls if endpoint is None or c[0] == endpoint]
 
     def stop(self):
+        self._released.set()  # a hung handler returns (its client gave up long ago)
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -301,11 +307,12 @@ def stubs():
 
 
 def _engine(dirs, stubs, cfg=None, **stub_kw):
-    cfg = cfg or _cfg(request_timeout_s=5.0, max_restarts=2)
+    cfg = cfg or _cfg(request_timeout_s=60.0, max_restarts=2)
 
     def connect(args):
         stubs.append(StubSGLang(**stub_kw))
-        return HttpClient(stubs[-1].url, cfg.request_timeout_s, args["tp_size"])
+        stubs[-1].client = HttpClient(stubs[-1].url, cfg.request_timeout_s, args["tp_size"])
+        return stubs[-1].client
 
     return SGLangRolloutEngine(cfg, dirs.policy, dirs.draft, 4, connect=connect)
 
@@ -352,7 +359,7 @@ def test_from_config(dirs, stubs):
     def connect(args):
         seen.append(args)
         stubs.append(StubSGLang())
-        return HttpClient(stubs[-1].url, 5.0)
+        return HttpClient(stubs[-1].url, 60.0)
 
     engine = SGLangRolloutEngine.from_config(cfg, connect=connect)
     assert (seen[0]["model_path"], seen[0]["speculative_draft_model_path"], seen[0]["speculative_num_steps"],
@@ -413,7 +420,7 @@ def test_result_parsing_across_meta_info_versions():
 
 
 def test_dead_or_hung_server_is_restarted_with_both_weight_sets(dirs, stubs):
-    engine = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=1.0, max_restarts=1, dtype="float32"))
+    engine = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=60.0, max_restarts=1, dtype="float32"))
     assert isinstance(engine, RolloutEngine)
     other, _ = _target(seed=3)
     pushed = {n: t.clone() for n, t in policy_to_hf_names(other.state_dict(), dirs.arch)}
@@ -435,7 +442,10 @@ def test_dead_or_hung_server_is_restarted_with_both_weight_sets(dirs, stubs):
     assert torch.equal(fresh.pushed[1]["fc.weight"], sd["fc.weight"])
     assert (out[0].policy_version, out[0].draft_version) == (2, 2)
 
-    fresh.hang[0] = 3.0  # the server hangs past request_timeout_s
+    # The server hangs: it never answers, so the request timeout must end the wait. Only this
+    # client (that only this request uses) gets a short one; the restarted server's is 60 s.
+    fresh.hang.set()
+    fresh.client.timeout = 0.5
     engine.generate(prompts, sp)
     assert engine.restarts == 2 and stubs[2].names()[-1] == "generate"
     stubs[2].unhealthy = True  # it answers, but 503: unhealthy
@@ -536,14 +546,17 @@ def test_missing_sglang_and_start_failures_are_one_line(dirs, tmp_path):
                 SGLangRolloutEngine(_cfg(mode=mode), dirs.policy, dirs.draft, 4)
             assert str(e.value) == INSTALL_HINT
     log = tmp_path / "server.log"
-    # A process that never serves: killed at the timeout. One that exits: its log tail.
-    for code, msg in (("import time; time.sleep(60)", "was not ready within 1.5s"),
-                      ("print('CUDA out of memory'); raise SystemExit(3)", "exited with code 3 while starting.*CUDA out of memory")):
+    # A process that never serves: killed at the timeout (short: it cannot serve before it).
+    # One that exits: its log tail, seen as soon as it has exited (long timeout: however slow
+    # its start-up, the exit comes first).
+    for code, msg, timeout_s in (("import time; time.sleep(60)", "was not ready within 1.5s", 1.5),
+                                 ("print('CUDA out of memory'); raise SystemExit(3)",
+                                  "exited with code 3 while starting.*CUDA out of memory", 60.0)):
         with open(log, "wb") as f:
             p = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         c = HttpClient("http://127.0.0.1:9", 1.0, process=p, log_path=str(log))
         with pytest.raises(SGLangStartError, match=msg) as e:
-            c.wait_ready(1.5)
+            c.wait_ready(timeout_s)
         assert "\n" not in str(e.value) and p.poll() is not None
 
 

@@ -19,11 +19,14 @@ Per microbatch and tapping stage:
             the header and hands the taps over, dropping the channel's references.
 
 Taps that a stage on the last stage's rank computes are used in place (no copy, no send).
-The header is (step, microbatch, stage, firing count) in a fixed-size int64 tensor, so a
-hook that fires twice, a lost, reordered or stale microbatch is a ``TapChannelError`` that
+The header is (step, microbatch, stage, firing count) and, per tap in slot order, (key,
+dtype code, B, L, D) in an int64 tensor whose size the layout fixes, so a hook that fires
+twice, a lost, reordered or stale microbatch, and taps whose keys, shape or dtype differ
+from the receiver's layout (two ranks that disagree on it) are a ``TapChannelError`` that
 names it. Every tap is checked against the static layout before it is sent (gloo aborts
-the process on a size mismatch rather than raising), and a peer that never sends is an
-error after the side group's timeout: never a hang.
+the process on a size mismatch rather than raising: the header check can only see a wrong
+shape or dtype of the same byte size), and a peer that never sends or never receives is an
+error after ``timeout_s``: never a hang.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ import torch.distributed as dist
 __all__ = ["TapChannel", "TapChannelError", "TapLayout"]
 
 _HEADER = 4  # step, microbatch, stage, firing count
+_PER_TAP = 5  # key, dtype code, B, L, D
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""dtype codes in the header (index; -1 for any other dtype)."""
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype code {code}"
 
 
 class TapChannelError(RuntimeError):
@@ -86,6 +100,8 @@ class TapChannel:
         every pipeline (pp x dp / pp x cp), in one order on every rank."""
         self.layout, self.pp_rank, self.device = layout, pp_rank, device
         self.timeout_s = timeout_s
+        """How long each wait of the channel lasts before it raises (the side groups' timeout;
+        a test lowers it only for a wait whose data is never sent)."""
         self.is_receiver = pp_rank == layout.last_rank
         timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: dict[int, dist.ProcessGroup] = {}
@@ -125,7 +141,7 @@ class TapChannel:
             per_stage = {}
             for s in L.remote_stages():
                 group, peer = self.groups[s], self.peer[s]
-                header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+                header = torch.empty(self._header_size(s), dtype=torch.int64, device=self.device)
                 hwork = dist.irecv(header, peer, group=group, tag=self._tag(s, mb, 0))
                 bufs = []
                 for slot, key in enumerate(L.stage_keys[s], start=1):
@@ -160,24 +176,39 @@ class TapChannel:
         if self.pp_rank == L.last_rank:
             self._local.setdefault(mb, {}).update({k: t.detach() for k, t in taps.items()})
             return
+        tensors = [(key, taps[key]) for key in L.stage_keys[stage]]
+        self._send(stage, mb, self._header(self.step, mb, stage, self._fired[stage, mb], tensors), tensors)
+
+    # --- the wire: no checks (``put`` checks first; a test crafts bad messages with these) ---
+
+    def _header_size(self, stage: int) -> int:
+        return _HEADER + _PER_TAP * len(self.layout.stage_keys[stage])
+
+    def _header(self, step: int, mb: int, stage: int, fired: int, tensors) -> torch.Tensor:
+        """The header of one microbatch's ``tensors`` [(key, tap)] (3-d taps, slot order)."""
+        fields = [step, mb, stage, fired]
+        for key, t in tensors:
+            fields += [key, _dtype_code(t.dtype), *t.shape]
+        return torch.tensor(fields, dtype=torch.int64, device=self.device)
+
+    def _send(self, stage: int, mb: int, header: torch.Tensor, tensors) -> None:
+        """isend ``header`` and ``tensors`` [(key, tap)] on microbatch ``mb``'s tags, by slot."""
         group, peer = self.groups[stage], self.peer[stage]
-        header = torch.tensor([self.step, mb, stage, self._fired[stage, mb]], dtype=torch.int64, device=self.device)
         self._sends.append((stage, mb, dist.isend(header, peer, group=group, tag=self._tag(stage, mb, 0)), header))
-        for slot, key in enumerate(L.stage_keys[stage], start=1):
-            t = taps[key].detach().contiguous()
+        for slot, (_, t) in enumerate(tensors, start=1):
+            t = t.detach().contiguous()
             self._sends.append((stage, mb, dist.isend(t, peer, group=group, tag=self._tag(stage, mb, slot)), t))
 
     def take(self, mb: int) -> dict[int, torch.Tensor]:
         """All taps of microbatch ``mb`` on the last stage (before its draft loss)."""
+        if not 0 <= mb < self.n_microbatches:
+            raise TapChannelError(
+                f"TapChannel: take(microbatch {mb}) is outside 0..{self.n_microbatches - 1} of step {self.step}"
+            )
         out = self._local.pop(mb, {})
         for s, (hwork, header, bufs) in sorted(self._recvs.pop(mb, {}).items()):
             self._wait(hwork, f"the header of microbatch {mb} from pipeline stage {s}", s)
-            got = tuple(int(x) for x in header.tolist())
-            if got != (self.step, mb, s, 1):
-                raise TapChannelError(
-                    f"TapChannel: expected step {self.step} microbatch {mb} from stage {s} (fired once), got "
-                    f"step {got[0]} microbatch {got[1]} from stage {got[2]} (fired {got[3]}): taps lost or reordered"
-                )
+            self._check_header(mb, s, [int(x) for x in header.tolist()])
             for key, work, buf in bufs:
                 self._wait(work, f"tap {key} of microbatch {mb} from pipeline stage {s}", s)
                 out[key] = buf
@@ -189,6 +220,30 @@ class TapChannel:
             )
         self.received += len(out)
         return out
+
+    def _check_header(self, mb: int, s: int, got: list[int]) -> None:
+        """The header that arrived on microbatch ``mb``'s tag from stage ``s`` is the one this
+        step expects, for the taps this rank's layout expects."""
+        L = self.layout
+        if tuple(got[:_HEADER]) != (self.step, mb, s, 1):
+            raise TapChannelError(
+                f"TapChannel: expected step {self.step} microbatch {mb} from stage {s} (fired once), got "
+                f"step {got[0]} microbatch {got[1]} from stage {got[2]} (fired {got[3]}): taps lost, stale or reordered"
+            )
+        taps = [got[i:i + _PER_TAP] for i in range(_HEADER, len(got), _PER_TAP)]
+        keys = [t[0] for t in taps]
+        if keys != list(L.stage_keys[s]):
+            raise TapChannelError(
+                f"TapChannel: pipeline stage {s} sent taps {keys} for microbatch {mb}, "
+                f"but the last stage's layout expects {list(L.stage_keys[s])}"
+            )
+        want = (_dtype_code(L.dtype), *L.shape_BLD)
+        for key, *dtype_shape in taps:
+            if tuple(dtype_shape) != want:
+                raise TapChannelError(
+                    f"TapChannel: tap {key} of microbatch {mb} from stage {s} arrived as {tuple(dtype_shape[1:])} "
+                    f"{_dtype_name(dtype_shape[0])}, expected {L.shape_BLD} {L.dtype} (the last stage's layout)"
+                )
 
     def end_step(self) -> None:
         """After the schedule: every send completed, every microbatch taken exactly once."""
@@ -211,7 +266,7 @@ class TapChannel:
 
     def _wait(self, work, what: str, stage: int) -> None:
         try:
-            work.wait()
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             raise TapChannelError(
                 f"TapChannel: {what} (peer rank {self.peer.get(stage)}) failed or did not complete within "
