@@ -17,7 +17,8 @@ each capability titan_spec adds hooks in at one of the parent's seams:
   right after the policy's (its own clipping and schedule);
 - ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
   sharded over the cp ranks (parallelisms/cp_batch.py);
-- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint;
+- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
+  rank's token count goes under its own key);
 - ``extra_metrics``: the draft's loss and per-step accuracy join the step's metrics.
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
