@@ -4,7 +4,9 @@ SFT warm start -> offline draft -> GRPO with the draft co-trained from the same 
 - reward rises above its SFT start;
 - once the policy has moved, the co-trained draft's acceptance length is at least the
   frozen draft's (both measured on the same prompts with the same seed);
-- a run stopped at a checkpoint and resumed gives the uninterrupted run's metrics;
+- a run stopped at a checkpoint and resumed gives the uninterrupted run's metrics bitwise,
+  the baseline step in its window included (the frozen draft is the pre-RL one, not the
+  draft restored from the checkpoint);
 - the report (summary table, PNG plots) is written.
 """
 
@@ -38,7 +40,7 @@ def _rl(warm_start, dump, steps, *extra):
         "--model.hf_checkpoint", hf, "--draft.init_from", draft, *TASK,
         "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "128",
         "--rl.prompts_per_step", "16", "--rl.group_size", "8", "--rl.max_new_tokens", "12",
-        "--rl.baseline_interval", "10", "--rollout.progress", "false",
+        "--rl.baseline_interval", "6", "--rollout.progress", "false",
         "--checkpoint.interval", "3", "--metrics.log_freq", "1", *extra,
     ), config="debug_cpu.toml", timeout=900)
 
@@ -50,9 +52,9 @@ def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start
     rewards = [r["rl/reward"] for r in rows]
     # Noisy per step (16 prompts x 8 samples); compare the first and last thirds.
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.03, rewards
-    # The same prompts through the co-trained and the frozen draft at steps 1, 10, 20, 30.
+    # The same prompts through the co-trained and the frozen draft at steps 1, 6, 12, ..., 30.
     base = [r for r in rows if "rollout/accept_len_frozen" in r]
-    assert [r["step"] for r in base] == [1, 10, 20, 30]
+    assert [r["step"] for r in base] == [1, 6, 12, 18, 24, 30]
     assert base[0]["rollout/accept_len"] == pytest.approx(base[0]["rollout/accept_len_frozen"], abs=1e-9)
     assert base[-1]["rollout/accept_len"] >= base[-1]["rollout/accept_len_frozen"], base
     assert all(r["rollout/accept_len"] > 1.0 for r in rows)
@@ -65,12 +67,18 @@ def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start
     assert os.path.isfile(os.path.join(dump, "DONE"))
 
     # Stop at the step-3 checkpoint, resume to 6: the trajectory equals the uninterrupted run
-    # (constant LR after a 1-step warmup, so a 6-step run's steps are the 30-step run's).
+    # (constant LR after a 1-step warmup, so a 6-step run's steps are the 30-step run's; the LR
+    # schedule's restore is tested in test_resume.py). The same weights, prompts and sampling
+    # seeds replay the same kernels, so every metric but wall-clock time is equal bitwise, the
+    # step-6 baseline included: its frozen engine must hold the pre-RL draft (draft.init_from),
+    # not the co-trained draft restored from the step-3 checkpoint.
     dump2 = str(tmp_path / "resumed")
     first = _rl(warm_start, dump2, 3)
     assert os.path.isdir(os.path.join(dump2, "checkpoint", "step-3"))
     resumed = _rl(warm_start, dump2, 6)[3:]
     assert [r["step"] for r in first + resumed] == list(range(1, 7))
+    assert "rollout/accept_len_frozen" in resumed[-1]
     for a, b in zip(rows, first + resumed):
-        for key in ("loss", "rl/reward", "rollout/tokens", "rollout/accept_len", "draft/loss", "draft/acc_0"):
-            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-6), (key, a["step"])
+        assert {"loss", "rl/reward", "rollout/accept_len", "draft/loss", "draft/grad_norm"} <= set(a)
+        same = {k: v for k, v in a.items() if not (k.startswith("time/") or "tokens_per_s" in k)}
+        assert {k: b.get(k) for k in same} == same, a["step"]

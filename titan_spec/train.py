@@ -17,7 +17,8 @@ each capability titan_spec adds hooks in at one of the parent's seams:
   right after the policy's (its own clipping and schedule);
 - ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
   sharded over the cp ranks (parallelisms/cp_batch.py);
-- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint;
+- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
+  rank's token count goes under its own key);
 - ``extra_metrics``: the draft's loss and per-step accuracy join the step's metrics.
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
@@ -290,11 +291,18 @@ class SpecTrainer(Trainer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
+        # ntokens_seen is this rank's count (summed over ranks when logged), and under context
+        # parallelism the ranks' zigzag shards hold different numbers of real tokens. DCP keeps
+        # ONE copy of a plain value that every rank saves under the same key, so each rank's
+        # count goes under its own key.
+        sd[_ntokens_key()] = sd.pop("ntokens_seen")
         if self.draft_training is not None:
             sd["draft"] = self.draft_training.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        state_dict["ntokens_seen"] = state_dict.pop(_ntokens_key())
         super().load_state_dict(state_dict)
         if self.draft_training is not None and "draft" in state_dict:
             self.draft_training.load_state_dict(state_dict["draft"])
@@ -358,6 +366,10 @@ class SpecTrainer(Trainer):
         if isinstance(attn.inner_attention, DocCausalAttention.Config) and "positions" in extra:
             extra["attention_masks"] = self.model_parts[0].get_attention_masks(extra["positions"])
         return inputs, labels, extra
+
+
+def _ntokens_key() -> str:
+    return f"ntokens_seen_rank_{torch.distributed.get_rank()}"
 
 
 def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
