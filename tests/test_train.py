@@ -1,4 +1,4 @@
-"""The trainer end to end through torchrun: losses fall, FSDP parity, exact resume, offline draft."""
+"""The trainer end to end through torchrun: losses fall, FSDP parity, offline draft."""
 
 import os
 
@@ -8,12 +8,11 @@ import torch
 from numerics import assert_same_draft_accuracy
 
 
-def test_fsdp_dp2_matches_dp1_and_resume_is_exact(tmp_path, train):
+def test_fsdp_dp2_matches_dp1(tmp_path, train):
     """Policy + draft co-training (one forward trains both): under FSDP (dp=2) the policy
-    and draft losses equal the single-process run on the same global batch, and a run
-    stopped at a checkpoint and resumed continues exactly like the uninterrupted one."""
-    # A fixed LR schedule length, so a run stopped at step 3 has the same LRs as a 6-step run.
-    common = ["--checkpoint.interval", "3", "--lr_scheduler.total_steps", "6", "--draft.enable", "true",
+    and draft losses equal the single-process run on the same global batch. (Resume, at
+    dp = 2, pp = 2 and cp = 2, is tests/test_resume.py.)"""
+    common = ["--checkpoint.enable", "false", "--lr_scheduler.total_steps", "6", "--draft.enable", "true",
               "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3"]
     steps = ["--training.steps", "6", *common]
     one = train(str(tmp_path / "dp1"), 1, (*steps, "--training.local_batch_size", "4"))
@@ -26,16 +25,6 @@ def test_fsdp_dp2_matches_dp1_and_resume_is_exact(tmp_path, train):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5, rel=1e-5), (a, b)
         assert b["draft/loss"] == pytest.approx(a["draft/loss"], abs=1e-5, rel=1e-5), (a, b)
         assert_same_draft_accuracy(a, b, 3, "dp=2")  # FSDP reduces in another order: one argmax flip
-
-    # Interrupt after step 3 (a checkpoint), then resume to step 6 in the same folder.
-    dump = str(tmp_path / "resume")
-    first = train(dump, 1, ("--training.steps", "3", *common))
-    assert os.path.isdir(os.path.join(dump, "checkpoint", "step-3"))
-    resumed = train(dump, 1, steps)  # metrics.jsonl is appended by both runs
-    assert [r["step"] for r in first] == [1, 2, 3] and [r["step"] for r in resumed] == list(range(1, 7))
-    for a, b in zip(one[3:], resumed[3:]):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6, rel=1e-6), (a, b)
-        assert b["draft/loss"] == pytest.approx(a["draft/loss"], abs=1e-6, rel=1e-6), (a, b)
 
 
 def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, train):
