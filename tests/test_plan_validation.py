@@ -272,3 +272,28 @@ def test_run_train_rejects_bad_ngpu_before_python(ngpu, tmp_path):
         f"run_train.sh: NGPU = '{ngpu}' is not allowed; it must be a positive integer (processes per node)"
     ]
     assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_tied", "llama_sharded"])
+def test_transformers_checkpoints_pass_the_header_check(family, tmp_path):
+    """The expected names and shapes are those of checkpoints transformers itself writes
+    (the independent reference), tied and sharded ones included; one wrong shape fails."""
+    transformers = pytest.importorskip("transformers")
+    from titan_spec.models.hf_io import HFCheckpointError, check_hf_weights, read_hf_arch
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if family.startswith("qwen3"):
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **common, head_dim=16, tie_word_embeddings=family == "qwen3_tied"))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    # max_shard_size splits the llama checkpoint into several files + model.safetensors.index.json
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB" if "sharded" in family else "5GB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json") == ("sharded" in family)
+    check_hf_weights(str(tmp_path), read_hf_arch(str(tmp_path)))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFCheckpointError, match=r"gate_proj.weight \[96, 64\] \(config.json needs \[128, 64\]\)"):
+        check_hf_weights(str(tmp_path), read_hf_arch(str(tmp_path)))
