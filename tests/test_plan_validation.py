@@ -240,7 +240,6 @@ def _env():
     "args,needle",
     [
         (["--draft.tap_layer_ids", "[0,1,99]"], "command line --draft.tap_layer_ids: tap layer ids [99] are out of range"),
-        (["--model.hf_checkpoint", "{in:hf_truncated}"], "model.safetensors: truncated"),
     ],
 )
 def test_plan_command_fresh_checkout(args, needle, tmp_path, inputs):
