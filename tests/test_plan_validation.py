@@ -94,6 +94,14 @@ def inputs(tmp_path_factory):
         raw[8:40] = os.urandom(32)  # inside the JSON header
         f.write_bytes(bytes(raw))
 
+    def bad_length(p):  # the 8-byte header length overwritten
+        f = p / "model.safetensors"
+        f.write_bytes(os.urandom(8) + f.read_bytes()[8:])
+
+    def trailing_bytes(p):
+        with open(p / "model.safetensors", "ab") as f:
+            f.write(b"\0" * 100)
+
     def drop_tensor(p):
         sd = load_file(str(p / "model.safetensors"))
         del sd["model.layers.3.mlp.up_proj.weight"]
@@ -112,6 +120,8 @@ def inputs(tmp_path_factory):
         "hf_truncated": variant("hf", "hf_truncated", truncate),
         "hf_corrupt": variant("hf", "hf_corrupt", corrupt_header),
         "hf_missing_tensor": variant("hf", "hf_missing_tensor", drop_tensor),
+        "hf_bad_length": variant("hf", "hf_bad_length", bad_length),
+        "hf_trailing_bytes": variant("hf", "hf_trailing_bytes", trailing_bytes),
         "hf_wrong_shapes": variant("hf", "hf_wrong_shapes", wider_mlp),
         "draft_truncated": variant("draft", "draft_truncated", truncate),
     }
@@ -175,6 +185,14 @@ CASES = {
                          "[192, 64] (config.json needs [256, 64])"]),
     "draft_other_hidden_size": (RL, ["--draft.init_from", "{in:draft_wide}"], None,
                                 ["command line --draft.init_from", "hidden: directory 128 vs target/config 64"]),
+    "hf_bad_header_length": (SFT, ["--model.hf_checkpoint", "{in:hf_bad_length}"], None,
+                             ["command line --model.hf_checkpoint", "not a safetensors file or truncated"]),
+    "hf_trailing_bytes": (SFT, ["--model.hf_checkpoint", "{in:hf_trailing_bytes}"], None,
+                          ["command line --model.hf_checkpoint", "100 bytes after the last tensor"]),
+    "init_from_is_a_policy_checkpoint": (RL, ["--draft.init_from", "{in:hf}"], None,
+                                         ["command line --draft.init_from", "is not LlamaForCausalLMEagle3"]),
+    "flavor_unknown": (SFT, ["--model.flavor", "huge"], None,
+                       ["command line --model.flavor", "'huge' is not a qwen3 flavor; allowed: tiny, small"]),
     "draft_truncated": (RL, ["--draft.init_from", "{in:draft_truncated}"], None,
                         ["command line --draft.init_from", "model.safetensors: truncated"]),
 }

@@ -421,8 +421,8 @@ def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "
     try:
         cfg.check_paths(made or {})
         return to_trainer_config(cfg, made)
-    except ConfigError as e:
-        raise cfg.locate(e) from None
+    except ValueError as e:  # ConfigError, and the registry's ValueErrors (an unknown flavor)
+        raise cfg.locate(e if isinstance(e, ConfigError) else ConfigError(str(e))) from None
 
 
 def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:

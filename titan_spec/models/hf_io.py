@@ -118,8 +118,17 @@ def read_safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]
             raise HFCheckpointError(
                 f"{file}: truncated: tensor {name!r} ends at data byte {end} but the file holds {data_bytes}"
             )
-        out[name] = (dtype, shape)
-    return out
+        out[name] = (dtype, shape, begin, end)
+    # safetensors itself (load_file) also needs the ranges to tile the data exactly.
+    at = 0
+    for name, (_, _, begin, end) in sorted(out.items(), key=lambda kv: kv[1][2:]):
+        if begin != at:
+            raise HFCheckpointError(f"{file}: corrupt safetensors header: {name!r} starts at data byte {begin}, "
+                                    f"not {at} where the tensor before it ends")
+        at = end
+    if at != data_bytes:
+        raise HFCheckpointError(f"{file}: {data_bytes - at} bytes after the last tensor; not a complete safetensors file")
+    return {name: (dtype, shape) for name, (dtype, shape, _, _) in out.items()}
 
 
 def expected_hf_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
