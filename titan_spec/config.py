@@ -680,7 +680,7 @@ def _assign(obj: Any, table: dict, where: str, path: str, origins: dict[str, str
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and not isinstance(current, type):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: {dotted} must be a table [{dotted}], got {value!r}")
+                raise ConfigError(f"{here}: {dotted} must be a table [{dotted}], got {value!r}")
             _assign(current, value, where, dotted, origins)
             continue
         tp = hints[key]
