@@ -1,4 +1,5 @@
-"""TOML -> typed config, with validation that names the file, the key and what is allowed.
+"""TOML -> typed config, with validation that names where a value came from (the file or
+``command line --key``), the key and what is allowed.
 
 One TOML file is one ``TitanSpecConfig``: each top-level table is a section and each
 section is a dataclass. Where torchtitan's own config dataclass fits a section as is
@@ -8,7 +9,8 @@ activation_checkpoint, task, draft, speculative, rollout, rl) are defined here a
 translated to torchtitan's Trainer.Config by ``titan_spec.train``.
 
 CLI overrides ``--section.key value`` go through the same parser and checks as the
-file, so a typo on the command line fails exactly like a typo in the file.
+file, so a typo on the command line fails exactly like a typo in the file. Every number,
+from either, must be finite (one check, in ``_assign``).
 ``python -m titan_spec.train --check --config FILE [overrides]`` checks without training.
 """
 

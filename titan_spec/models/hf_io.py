@@ -78,9 +78,10 @@ def read_safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]
     """name -> (dtype, shape) from a safetensors file's header, without reading the data.
 
     The format is an 8-byte little-endian header length N, N bytes of JSON naming each
-    tensor's dtype, shape and [begin, end) byte range in the data that follows. A file
-    that is not one, whose header is not that JSON, or whose data is shorter than the
-    header's ranges (truncated) is an HFCheckpointError naming the file."""
+    tensor's dtype, shape and [begin, end) byte range in the data that follows; the ranges
+    tile the data exactly. A file that is not one, whose header is not that JSON, whose
+    data is shorter than the ranges (truncated) or longer is an HFCheckpointError naming
+    the file: what ``safetensors.load_file`` would fail on later, with a traceback."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
@@ -105,12 +106,14 @@ def read_safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]
             continue
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * _DTYPE_BYTES[dtype]
         except (KeyError, TypeError, ValueError):
             raise HFCheckpointError(f"{file}: corrupt safetensors header entry for {name!r}") from None
+        if dtype not in _DTYPE_BYTES:
+            raise HFCheckpointError(f"{file}: tensor {name!r} has dtype {dtype!r}; supported: {', '.join(_DTYPE_BYTES)}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * _DTYPE_BYTES[dtype]
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin and end - begin == nbytes):
             raise HFCheckpointError(f"{file}: corrupt safetensors header: {name!r} has byte range {[begin, end]} "
                                     f"for {nbytes} bytes of {dtype} {list(shape)}")
