@@ -10,6 +10,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 NGPU=${NGPU:-1}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_cpu.toml}
 LOG_RANK=${LOG_RANK:-0}
+# Checked before anything starts (no Python import): torchrun would fail on it with a traceback.
+if [[ ! "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_train.sh: NGPU = '$NGPU' is not allowed; it must be a positive integer (processes per node)" >&2
+  exit 2
+fi
 PY=$(scripts/ensure_env.sh)
 export HF_HUB_OFFLINE=1
 # Read and check every config of the run in one process first (the default requires an SFT

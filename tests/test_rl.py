@@ -241,10 +241,16 @@ def test_plan_runs_follows_requires_and_skips_finished_runs(tmp_path):
         (tmp_path / name).write_text(f'[job]\ndump_folder = "{tmp_path / dump}"\nrequires = [{req}]\n{extra}')
         return str(tmp_path / name)
 
-    write("a.toml", "a")
+    # b reads the HF policy that a exports (job.export_hf): checked against a's architecture.
+    write("a.toml", "a", extra='export_hf = "hf"\n')
     write("b.toml", "b", ["a.toml"], f'[model]\nhf_checkpoint = "{tmp_path / "a" / "hf"}"\n')
     c = write("c.toml", "c", ["b.toml"])
     assert [os.path.basename(p) for p in plan_runs(c)] == ["a.toml", "b.toml", "c.toml"]
+    # Reading from a required run's dump folder what it does not export is caught up front.
+    write("a0.toml", "a0")
+    b0 = write("b0.toml", "b0", ["a0.toml"], f'[model]\nhf_checkpoint = "{tmp_path / "a0" / "hf"}"\n')
+    with pytest.raises(ConfigError, match="inside the dump folder of .*a0.toml, which runs first but writes no"):
+        plan_runs(b0)
     # A finished run (DONE in its dump folder) is not run again, nor what it required.
     os.makedirs(tmp_path / "b")
     (tmp_path / "b" / "DONE").write_text("5\n")

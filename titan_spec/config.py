@@ -1,4 +1,5 @@
-"""TOML -> typed config, with validation that names the file, the key and what is allowed.
+"""TOML -> typed config, with validation that names where a value came from (the file or
+``command line --key``), the key and what is allowed.
 
 One TOML file is one ``TitanSpecConfig``: each top-level table is a section and each
 section is a dataclass. Where torchtitan's own config dataclass fits a section as is
@@ -8,7 +9,8 @@ activation_checkpoint, task, draft, speculative, rollout, rl) are defined here a
 translated to torchtitan's Trainer.Config by ``titan_spec.train``.
 
 CLI overrides ``--section.key value`` go through the same parser and checks as the
-file, so a typo on the command line fails exactly like a typo in the file.
+file, so a typo on the command line fails exactly like a typo in the file. Every number,
+from either, must be finite (one check, in ``_assign``).
 ``python -m titan_spec.train --check --config FILE [overrides]`` checks without training.
 """
 
@@ -18,7 +20,9 @@ import contextlib
 import dataclasses
 import difflib
 import logging
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,7 +44,14 @@ __all__ = ["ConfigError", "TitanSpecConfig", "load_config", "parse_overrides"]
 
 
 class ConfigError(ValueError):
-    """A config problem, already phrased for the user (one line)."""
+    """A config problem, already phrased for the user (one line).
+
+    ``key`` (dotted, e.g. 'optimizer.lr') is the key at fault where there is one:
+    ``load_config`` uses it to name where the value came from (the file or the command line)."""
+
+    def __init__(self, message: str, key: str = ""):
+        super().__init__(message)
+        self.key = key
 
 
 # ---------------------------------------------------------------------------
@@ -63,6 +74,10 @@ class JobConfig:
     """Configs (TOML paths, relative to this file) whose runs must finish before this one, in
     order: run_train.sh runs each once (a run is finished when its dump folder holds DONE).
     The embedded default uses it for SFT -> offline draft -> RL."""
+
+    def validate(self) -> None:
+        # '' would put tb/, checkpoints and DONE into the current directory (the repository).
+        _check(bool(self.dump_folder.strip()), "job.dump_folder", self.dump_folder, "a non-empty path")
 
 
 @dataclass(kw_only=True)
@@ -166,8 +181,8 @@ class TaskConfig:
             "task.operators", self.operators, "a non-empty subset of '+-*'",
         )
         _check(0 <= self.wrong_answer_rate < 1, "task.wrong_answer_rate", self.wrong_answer_rate, "in [0, 1)")
-        if self.name == "jsonl" and not self.path:
-            raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file")
+        if self.name == "jsonl" and not self.path.strip():
+            raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file", key="task.path")
 
 
 @dataclass(kw_only=True)
@@ -406,6 +421,18 @@ class TitanSpecConfig:
     rl: RLConfig = field(default_factory=RLConfig)
 
     source: str = field(default="<defaults>", metadata={"internal": True})
+    origins: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    """Where each set key's value came from: dotted key -> the TOML path or 'command line'."""
+
+    def locate(self, e: ConfigError) -> ConfigError:
+        """``e`` prefixed with where its value came from: 'command line --KEY' when the key at
+        fault (``e.key``, else the first key the message names) was set on the command line,
+        else the TOML file."""
+        key = e.key or next((k for k in _DOTTED.findall(str(e)) if k in self.origins), "")
+        if self.origins.get(key) == _CLI:
+            msg = str(e).removeprefix(f"{key}: ")  # the prefix names the key already
+            return ConfigError(f"{_CLI} --{key}: {msg}", key=key)
+        return ConfigError(f"{self.source}: {e}", key=key)
 
     def validate(self, world_size: int | None = None) -> None:
         """Checks that span sections. world_size None: read WORLD_SIZE (default 1)."""
@@ -420,6 +447,9 @@ class TitanSpecConfig:
         _check(t.max_norm > 0, "training.max_norm", t.max_norm, "> 0")
         _check(self.metrics.log_freq >= 1, "metrics.log_freq", self.metrics.log_freq, ">= 1")
         _check(self.checkpoint.interval >= 1, "checkpoint.interval", self.checkpoint.interval, ">= 1")
+        if self.checkpoint.enable:
+            _check(bool(self.checkpoint.folder.strip()), "checkpoint.folder", self.checkpoint.folder,
+                   "a non-empty path (relative to job.dump_folder)")
         for name in (
             "data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
             "context_parallel_degree", "expert_parallel_degree",
@@ -480,22 +510,24 @@ class TitanSpecConfig:
         both = p.pipeline_parallel_degree > 1 and p.context_parallel_degree > 1
         return 2 * p.context_parallel_degree if both else 1
 
-    def check_paths(self) -> None:
-        """Inputs named by the config exist (checked when the run starts: an earlier run of
-        job.requires may be what makes them)."""
-        if self.model.hf_checkpoint and not os.path.isdir(self.model.hf_checkpoint):
-            raise ConfigError(f"model.hf_checkpoint {self.model.hf_checkpoint!r} is not a directory")
-        if self.draft.init_from and not os.path.isdir(self.draft.init_from):
-            raise ConfigError(f"draft.init_from {self.draft.init_from!r} is not a directory")
+    def check_paths(self, made: typing.Container[str] = ()) -> None:
+        """Inputs named by the config exist. ``made``: absolute paths of directories that an
+        earlier run of the job.requires chain writes (``titan_spec.train.plan_runs`` checks
+        what they will hold against this run instead)."""
+        for key in ("model.hf_checkpoint", "draft.init_from"):
+            d = getattr(getattr(self, key.split(".")[0]), key.split(".")[1])
+            if d and os.path.abspath(d) not in made and not os.path.isdir(d):
+                raise ConfigError(f"{key} {d!r} is not a directory", key=key)
         if self.task.name == "jsonl":
             from titan_spec.rl.tasks import build_task
 
             try:
                 build_task(self.task)
             except (OSError, ValueError) as e:
-                raise ConfigError(f"task.path: {e}") from None
+                raise ConfigError(f"task.path: {e}", key="task.path") from None
         if self.rollout.engine == "sglang":
-            self._validate_sglang()
+            files = not {os.path.abspath(self.model.hf_checkpoint), os.path.abspath(self.draft.init_from)} & set(made)
+            self._validate_sglang(files)
 
     def _validate_rl(self, world_size: int) -> None:
         rl, d, sp = self.rl, self.draft, self.speculative
@@ -515,7 +547,7 @@ class TitanSpecConfig:
                 f"rl.prompts_per_step = {rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"
             )
 
-    def _validate_sglang(self) -> None:
+    def _validate_sglang(self, files: bool = True) -> None:
         if not self.model.hf_checkpoint:
             raise ConfigError("rollout.engine = 'sglang' needs model.hf_checkpoint: SGLang loads the policy from a local HF directory")
         if not self.speculative.enabled:
@@ -531,6 +563,8 @@ class TitanSpecConfig:
         clash = sorted(set(self.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
         if clash:
             raise ConfigError(f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys")
+        if not files:  # an earlier run writes them; train.draft_arch_for checks the promised draft
+            return
         try:
             check_draft_fits_policy(self.model.hf_checkpoint, self.draft.init_from)
         except ValueError as e:
@@ -539,7 +573,22 @@ class TitanSpecConfig:
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(f"{key} = {value!r} is not allowed; it must be {allowed}")
+        raise ConfigError(f"{key} = {value!r} is not allowed; it must be {allowed}", key=key)
+
+
+_CLI = "command line"
+_DOTTED = re.compile(r"\b[a-z_]+(?:\.[a-z_]+)+\b")
+
+
+def _non_finite(value: Any) -> bool:
+    """A float inf/nan anywhere in value (TOML and the command line both spell them inf, nan)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    return False
 
 
 def _fields(obj_or_cls) -> list[dataclasses.Field]:
@@ -614,12 +663,13 @@ def _coerce(value: Any, tp: Any) -> Any:
     return _NO
 
 
-def _assign(obj: Any, table: dict, where: str, path: str) -> None:
+def _assign(obj: Any, table: dict, where: str, path: str, origins: dict[str, str]) -> None:
     cls = type(obj)
     fields = {f.name: f for f in _fields(cls)}
     hints = _hints(cls)
     for key, value in table.items():
         dotted = f"{path}.{key}" if path else key
+        here = f"{where} --{dotted}" if where == _CLI else where
         if key not in fields:
             valid = sorted(fields)
             near = difflib.get_close_matches(key, valid, n=1)
@@ -632,14 +682,20 @@ def _assign(obj: Any, table: dict, where: str, path: str) -> None:
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and not isinstance(current, type):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: {dotted} must be a table [{dotted}], got {value!r}")
-            _assign(current, value, where, dotted)
+                raise ConfigError(f"{here}: {dotted} must be a table [{dotted}], got {value!r}")
+            _assign(current, value, where, dotted, origins)
             continue
         tp = hints[key]
         out = _coerce(value, tp)
         if out is _NO:
-            raise ConfigError(f"{where}: {dotted} = {value!r} has the wrong type; it must be {_type_name(tp)}")
+            raise ConfigError(f"{here}: {dotted} = {value!r} has the wrong type; it must be {_type_name(tp)}")
+        # The ONE finiteness check of every numeric key: an inf/nan learning rate, temperature or
+        # norm would be accepted by each section's range checks (inf > 0) and poison training.
+        if _non_finite(out):
+            raise ConfigError(f"{here}: {dotted} = {value!r} is not allowed; it must be finite (not inf or nan)",
+                              key=dotted)
         setattr(obj, key, out)
+        origins[dotted] = where
 
 
 # ---------------------------------------------------------------------------
@@ -708,14 +764,14 @@ def load_config(
             if not isinstance(value, dict):
                 valid = ", ".join(f.name for f in _fields(cfg))
                 raise ConfigError(f"{path}: top-level key {key!r} must be inside a [section]; sections: {valid}")
-        _assign(cfg, data, path, "")
+        _assign(cfg, data, path, "", cfg.origins)
         cfg.source = path
     if overrides:
-        _assign(cfg, parse_overrides(overrides), "command line", "")
+        _assign(cfg, parse_overrides(overrides), _CLI, "", cfg.origins)
     try:
         cfg.validate(world_size)
         if check_paths:
             cfg.check_paths()
     except ConfigError as e:
-        raise ConfigError(f"{cfg.source}: {e}") from None
+        raise cfg.locate(e) from None
     return cfg

@@ -53,28 +53,60 @@ from titan_spec.data import CharTokenizer, TaskDataLoader
 from titan_spec.draft_training import DraftTraining, under_dump_folder
 from titan_spec.models.attention import DocCausalAttention
 from titan_spec.models.draft import DraftArch
-from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
-from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
+from titan_spec.models.hf_io import check_hf_weights, load_hf_into, read_hf_arch, save_hf
+from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, with_vocab
 from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_ids
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_forward_backward, pipeline_spec
 from titan_spec.parallelisms.cp_batch import shard_batch, without_torch_cp
 
-__all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "main"]
+__all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "validate_run", "plan_runs", "main"]
 
 
-def resolve_arch(cfg: TitanSpecConfig, vocab_size: int):
-    """The target's architecture: the HF checkpoint's, else the flavor sized to the tokenizer."""
+@dataclass(frozen=True)
+class Made:
+    """A directory that an earlier run of the job.requires chain writes, and what it will
+    hold: that run's config fixes it (``plan_runs``), so a later run is validated against it
+    before anything trains."""
+
+    run: str
+    """The config whose run writes it."""
+    hf: Any = None
+    """Arch of the policy it exports there (job.export_hf), or None."""
+    draft: Any = None
+    """DraftArch of the draft it exports there (draft.export_dir), or None."""
+
+
+def _made(made: dict[str, Made] | None, path: str) -> Made | None:
+    return (made or {}).get(os.path.abspath(path)) if path else None
+
+
+def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | None = None):
+    """The target's architecture: the HF checkpoint's (its safetensors headers checked
+    against it), else the flavor sized to the tokenizer. ``made``: directories an earlier
+    run writes (their architecture is that run's; there is nothing to read yet)."""
     if cfg.model.hf_checkpoint:
-        arch = read_hf_arch(cfg.model.hf_checkpoint)
+        path, promise = cfg.model.hf_checkpoint, _made(made, cfg.model.hf_checkpoint)
+        if promise is not None and promise.hf is None:
+            raise ConfigError(f"model.hf_checkpoint {path!r} is where {promise.run} exports its draft, "
+                              "not an HF policy checkpoint", key="model.hf_checkpoint")
+        try:
+            arch = promise.hf if promise is not None else read_hf_arch(path)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint") from None
         if arch.family != cfg.model.name:
             raise ConfigError(
-                f"model.name = {cfg.model.name!r} but {cfg.model.hf_checkpoint} holds a {arch.family} model"
+                f"model.name = {cfg.model.name!r} but {path} holds a {arch.family} model", key="model.name"
             )
         if arch.vocab_size < vocab_size:
             raise ConfigError(
-                f"{cfg.model.hf_checkpoint} has a vocabulary of {arch.vocab_size}, smaller than the "
-                f"tokenizer's {vocab_size}"
+                f"{path} has a vocabulary of {arch.vocab_size}, smaller than the "
+                f"tokenizer's {vocab_size}", key="model.hf_checkpoint"
             )
+        if promise is None:
+            try:
+                check_hf_weights(path, arch)
+            except ValueError as e:
+                raise ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint") from None
         return arch
     arch = flavor_arch(cfg.model.name, cfg.model.flavor)
     return with_vocab(arch, vocab_size) if cfg.model.vocab_from_tokenizer else arch
@@ -89,28 +121,46 @@ def tap_ids_for(cfg: TitanSpecConfig, n_layers: int) -> tuple[int, ...]:
     return ids
 
 
-def draft_arch_for(cfg: TitanSpecConfig, arch) -> DraftArch:
+def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = None) -> DraftArch:
     """The draft for this target; a ``draft.init_from`` directory supplies the draft vocabulary
-    size and tap ids that the config leaves unset (0 / empty)."""
-    vocab, taps = cfg.draft.draft_vocab_size, tuple(cfg.draft.tap_layer_ids)
-    if cfg.draft.init_from and os.path.isdir(cfg.draft.init_from):
-        from titan_spec.models.draft_io import read_draft_arch
+    size and tap ids that the config leaves unset (0 / empty), and must fit the result
+    (dimensions, vocabularies, tap ids, its safetensors' names and shapes)."""
+    from titan_spec.models.draft_io import check_draft_weights, draft_mismatches, read_draft_arch
 
+    vocab, taps = cfg.draft.draft_vocab_size, tuple(cfg.draft.tap_layer_ids)
+    path, promise, found = cfg.draft.init_from, _made(made, cfg.draft.init_from), None
+    if promise is not None:
+        if promise.draft is None:
+            raise ConfigError(f"draft.init_from {path!r} is where {promise.run} exports its policy, "
+                              "not a draft", key="draft.init_from")
+        found = promise.draft
+    elif path and os.path.isdir(path):
         try:
-            found = read_draft_arch(cfg.draft.init_from)
+            found = read_draft_arch(path)
         except ValueError as e:
-            raise ConfigError(f"draft.init_from: {e}") from None
+            raise ConfigError(f"draft.init_from: {e}", key="draft.init_from") from None
+    if found is not None:
         vocab, taps = vocab or found.draft_vocab_size, taps or found.tap_layer_ids
     if taps:
         try:
             validate_tap_layer_ids(taps, arch.n_layers)
         except ValueError as e:
-            raise ConfigError(f"draft.tap_layer_ids: {e}") from None
+            raise ConfigError(f"draft.tap_layer_ids: {e}", key="draft.tap_layer_ids") from None
     d = DraftArch.from_target(arch, taps or tap_ids_for(cfg, arch.n_layers), vocab)
     try:
         d.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if found is not None:
+        bad = draft_mismatches(found, d)
+        if bad:
+            raise ConfigError(f"draft.init_from {path!r} does not fit the target and the [draft] config: "
+                              f"{'; '.join(bad)}", key="draft.init_from")
+        if promise is None:
+            try:
+                check_draft_weights(path, d)
+            except ValueError as e:
+                raise ConfigError(f"draft.init_from: {e}", key="draft.init_from") from None
     return d
 
 
@@ -125,17 +175,19 @@ def _parallelize(parallelize_fn):
     return parallelize
 
 
-def to_trainer_config(cfg: TitanSpecConfig) -> "SpecTrainer.Config":
-    """titan_spec's TOML config -> torchtitan's Trainer.Config (the parent's wiring)."""
+def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
+    """titan_spec's TOML config -> torchtitan's Trainer.Config (the parent's wiring).
+    ``made``: input directories an earlier run of the chain writes (see ``Made``)."""
     tok = CharTokenizer()
-    arch = resolve_arch(cfg, tok.get_vocab_size())
+    arch = resolve_arch(cfg, tok.get_vocab_size(), made)
     # Taps are read only when the draft trains from them; the LM step returns logits.
-    draft_arch = draft_arch_for(cfg, arch)  # validates tap ids and draft vocab even when unused
+    draft_arch = draft_arch_for(cfg, arch, made)  # validates tap ids and draft vocab even when unused
     trains_draft = cfg.draft.enable and (cfg.draft.co_train or not cfg.rl.enable)
     taps = draft_arch.tap_layer_ids if trains_draft else ()
     if cfg.training.seq_len > arch.max_seq_len:
         raise ConfigError(
-            f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}"
+            f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}",
+            key="training.seq_len",
         )
     model_config = build_target_config(arch, tap_layer_ids=taps)
     if arch.family == "qwen3":
@@ -372,14 +424,29 @@ def _ntokens_key() -> str:
     return f"ntokens_seen_rank_{torch.distributed.get_rank()}"
 
 
+def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
+    """Everything checkable before a run starts, for a loaded config: its input files
+    (HF safetensors headers, the draft directory, the task file) and its architecture
+    (tap ids, draft vocab, seq_len, draft dimensions against the target). ``made``: inputs
+    an earlier run of the chain writes, checked against what it will write. Errors name
+    where the value at fault came from (the TOML file or the command line)."""
+    try:
+        cfg.check_paths(made or {})
+        return to_trainer_config(cfg, made)
+    except ValueError as e:  # ConfigError, and the registry's ValueErrors (an unknown flavor)
+        raise cfg.locate(e if isinstance(e, ConfigError) else ConfigError(str(e))) from None
+
+
 def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
     """The configs run_train.sh runs for ``path``, in order: the runs it requires
     (``job.requires``, recursively) that have not finished (no DONE in their dump folder),
     then ``path`` itself with the command-line overrides.
 
-    Every config of the chain is read and validated here, before anything runs; its input
-    directories are checked too, except those under the dump folder of a run planned
-    before it (that run makes them; they are checked when their reader starts)."""
+    Every config of the chain is validated COMPLETELY here, before anything runs and
+    without writing anything: an input that an earlier run of the chain writes (its
+    job.export_hf or draft.export_dir) is checked against the architecture that run's
+    config gives it (``Made``); any other input path inside a pending run's dump folder is
+    an error (nothing will be there); every other input is read and checked now."""
     order: list[tuple[str, TitanSpecConfig]] = []
 
     def visit(p: str, ov: list[str] | None, chain: tuple[str, ...]) -> None:
@@ -397,21 +464,28 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
             order.append((p, cfg))
 
     visit(path, overrides, ())
-    for i, (p, cfg) in enumerate(order):
-        pending = [os.path.abspath(c.job.dump_folder) + os.sep for _, c in order[:i]]
-
-        def made_earlier(d: str) -> bool:
-            return any(os.path.abspath(d).startswith(q) for q in pending)
-
-        inputs = {"model.hf_checkpoint": cfg.model.hf_checkpoint, "draft.init_from": cfg.draft.init_from}
-        for key, d in inputs.items():
-            if d and not made_earlier(d) and not os.path.isdir(d):
-                raise ConfigError(f"{p}: {key} {d!r} is not a directory")
-        if not (cfg.model.hf_checkpoint and made_earlier(cfg.model.hf_checkpoint)):
-            try:
-                to_trainer_config(cfg)
-            except ConfigError as e:
-                raise ConfigError(f"{p}: {e}") from None
+    made: dict[str, Made] = {}
+    pending: list[tuple[str, str]] = []  # (dump folder + os.sep, config) of the runs planned so far
+    for p, cfg in order:
+        for key in ("model.hf_checkpoint", "draft.init_from"):
+            d = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+            inside = next((run for dump, run in pending if (os.path.abspath(d) + os.sep).startswith(dump)), None)
+            if d and inside and os.path.abspath(d) not in made:
+                writes = [k for k, m in made.items() if m.run == inside]
+                raise cfg.locate(ConfigError(
+                    f"{key} {d!r} is inside the dump folder of {inside}, which runs first but writes no "
+                    f"checkpoint there; it writes {writes or 'no export (set its job.export_hf / draft.export_dir)'}",
+                    key=key,
+                ))
+        tc = validate_run(cfg, made)
+        dump = os.path.abspath(cfg.job.dump_folder)
+        pending.append((dump + os.sep, p))
+        if cfg.job.export_hf:
+            # What save_hf writes and read_hf_arch reads back: the config.json round trip.
+            arch = arch_from_hf_config(arch_to_hf_config(tc.arch))
+            made[os.path.abspath(under_dump_folder(dump, cfg.job.export_hf))] = Made(run=p, hf=arch)
+        if tc.draft_arch is not None and cfg.draft.export_dir:
+            made[os.path.abspath(under_dump_folder(dump, cfg.draft.export_dir))] = Made(run=p, draft=tc.draft_arch)
     return [p for p, _ in order]
 
 
@@ -433,8 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan_only:
             print("\n".join(plan_runs(path or "", argv)))
             return 0
-        cfg = load_config(path, argv)
-        trainer_config = to_trainer_config(cfg)
+        trainer_config = validate_run(load_config(path, argv, check_paths=False))
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"titan_spec: config error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,10 @@ from safetensors.torch import load_file
 from titan_spec.models.draft import DraftArch, Eagle3Draft
 from titan_spec.models.hf_io import write_safetensors_dir
 
-__all__ = ["EXPORT_KEYS", "draft_config_json", "save_draft", "read_draft_arch", "load_draft_into"]
+__all__ = [
+    "EXPORT_KEYS", "draft_config_json", "save_draft", "read_draft_arch", "load_draft_into", "draft_mismatches",
+    "check_draft_weights",
+]
 
 EXPORT_KEYS = (
     "fc.weight",
@@ -99,27 +102,55 @@ def read_draft_arch(path: str) -> DraftArch:
         raise ValueError(f"{cfg_path}: missing field {e.args[0]!r}") from None
 
 
-def load_draft_into(draft: Eagle3Draft, path: str) -> None:
-    """Initialize ``draft`` from a SpecForge/SGLang draft directory, after checking that it
-    fits the target the draft was built for (hidden sizes, vocabularies, heads, tap ids)."""
-    found = read_draft_arch(path)
-    want = draft.arch
+def draft_mismatches(found: DraftArch, want: DraftArch) -> list[str]:
+    """Why a draft directory of architecture ``found`` cannot initialize the draft ``want``
+    (built for the target and the config): [] = it fits."""
     checks = ["target_hidden", "hidden", "vocab_size", "draft_vocab_size", "n_heads", "n_kv_heads", "head_dim", "intermediate"]
     bad = [f"{k}: directory {getattr(found, k)} vs target/config {getattr(want, k)}" for k in checks if getattr(found, k) != getattr(want, k)]
     if found.tap_layer_ids and tuple(found.tap_layer_ids) != tuple(want.tap_layer_ids):
         bad.append(f"tap ids: directory {list(found.tap_layer_ids)} vs config {list(want.tap_layer_ids)}")
+    return bad
+
+
+def _check_names(path: str, names) -> None:
+    # Some SpecForge checkpoints carry the (frozen) embedding; it is the target's, dropped.
+    names = {k for k in names if not k.endswith("embed_tokens.weight")}
+    missing, unexpected = sorted(set(EXPORT_KEYS) - names), sorted(names - set(EXPORT_KEYS))
+    if missing or unexpected:
+        raise ValueError(f"draft directory {path}: missing {missing}, unexpected {unexpected}")
+
+
+def check_draft_weights(path: str, arch: DraftArch) -> None:
+    """The draft directory's model.safetensors holds exactly the export tensors of ``arch``
+    with their shapes (header only, no data read; a corrupt or truncated file is named)."""
+    from titan_spec.models.hf_io import read_safetensors_header
+
+    file = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(file):
+        raise ValueError(f"draft directory {path!r} has no model.safetensors")
+    found = read_safetensors_header(file)
+    _check_names(path, found)
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in Eagle3Draft(arch).state_dict().items()}
+    bad = [f"{k} {list(found[k][1])} (needs {list(want[k])})" for k in EXPORT_KEYS if found[k][1] != want[k]]
+    if bad:
+        raise ValueError(f"draft directory {path}: tensor shapes do not match its config.json and the target: "
+                         f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+
+
+def load_draft_into(draft: Eagle3Draft, path: str) -> None:
+    """Initialize ``draft`` from a SpecForge/SGLang draft directory, after checking that it
+    fits the target the draft was built for (hidden sizes, vocabularies, heads, tap ids)."""
+    found = read_draft_arch(path)
+    bad = draft_mismatches(found, draft.arch)
     if bad:
         raise ValueError(f"draft directory {path} does not match the target: {'; '.join(bad)}")
     file = os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
         raise ValueError(f"draft directory {path!r} has no model.safetensors")
     sd = load_file(file)
-    # Some SpecForge checkpoints carry the (frozen) embedding; it is the target's, drop it.
     sd = {k: v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
-    missing = sorted(set(EXPORT_KEYS) - set(sd))
-    unexpected = sorted(set(sd) - set(EXPORT_KEYS))
-    if missing or unexpected:
-        raise ValueError(f"draft directory {path}: missing {missing}, unexpected {unexpected}")
+    _check_names(path, sd)
     own = draft.state_dict()
     with torch.no_grad():
         for k in EXPORT_KEYS:

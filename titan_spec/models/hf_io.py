@@ -22,7 +22,8 @@ from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_con
 
 __all__ = [
     "read_hf_arch", "read_hf_state_dict", "load_hf_into", "load_full_state_dict", "save_hf",
-    "write_safetensors_dir", "HFCheckpointError",
+    "write_safetensors_dir", "HFCheckpointError", "read_safetensors_header", "check_hf_weights",
+    "expected_hf_shapes",
 ]
 
 _INDEX = "model.safetensors.index.json"
@@ -63,6 +64,110 @@ def _weight_files(path: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     raise HFCheckpointError(f"{path}: no {_SINGLE} and no {_INDEX}; only safetensors checkpoints are read")
+
+
+# Bytes per element of the safetensors dtypes (the format's own names).
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def read_safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) from a safetensors file's header, without reading the data.
+
+    The format is an 8-byte little-endian header length N, N bytes of JSON naming each
+    tensor's dtype, shape and [begin, end) byte range in the data that follows; the ranges
+    tile the data exactly. A file that is not one, whose header is not that JSON, whose
+    data is shorter than the ranges (truncated) or longer is an HFCheckpointError naming
+    the file: what ``safetensors.load_file`` would fail on later, with a traceback."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise HFCheckpointError(f"{file}: not a safetensors file ({size} bytes, shorter than its 8-byte header length)")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _MAX_HEADER):
+            raise HFCheckpointError(
+                f"{file}: not a safetensors file or truncated (header length {n} bytes, the file has {size})"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise HFCheckpointError(f"{file}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise HFCheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
+    data_bytes = size - 8 - n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise HFCheckpointError(f"{file}: corrupt safetensors header entry for {name!r}") from None
+        if dtype not in _DTYPE_BYTES:
+            raise HFCheckpointError(f"{file}: tensor {name!r} has dtype {dtype!r}; supported: {', '.join(_DTYPE_BYTES)}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * _DTYPE_BYTES[dtype]
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin and end - begin == nbytes):
+            raise HFCheckpointError(f"{file}: corrupt safetensors header: {name!r} has byte range {[begin, end]} "
+                                    f"for {nbytes} bytes of {dtype} {list(shape)}")
+        if end > data_bytes:
+            raise HFCheckpointError(
+                f"{file}: truncated: tensor {name!r} ends at data byte {end} but the file holds {data_bytes}"
+            )
+        out[name] = (dtype, shape, begin, end)
+    # safetensors itself (load_file) also needs the ranges to tile the data exactly.
+    at = 0
+    for name, (_, _, begin, end) in sorted(out.items(), key=lambda kv: kv[1][2:]):
+        if begin != at:
+            raise HFCheckpointError(f"{file}: corrupt safetensors header: {name!r} starts at data byte {begin}, "
+                                    f"not {at} where the tensor before it ends")
+        at = end
+    if at != data_bytes:
+        raise HFCheckpointError(f"{file}: {data_bytes - at} bytes after the last tensor; not a complete safetensors file")
+    return {name: (dtype, shape) for name, (dtype, shape, _, _) in out.items()}
+
+
+def expected_hf_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor a checkpoint of ``arch`` holds: the module tree the
+    trainer builds (on the meta device, nothing allocated) through torchtitan's adapter,
+    i.e. exactly the names and shapes ``load_hf_into`` will need."""
+    model_config = build_target_config(arch)
+    with torch.device("meta"):
+        model = model_config.build()
+    hf = _adapter(arch, model_config).to_hf(model.state_dict())
+    return {k: tuple(v.shape) for k, v in hf.items()}
+
+
+def check_hf_weights(path: str, arch: Arch) -> None:
+    """The safetensors of an HF checkpoint directory hold the tensors of ``arch`` (its
+    config.json): every file's header is read and checked (not the data), so a missing,
+    corrupt or truncated file, a missing or extra tensor, or a wrong shape is one
+    HFCheckpointError before anything is built."""
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in _weight_files(path):
+        found.update(read_safetensors_header(file))
+    want = expected_hf_shapes(arch)
+    if arch.tie_embeddings and "lm_head.weight" in found and "lm_head.weight" not in want:
+        want["lm_head.weight"] = want["model.embed_tokens.weight"]  # a tied head some exporters write too
+    missing, extra = sorted(set(want) - set(found)), sorted(set(found) - set(want))
+    if missing or extra:
+        raise HFCheckpointError(
+            f"{path}: the safetensors do not hold the tensors of the architecture in its config.json "
+            f"(missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''})"
+        )
+    bad = [f"{k} {list(found[k][1])} (config.json needs {list(want[k])})" for k in sorted(want) if found[k][1] != want[k]]
+    if bad:
+        raise HFCheckpointError(
+            f"{path}: tensor shapes do not match its config.json: {'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}"
+        )
 
 
 def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
