@@ -493,6 +493,7 @@ def test_gpu_recipe_checks(dirs, capsys, monkeypatch, tmp_path):
 # --- with SGLang on a GPU ----------------------------------------------------------------
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs a CUDA GPU")
 def test_real_sglang_serves_and_takes_live_updates(dirs):
     pytest.importorskip("sglang", reason="sglang 0.5.23 is not installed (pip install -e '.[sglang]')")
