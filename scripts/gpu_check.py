@@ -12,7 +12,6 @@ Usage (from the repository root, on a CUDA machine):
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.util
 import json
 import os
