@@ -96,6 +96,16 @@ def test_server_death_during_a_push_rolls_back_to_the_last_good_weights(dirs, st
     assert [c[1]["weight_version"] for c in fresh.calls if c[0] == "update_weights_from_tensor"] == ["policy-2.draft-0"] * 2
 
 
+def test_giving_up_leaves_the_engine_ready_to_restart(dirs, stubs):  # noqa: F811
+    # max_restarts = 0: the call that finds the server dead fails, the next one restarts it.
+    engine = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=5.0, max_restarts=0, dtype="float32"))
+    stubs[0].stop()
+    with pytest.raises(EngineDied, match="gave up after 0 restart"):
+        engine.generate([[1]], GREEDY)
+    assert engine.generate([[1]], GREEDY)[0].output_ids == [2, 3, 4, 5]
+    assert engine.restarts == 1 and len(stubs) == 2
+
+
 # --- 3. released/resumed state: no resume of what is not released; no release mid-request --
 
 
