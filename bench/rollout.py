@@ -72,6 +72,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--distill-steps", type=int, default=0, help="also bench a draft fine-tuned on rollouts")
     p.add_argument("--compile", action="store_true", help="torch.compile the model steps (slow first call)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
+    p.add_argument("--device", default="cpu", help="where the engines run: cpu or cuda (scripts/gpu_check.sh)")
     p.add_argument("--quick", action="store_true", help="batch 1 and 8, 32 new tokens, 1 repeat")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rollout.json"))
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
     def engine(k, draft_dir_=draft_dir):
         cfg = TorchEngineConfig(num_draft_tokens=k, compile=args.compile)
         return TorchRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg,
-                                                  max_seq_len=max(512, 64 + args.max_new_tokens + K + 1))
+                                                  max_seq_len=max(512, 64 + args.max_new_tokens + K + 1), device=args.device)
 
     engines = {"plain": engine(0), "trained": engine(K), "untrained": engine(K)}
     with torch.no_grad():
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "rollout_engine",
         "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
-        "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(),
+        "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(), "device": args.device,
         "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "torch": torch.__version__, "rows": rows,
     }

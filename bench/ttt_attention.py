@@ -14,6 +14,12 @@
 #   dense       explicit scores + float bias [S, S*(j+1)] + softmax (eager HF /
 #               SpecForge style)
 #   dense_sdpa  F.scaled_dot_product_attention with the boolean [S, S*(j+1)] mask
+#   causal_x_T  the inherent cost: T plain causal attentions over the trunk (SDPA with
+#               is_causal, FlashAttention on CUDA in bf16), no branch keys at all
+#
+# --device cuda --dtype bfloat16 runs the same unroll on the GPU (scripts/gpu_check.sh):
+# times are synchronized wall times and peak memory is torch.cuda.max_memory_allocated
+# above what was allocated before the first unroll.
 #
 # Each (variant, S) runs in a fresh subprocess so the RSS high-water mark
 # (getrusage ru_maxrss) belongs to that configuration alone.
@@ -33,6 +39,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 VARIANTS = ("ttt", "dense", "dense_sdpa")
+REFERENCE = "causal_x_T"
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -46,7 +53,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc-len", type=int, default=0, help="0 = one document per batch")
     p.add_argument("--iters", type=int, default=2, help="timed iterations")
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0 = default")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"also: {REFERENCE} (the reference)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--mem-limit-gib", type=float, default=8.0)
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/ttt_attention.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -100,18 +109,21 @@ def _worker(args: argparse.Namespace) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    dt = getattr(torch, args.dtype)
+    torch.set_default_device(args.device)
     torch.manual_seed(0)
     S, T, N, K, H = args.seqlen, args.steps, args.heads, args.kv_heads, args.head_dim
     scale = 1.0 / math.sqrt(H)
     doc_len = args.doc_len or S
     cu_host = tuple(range(0, S, doc_len)) + (S,)
     cu = torch.tensor(cu_host, dtype=torch.int32)
-    meta = DocMetadata(cu, cu.clone())
-    leaf = lambda *shape: torch.randn(*shape).requires_grad_()
+    meta = DocMetadata(cu, cu.cpu())  # the host copy stays on the CPU (DocMetadata)
+    leaf = lambda *shape: torch.randn(*shape, dtype=dt).requires_grad_()
     q_SNH = [leaf(S, N, H) for _ in range(T)]
     k_SKH = [leaf(S, K, H) for _ in range(T)]
     v_SKH = [leaf(S, K, H) for _ in range(T)]
-    w_SNH = torch.randn(S, N, H)
+    w_SNH = torch.randn(S, N, H, dtype=dt)
 
     def trunk_mask_SS() -> torch.Tensor:
         doc_S = torch.arange(S) // doc_len
@@ -147,22 +159,34 @@ def _worker(args: argparse.Namespace) -> dict:
         )
         return out_1NSH[0].transpose(0, 1)
 
-    step = {"ttt": step_ttt, "dense": step_dense, "dense_sdpa": step_sdpa}[args.variant]
+    def step_causal(j: int) -> torch.Tensor:
+        q_1NSH = q_SNH[j].transpose(0, 1).unsqueeze(0)
+        k_1KSH = k_SKH[0].transpose(0, 1).unsqueeze(0)
+        v_1KSH = v_SKH[0].transpose(0, 1).unsqueeze(0)
+        out_1NSH = F.scaled_dot_product_attention(q_1NSH, k_1KSH, v_1KSH, is_causal=True, scale=scale, enable_gqa=True)
+        return out_1NSH[0].transpose(0, 1)
+
+    step = {"ttt": step_ttt, "dense": step_dense, "dense_sdpa": step_sdpa, REFERENCE: step_causal}[args.variant]
     params = q_SNH + k_SKH + v_SKH
 
     def unroll() -> None:
-        loss = sum((step(j) * w_SNH).sum() for j in range(T))
+        loss = sum((step(j).float() * w_SNH).sum() for j in range(T))
         loss.backward()
         for p in params:
             p.grad = None
+        if cuda:
+            torch.cuda.synchronize()  # wall times of the whole unroll, not of its launch
 
     # The first (cold) unroll gives the memory number; the high-water mark
     # would otherwise be hidden by the warm runs' identical peak.
-    base = _current_rss_bytes()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else _current_rss_bytes()
     t0 = time.perf_counter()
     unroll()
     cold_s = time.perf_counter() - t0
-    peak_delta = _peak_rss_bytes() - base
+    peak_delta = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
 
     times, cpu_times = [], []
     for _ in range(args.iters):
@@ -200,7 +224,7 @@ def _run_config(variant: str, S: int, args: argparse.Namespace) -> dict:
         "--steps", str(args.steps), "--heads", str(args.heads),
         "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
         "--doc-len", str(args.doc_len), "--iters", str(args.iters),
-        "--threads", str(args.threads),
+        "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
     ]
     return run_worker(cmd, row)
 
@@ -223,7 +247,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"TTT attention fwd+bwd, one unroll = {args.steps} steps "
         f"(j = 0..{args.steps - 1}), "
-        f"N={args.heads} K={args.kv_heads} H={args.head_dim}, fp32, CPU, "
+        f"N={args.heads} K={args.kv_heads} H={args.head_dim}, {args.dtype}, {args.device}, "
         f"doc_len={'S' if not args.doc_len else args.doc_len}, "
         f"threads={args.threads or 'default'}"
     )

@@ -62,3 +62,8 @@ def train():
 @pytest.fixture
 def many():
     return train_many
+
+
+def pytest_configure(config):
+    # scripts/gpu_check.sh runs `pytest -m gpu`: the tests that need a CUDA GPU.
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh runs them)")

@@ -1,29 +1,27 @@
 """The SGLang rollout engine without SGLang: server arguments, weight names, the two custom
 loaders, the HTTP payloads and push bracket, result parsing, restarts and clear errors.
 
-SGLang 0.5.23 needs CUDA, so its HTTP surface is played here by ``StubSGLang``: a real
-HTTP server (http.server, in a thread) that answers SGLang's endpoints with SGLang's
-response shapes and records every request. It checks what titan_spec sends and how it
-reacts; it says nothing about SGLang itself, which the GPU test at the end exercises.
+SGLang 0.5.23 needs CUDA, so its HTTP surface is played here by ``StubSGLang``
+(tests/sglang_stub.py): a real HTTP server (http.server, in a thread) that answers SGLang's
+endpoints with SGLang's response shapes, records every request, and fails where SGLang
+0.5.23 fails (test_sglang_behaviour.py tests the engine against those failures). It says
+nothing about SGLang itself, which the GPU test at the end exercises.
 
 No outcome depends on how fast this machine is: every request that gets an answer runs
 under a 60 s request timeout; a short timeout is only ever set for a wait that cannot end
 otherwise (a stub that hangs until the test ends, a process that never serves).
 """
 
-import base64
 import importlib
 import json
 import os
-import pickle
 import subprocess
 import sys
-import threading
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from sglang_stub import V, StubSGLang
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, load_config
@@ -39,7 +37,6 @@ from titan_spec.rl.rollout.sglang_engine import SGLangRolloutEngine, rollout_fro
 from titan_spec.rl.rollout.sglang_loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
 from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
 
-V = 128
 TAPS = (1, 3, 4)
 
 # DESIGN.md, "Draft (EAGLE-3, SpecForge/SGLang layout)": the export keys, exactly.
@@ -94,16 +91,16 @@ def test_server_args_from_config_and_cli(dirs):
     assert args == {
         "model_path": dirs.policy, "host": "127.0.0.1", "port": 31000, "tp_size": 1, "dtype": "bfloat16",
         "mem_fraction_static": 0.55, "skip_tokenizer_init": True, "custom_weight_loader": [TARGET_LOADER, DRAFT_LOADER],
-        "enable_memory_saver": True, "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": dirs.draft,
+        "enable_memory_saver": True, "base_gpu_id": 0, "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": dirs.draft,
         "speculative_num_steps": 4, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 5,
         "enable_draft_weights_cpu_backup": True,
     }
     # Tree drafting, an explicit verify width, and a pass-through field.
     tree = sglang_server_args(_cfg(eagle_topk=4, num_verify_tokens=16), dirs.policy, dirs.draft, 3)
     assert (tree["speculative_num_steps"], tree["speculative_eagle_topk"], tree["speculative_num_draft_tokens"]) == (3, 4, 16)
-    plain = sglang_server_args(load_config(None, ["--rollout.sglang.server_args", "{cuda_graph_max_bs = 8}"]).rollout.sglang,
+    plain = sglang_server_args(load_config(None, ["--rollout.sglang.server_args", "{cuda_graph_max_bs_decode = 8}"]).rollout.sglang,
                                dirs.policy, None, 0)
-    assert not any(k.startswith("speculative") for k in plain) and plain["cuda_graph_max_bs"] == 8
+    assert not any(k.startswith("speculative") for k in plain) and plain["cuda_graph_max_bs_decode"] == 8
     assert 0 < plain["port"] < 65536  # port 0 = a free one
     with pytest.raises(ValueError, match="titan_spec sets itself"):
         sglang_server_args(load_config(None, ["--rollout.sglang.server_args", "{mem_fraction_static = 0.9}"]).rollout.sglang,
@@ -221,81 +218,7 @@ def test_loaders_keep_policy_and_draft_apart(dirs):
         load_draft_weights(draft, [("model.layers.0.self_attn.q_proj.weight", torch.zeros(1))])
 
 
-# --- a recording HTTP server with SGLang's endpoint shapes -------------------------------
-
-
-class StubSGLang:
-    """Answers SGLang 0.5.23's endpoints (sglang/srt/entrypoints/http_server.py) with their
-    response shapes and records (endpoint, payload); pushed tensors are unpickled."""
-
-    def __init__(self, fail_update=False):
-        self.calls, self.pushed = [], []
-        self.version = "default"
-        self.unhealthy = False
-        self.hang = threading.Event()  # set: /generate never answers (until stop())
-        self._released = threading.Event()
-        self.client = None  # the HttpClient that _engine's connect made for this stub
-        stub = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _answer(self, status, body):
-                raw = json.dumps(body).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(raw)))
-                    self.end_headers()
-                    self.wfile.write(raw)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up on a hung request
-
-            def do_GET(self):
-                stub.calls.append((self.path.strip("/"), None))
-                self._answer(200, {})
-
-            def do_POST(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                name = self.path.strip("/").split("?")[0]
-                stub.calls.append((name, body))
-                if name == "generate":
-                    if stub.hang.is_set():
-                        stub._released.wait()
-                    if stub.unhealthy:
-                        return self._answer(503, {"message": "unhealthy"})
-                    return self._answer(200, [stub.result(p, s) for p, s in zip(body["input_ids"], body["sampling_params"])])
-                if name == "update_weights_from_tensor":
-                    if fail_update:
-                        return self._answer(400, {"success": False, "message": "shape mismatch for lm_head.weight"})
-                    stub.pushed.append(dict(pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))))
-                    stub.version = body["weight_version"]
-                self._answer(200, {"success": True, "message": "Success"})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def result(self, prompt, sp):
-        n = min(sp["max_new_tokens"], 5)
-        toks = [(prompt[-1] + j + 1) % V for j in range(n)]
-        return {"output_ids": toks, "meta_info": {
-            "output_token_logprobs": [[-0.25 * (j + 1), t, None] for j, t in enumerate(toks)],
-            "finish_reason": {"type": "length", "length": n}, "completion_tokens": n,
-            "spec_verify_ct": 2, "spec_num_correct_drafts": n - 3, "spec_accept_length": n / 2,
-            "weight_version": self.version,
-        }}
-
-    def names(self, endpoint=None):
-        return [c[0] for c in self.calls if endpoint is None or c[0] == endpoint]
-
-    def stop(self):
-        self._released.set()  # a hung handler returns (its client gave up long ago)
-        self.httpd.shutdown()
-        self.httpd.server_close()
+# --- a recording HTTP server with SGLang's endpoint shapes (tests/sglang_stub.py) ---------
 
 
 @pytest.fixture
@@ -310,7 +233,8 @@ def _engine(dirs, stubs, cfg=None, **stub_kw):
     cfg = cfg or _cfg(request_timeout_s=60.0, max_restarts=2)
 
     def connect(args):
-        stubs.append(StubSGLang(**stub_kw))
+        stubs.append(StubSGLang(model_path=args["model_path"], draft_path=args.get("speculative_draft_model_path"),
+                                tp_size=args["tp_size"], **stub_kw))
         stubs[-1].client = HttpClient(stubs[-1].url, cfg.request_timeout_s, args["tp_size"])
         return stubs[-1].client
 
@@ -372,7 +296,7 @@ def test_from_config(dirs, stubs):
 
 
 def test_generate_payload_and_results(dirs, stubs):
-    engine = _engine(dirs, stubs)
+    engine = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=60.0, deterministic=True))  # seeds are sent
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=16, stop_token_ids=(2,), seed=11)
     out = engine.generate([[5, 6], [7], [5, 6]], sp)
     body = dict(stubs[0].calls)["generate"]
@@ -462,7 +386,7 @@ def test_dead_or_hung_server_is_restarted_with_both_weight_sets(dirs, stubs):
 
 def test_refused_push_keeps_old_version_and_closes_the_bracket(dirs, stubs):
     engine = _engine(dirs, stubs, fail_update=True)
-    with pytest.raises(SGLangError, match="shape mismatch for lm_head.weight") as e:
+    with pytest.raises(SGLangError, match="Online weight updates are not supported") as e:
         engine.update_policy_weights(dirs.model.state_dict(), version=9)
     assert "\n" not in str(e.value)
     assert stubs[0].names() == ["pause_generation", "begin_weight_update", "update_weights_from_tensor",
@@ -580,6 +504,7 @@ def test_gpu_recipe_checks(dirs, capsys, monkeypatch, tmp_path):
 # --- with SGLang on a GPU ----------------------------------------------------------------
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs a CUDA GPU")
 def test_real_sglang_serves_and_takes_live_updates(dirs):
     pytest.importorskip("sglang", reason="sglang 0.5.23 is not installed (pip install -e '.[sglang]')")

@@ -270,7 +270,8 @@ class SGLangConfig:
     """Server port; 0 = a free port."""
 
     tp_size: int = 1
-    """Tensor parallel GPUs of the server."""
+    """Tensor parallel GPUs of the server. One server runs per trainer rank, on that rank's
+    GPU (docs/rollout_engine.md), so > 1 only in a single-process run."""
 
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     """Serving dtype; pushed weights are cast to it."""
@@ -299,11 +300,21 @@ class SGLangConfig:
     max_restarts: int = 2
     """Restarts in a row before a rollout call fails."""
 
+    max_running_requests: int = 0
+    """Requests SGLang runs at once; 0 = one RL step's requests (rl.prompts_per_step x
+    rl.group_size). Always sent: unset, SGLang resets it to 48 under speculation."""
+
+    deterministic: bool = False
+    """Start SGLang with enable_deterministic_inference, so that SamplingParams.seed makes
+    rollouts reproducible (without it SGLang ignores sampling_seed and a warning says so).
+    Costs batch-invariant kernels: slower decoding; flashinfer, fa3 or triton attention only."""
+
     log_dir: str = ""
     """Where the server's log goes ('' = the system temp dir)."""
 
     server_args: dict[str, Any] = field(default_factory=dict)
-    """Further sglang ServerArgs fields, passed as is (e.g. {cuda_graph_max_bs = 64})."""
+    """Further sglang ServerArgs fields, passed as is (e.g. {cuda_graph_max_bs_decode = 64}; SGLang's
+    field names, not its CLI aliases: --cuda-graph-max-bs is only a CLI alias of that field)."""
 
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "rollout.sglang.port", self.port, "0 (free port) or a port number")
@@ -314,6 +325,8 @@ class SGLangConfig:
         _check(self.start_timeout_s > 0, "rollout.sglang.start_timeout_s", self.start_timeout_s, "> 0")
         _check(self.request_timeout_s > 0, "rollout.sglang.request_timeout_s", self.request_timeout_s, "> 0")
         _check(self.max_restarts >= 0, "rollout.sglang.max_restarts", self.max_restarts, ">= 0")
+        _check(self.max_running_requests >= 0, "rollout.sglang.max_running_requests", self.max_running_requests,
+               ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
 
 
 @dataclass(kw_only=True)
@@ -541,6 +554,11 @@ class TitanSpecConfig:
                               "(with draft.init_from), or speculative.enabled = false")
         if d.offline:
             raise ConfigError("draft.offline = true freezes the policy, which RL trains; use it in a warm-start run")
+        if self.rollout.engine == "sglang" and world_size > 1 and self.rollout.sglang.tp_size > 1:
+            raise ConfigError(
+                f"rollout.sglang.tp_size = {self.rollout.sglang.tp_size} with {world_size} trainer processes: "
+                "one SGLang server runs per rank on that rank's GPU, so tp_size must be 1 (docs/rollout_engine.md)"
+            )
         dp = world_size // max(self.parallelism.context_parallel_degree * self.parallelism.pipeline_parallel_degree, 1)
         if rl.prompts_per_step % max(dp, 1):
             raise ConfigError(
@@ -557,8 +575,9 @@ class TitanSpecConfig:
                 "rollout.engine = 'sglang' with speculative.enabled needs draft.init_from: the exported EAGLE-3 "
                 "draft directory SGLang starts from (train one with --draft.offline true)"
             )
+        from titan_spec.models.hf_io import read_hf_arch
         from titan_spec.rl.rollout.sglang_engine import MANAGED_SERVER_ARGS
-        from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy
+        from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, sglang_tap_misfit
 
         clash = sorted(set(self.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
         if clash:
@@ -567,8 +586,12 @@ class TitanSpecConfig:
             return
         try:
             check_draft_fits_policy(self.model.hf_checkpoint, self.draft.init_from)
+            why = self.draft.tap_layer_ids and sglang_tap_misfit(
+                self.draft.tap_layer_ids, read_hf_arch(self.model.hf_checkpoint).n_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if why:
+            raise ConfigError(f"draft.tap_layer_ids: {why} (rollout.engine = 'sglang')")
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:

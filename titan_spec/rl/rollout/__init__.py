@@ -1,7 +1,25 @@
 """Rollout engines: the protocol (base.py), the built-in PyTorch engine (torch_engine.py) and
-the SGLang engine (sglang_engine.py; import it from there, it is GPU-only at run time)."""
+the SGLang engine (sglang_engine.py; import it from there, it is GPU-only at run time).
 
-from titan_spec.rl.rollout.base import Rollout, RolloutEngine, SamplingParams
-from titan_spec.rl.rollout.torch_engine import TorchEngineConfig, TorchRolloutEngine
+The names below are imported on first use (PEP 562), not with the package: SGLang's
+scheduler processes import ``titan_spec.rl.rollout.sglang_loaders`` (its custom weight
+loaders) and must not pull in the built-in engine and torchtitan with it
+(tests/test_sglang_behaviour.py checks which modules that import loads).
+"""
+
+import importlib
 
 __all__ = ["Rollout", "RolloutEngine", "SamplingParams", "TorchEngineConfig", "TorchRolloutEngine"]
+
+_HOME = {
+    "Rollout": "base", "RolloutEngine": "base", "SamplingParams": "base",
+    "TorchEngineConfig": "torch_engine", "TorchRolloutEngine": "torch_engine",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

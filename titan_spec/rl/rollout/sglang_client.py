@@ -39,7 +39,7 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions wit
 
 __all__ = [
     "EngineDied", "SGLangError", "SGLangStartError", "INSTALL_HINT", "require_sglang",
-    "serialize_named_tensors", "server_cli_args", "HttpClient", "InProcessClient", "launch_server",
+    "serialize_named_tensors", "serialize_per_rank", "server_cli_args", "HttpClient", "InProcessClient", "launch_server",
 ]
 
 INSTALL_HINT = "sglang is not installed; on a GPU machine run: pip install -e '.[sglang]' (sglang==0.5.23, needs CUDA)"
@@ -83,6 +83,15 @@ def serialize_named_tensors(pairs: Sequence[tuple[str, torch.Tensor]]) -> str:
     buf = io.BytesIO()
     ForkingPickler(buf).dump(list(pairs))
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def serialize_per_rank(pairs: Sequence[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
+    """One payload per TP rank, each its own serialization: SGLang hands payload i to TP
+    rank i (sglang/srt/entrypoints/engine.py, managers/tp_worker.py), and a payload can be
+    opened only once: a CPU tensor's file-descriptor handle is fetched from the sender
+    once, a CUDA IPC handle carries one reference count per serialization. The same
+    payload repeated would leave every rank but the first with a dead handle."""
+    return [serialize_named_tensors(pairs) for _ in range(tp_size)]
 
 
 def server_cli_args(server_args: dict) -> list[str]:
@@ -176,9 +185,8 @@ class HttpClient:
 
     def update_tensors(self, pairs, load_format: str, weight_version: str, selector: str) -> None:
         # UpdateWeightsFromTensorReqInput: one serialized payload per TP rank.
-        blob = serialize_named_tensors(pairs)
         self._ok("update_weights_from_tensor", {
-            "serialized_named_tensors": [blob] * self.tp_size,
+            "serialized_named_tensors": serialize_per_rank(pairs, self.tp_size),
             "load_format": load_format,
             "flush_cache": False,  # flushed once after the session, see SGLangRolloutEngine._push
             "weight_version": weight_version,
@@ -308,9 +316,8 @@ class InProcessClient:
         # tokenizer manager decodes base64 payloads like the HTTP server's).
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
-        blob = serialize_named_tensors(pairs)
         obj = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[blob] * self.tp_size,
+            serialized_named_tensors=serialize_per_rank(pairs, self.tp_size),
             load_format=load_format, flush_cache=False, weight_version=weight_version, selector=selector,
         )
         self._check("update_weights_from_tensor", self._run(self.engine.tokenizer_manager.update_weights_from_tensor(obj, None)))

@@ -18,21 +18,35 @@ selector "draft" and ``load_draft_weights`` (sglang_loaders.py says why both gua
 sglang 0.5.23 has no ``disable_draft_model`` argument; the request's ``selector`` is
 what it offers instead (io_struct.UpdateWeightsFromTensorReqInput).
 
+Every push is checked here first, against the names, shapes and dtypes of the server's
+start files and the draft's start ``d2t``: SGLang 0.5.23 does not catch an exception in a
+custom loader (model_runner_components/weight_updater.py), its scheduler dies and takes the
+server with it, so a push the loaders would refuse must never be sent.
+
 Faults: a server that exits or stops answering is restarted and both weight sets are
-pushed again from host copies of the last pushes, then the call is retried; the trainer
-only sees an error after ``max_restarts`` failed restarts in a row.
+pushed again from host copies of the last GOOD pushes (a push becomes the host copy, and
+its version the engine's, only once SGLang has taken it), then the call is retried; the
+trainer only sees an error after ``max_restarts`` failed restarts in a row, and even then
+the next call starts from the last good weights.
+
+One server per trainer rank (docs/rollout_engine.md, "One server per rank"): each rank's
+server runs on that rank's GPU (``base_gpu_id`` = LOCAL_RANK), so its pushes are CUDA IPC
+handles of tensors on the same GPU; ``tp_size`` > 1 is for single-process runs.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
 import socket
 import tempfile
+import threading
 from collections.abc import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from titan_spec.models.hf_io import read_hf_arch
@@ -41,7 +55,10 @@ from titan_spec.rl.rollout.sglang_client import EngineDied, InProcessClient, SGL
 from titan_spec.rl.rollout.sglang_loaders import DRAFT_LOADER, TARGET_LOADER
 from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
 
-__all__ = ["SGLangRolloutEngine", "sglang_server_args", "sampling_to_sglang", "rollout_from_result", "MANAGED_SERVER_ARGS"]
+__all__ = [
+    "SGLangRolloutEngine", "sglang_server_args", "sampling_to_sglang", "rollout_from_result", "MANAGED_SERVER_ARGS",
+    "MEMORY_TAGS", "SEEDS_IGNORED",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +67,16 @@ MANAGED_SERVER_ARGS = (
     "model_path", "host", "port", "tp_size", "dtype", "mem_fraction_static", "skip_tokenizer_init",
     "custom_weight_loader", "enable_memory_saver", "speculative_algorithm", "speculative_draft_model_path",
     "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-    "enable_draft_weights_cpu_backup",
+    "enable_draft_weights_cpu_backup", "max_running_requests", "enable_deterministic_inference", "base_gpu_id",
+)
+
+# SGLang's memory kinds (GPU_MEMORY_ALL_TYPES); tags=None releases or resumes all of them.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+SEEDS_IGNORED = (
+    "SGLang ignores sampling_seed unless the server runs with enable_deterministic_inference, so these "
+    "seeded rollouts are not reproducible; set rollout.sglang.deterministic = true to honour seeds "
+    "(batch-invariant kernels: slower decoding, and only the flashinfer, fa3 or triton attention backends)"
 )
 
 # meta_info keys across sglang versions (0.5.23 first). Verify steps exclude the prefill.
@@ -65,11 +91,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int) -> dict:
+def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int,
+                       max_running_requests: int = 0) -> dict:
     """[rollout.sglang] + paths + K -> sglang ServerArgs fields (sglang/srt/arg_groups/fields/).
 
     K draft tokens in a chain are SGLang's ``speculative_num_steps = K`` with
     ``eagle_topk = 1`` and ``num_draft_tokens = K + 1`` (it counts the verified root).
+    ``max_running_requests`` is always set (cfg's, else the caller's RL batch): left unset,
+    SGLang resets it to 48 under speculation, which throttles an RL batch of G x prompts.
     """
     clash = sorted(set(cfg.server_args) & set(MANAGED_SERVER_ARGS))
     if clash:
@@ -84,7 +113,13 @@ def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_
         "skip_tokenizer_init": True,  # token ids in, token ids out
         "custom_weight_loader": [TARGET_LOADER, DRAFT_LOADER],
         "enable_memory_saver": cfg.enable_memory_saver,
+        # One server per rank, on the rank's own GPU (torchrun sets LOCAL_RANK).
+        "base_gpu_id": int(os.environ.get("LOCAL_RANK", "0")),
     }
+    if cfg.max_running_requests or max_running_requests:
+        args["max_running_requests"] = int(cfg.max_running_requests or max_running_requests)
+    if cfg.deterministic:
+        args["enable_deterministic_inference"] = True
     if num_draft_tokens > 0:
         if not draft_path:
             raise ValueError(f"num_draft_tokens = {num_draft_tokens} needs a draft directory (or set it to 0)")
@@ -100,11 +135,12 @@ def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_
     return args
 
 
-def sampling_to_sglang(sp: SamplingParams, n: int) -> list[dict]:
+def sampling_to_sglang(sp: SamplingParams, n: int, seeded: bool = True) -> list[dict]:
     """SamplingParams -> one SGLang sampling_params dict per request
     (sglang/srt/sampling/sampling_params.py). Seeds differ per request so that G copies of
-    one prompt give G different samples. Without stop ids SGLang must not stop at the
-    model's EOS either (``ignore_eos``), as the built-in engine does not."""
+    one prompt give G different samples; they are sent only when ``seeded`` (the server
+    runs deterministic inference: otherwise SGLang ignores them). Without stop ids SGLang
+    must not stop at the model's EOS either (``ignore_eos``), as the built-in engine does not."""
     base = {
         "max_new_tokens": sp.max_new_tokens,
         "temperature": float(sp.temperature),  # 0 = greedy in SGLang too
@@ -118,7 +154,7 @@ def sampling_to_sglang(sp: SamplingParams, n: int) -> list[dict]:
     out = []
     for i in range(n):
         d = dict(base)
-        if sp.seed is not None:
+        if sp.seed is not None and seeded:
             d["sampling_seed"] = int(sp.seed) + i
         out.append(d)
     return out
@@ -137,9 +173,16 @@ def rollout_from_result(prompt: list[int], result: dict, spec: bool, versions: t
     Tokens and behaviour log-probs both come from ``meta_info.output_token_logprobs``
     ((logprob, token_id, text) per output token), so they pair up exactly. SGLang's
     logprobs are log_softmax(logits / T) before top-k/top-p (T = 1 when greedy), the
-    protocol's definition. Verify steps are ``spec_verify_ct`` plus the prefill (the
-    protocol counts it); accepted drafts are ``spec_num_correct_drafts`` (older names
-    accepted), else completion - 1 - spec_verify_ct (each verify emits accepted + 1).
+    protocol's definition.
+
+    Counts. Every target forward that emits tokens for the request counts as a verify
+    step: the prefill, each re-prefill after a retraction (``num_retractions``; SGLang's
+    ``spec_verify_ct`` counts neither) and each verify. Every such forward emits at least
+    one token, so accepted drafts = completion - verify steps, and SGLang's own
+    ``spec_num_correct_drafts`` is only an upper bound: it also counts the drafts its final
+    verify accepted past a stop token or the length budget, which are not emitted. The
+    parsed counts satisfy completion = verify_steps + accepted_tokens (unless SGLang reports
+    fewer accepted drafts than that, which is logged and its count used).
     """
     meta = result.get("meta_info") or {}
     lp = meta.get("output_token_logprobs")
@@ -164,8 +207,12 @@ def rollout_from_result(prompt: list[int], result: dict, spec: bool, versions: t
             logger.warning("SGLang meta_info has no speculative stats (%s); acceptance reads as 1.0", sorted(meta))
             vct = n - 1
         vct = vct or 0
+        verify = min(1 + vct + int(meta.get("num_retractions") or 0), n) if n else 0
+        accepted = n - verify
         acc = _first(meta, _ACCEPTED_KEYS)
-        verify, accepted = 1 + vct, acc if acc is not None else max(n - 1 - vct, 0)
+        if acc is not None and acc < accepted:  # SGLang counted fewer: a forward we do not know of
+            logger.warning("SGLang reports %d accepted drafts for %d tokens in %d verify steps; using its count", acc, n, verify)
+            accepted = acc
     pv, dv = versions
     m = _VERSION_RE.search(str(meta.get("weight_version", "")))
     if m:
@@ -177,6 +224,22 @@ def rollout_from_result(prompt: list[int], result: dict, spec: bool, versions: t
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}
+
+
+def served_tensors(files: list[str], skip=lambda name: False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor in these safetensors files, from their headers
+    (no tensor is read): what SGLang's model holds for each name it loads at start."""
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                if not skip(name):
+                    sl = st.get_slice(name)
+                    out[name] = (tuple(sl.get_shape()), _FILE_DTYPES.get(sl.get_dtype(), torch.float32))
+    return out
 
 
 class SGLangRolloutEngine:
@@ -185,10 +248,17 @@ class SGLangRolloutEngine:
     ``connect(server_args)`` returns a client (sglang_client.py); by default it launches
     ``python -m sglang.launch_server`` (config mode "server") or builds ``sglang.Engine``
     in this process (mode "engine"). It is called again for every restart.
+
+    State the engine tracks so that it never sends SGLang a request that crashes it:
+    the start files' tensor table (every push is checked against it), the last good host
+    copies and versions (what a restart pushes), and which memory tags are released
+    (SGLang's resume of a tag it did not release raises KeyError in its scheduler). One
+    lock serializes generate, pushes and memory calls: SGLang asserts that no request is
+    in flight when it releases memory.
     """
 
     def __init__(self, config, policy_path: str, draft_path: str | None, num_draft_tokens: int,
-                 connect: Callable[[dict], object] | None = None):
+                 connect: Callable[[dict], object] | None = None, max_running_requests: int = 0):
         if int(num_draft_tokens) != num_draft_tokens or num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens = {num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)")
         self.config = config
@@ -198,20 +268,32 @@ class SGLangRolloutEngine:
             if not draft_path:
                 raise ValueError(f"num_draft_tokens = {self.K} needs a draft directory (or set it to 0)")
             check_draft_fits_policy(policy_path, draft_path)
-        self.server_args = sglang_server_args(config, policy_path, draft_path, self.K)
+        self.server_args = sglang_server_args(config, policy_path, draft_path, self.K, max_running_requests)
         self._dtype = _DTYPES.get(config.dtype)
         self._connect = connect or self._launch
         self.policy_version = 0
         self.draft_version = 0
         self.restarts = 0
-        # Host copies of what the server holds beyond its start files, to push again after a
-        # restart or a memory release. The draft starts from its directory (small); the
-        # policy only from its first push (the server loads the rest from policy_path).
+        # What the server's models hold, by name: the start files' tensors. A push is
+        # checked against these before it is sent (module docstring).
+        self._policy_table = served_tensors(sorted(glob.glob(os.path.join(policy_path, "*.safetensors"))))
+        self._draft_table: dict = {}
+        # Host copies of the last GOOD pushes, to push again after a restart or a memory
+        # release. The draft starts from its directory (small); the policy only from its
+        # first push (the server loads the rest from policy_path).
         self._policy: dict[str, torch.Tensor] = {}
         self._draft: dict[str, torch.Tensor] = {}
+        self._draft_maps: dict[str, torch.Tensor] = {}
         if self.K:
-            self._draft = self._cast(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors"))))
+            start = load_file(os.path.join(draft_path, "model.safetensors"))
+            self._draft = self._cast(draft_to_export_names(start))
+            self._draft_table = {n: (tuple(t.shape), t.dtype) for n, t in self._draft.items()}
+            # SGLang copies the draft->target map once at start; a push must not change it.
+            self._draft_maps = {n: self._draft[n] for n in ("d2t", "t2d") if n in self._draft}
+        self._released: set[str] = set()
         self._policy_released = False
+        self._seed_warned = False
+        self._lock = threading.RLock()
         self._lost = False
         self._closed = False
         self._client = self._connect(self.server_args)
@@ -219,9 +301,12 @@ class SGLangRolloutEngine:
     @classmethod
     def from_config(cls, cfg, draft_path: str | None = None, connect=None) -> "SGLangRolloutEngine":
         """From a TitanSpecConfig: policy = model.hf_checkpoint, draft = draft_path or
-        draft.init_from, K = speculative.num_draft_tokens (0 when speculation is off)."""
+        draft.init_from, K = speculative.num_draft_tokens (0 when speculation is off);
+        max_running_requests defaults to one step's requests, rl.prompts_per_step x
+        rl.group_size."""
         K = cfg.speculative.num_draft_tokens if cfg.speculative.enabled else 0
-        return cls(cfg.rollout.sglang, cfg.model.hf_checkpoint, draft_path or cfg.draft.init_from or None, K, connect)
+        batch = cfg.rl.prompts_per_step * cfg.rl.group_size
+        return cls(cfg.rollout.sglang, cfg.model.hf_checkpoint, draft_path or cfg.draft.init_from or None, K, connect, batch)
 
     def _launch(self, server_args: dict):
         c = self.config
@@ -235,8 +320,9 @@ class SGLangRolloutEngine:
     # --- faults -------------------------------------------------------------------------
 
     def _call(self, fn):
-        """fn(client), restarting the server (and pushing both weight sets again) when it
-        died or hangs; gives up after max_restarts failed attempts in a row."""
+        """fn(client), restarting the server (and pushing both last good weight sets again)
+        when it died or hangs; gives up after max_restarts failed attempts in a row, leaving
+        the engine marked lost so that the next call starts a fresh server."""
         failures = 0
         while True:
             try:
@@ -245,10 +331,10 @@ class SGLangRolloutEngine:
                 return fn(self._client)
             except EngineDied as e:
                 failures += 1
+                self._lost = True
                 if failures > self.config.max_restarts:
                     raise EngineDied(f"{e}; gave up after {self.config.max_restarts} restart(s) (rollout.sglang.max_restarts)") from None
                 logger.warning("SGLang engine lost (%s); restarting (%d/%d)", e, failures, self.config.max_restarts)
-                self._lost = True
 
     def _restart(self) -> None:
         try:
@@ -259,28 +345,34 @@ class SGLangRolloutEngine:
         if not self.config.port:
             self.server_args["port"] = _free_port()
         self._client = self._connect(self.server_args)
+        # A fresh server holds all its memory and its start weights.
+        self._released.clear()
+        self._policy_released = False
         self._push_stored(self._client)
         self._lost = False
 
     def _push_stored(self, client) -> None:
+        tag = self._version_tag()
         if self._policy:
-            self._push(client, list(self._policy.items()), TARGET_LOADER, "target")
+            self._push(client, list(self._policy.items()), TARGET_LOADER, "target", tag)
         if self._draft:
-            self._push(client, list(self._draft.items()), DRAFT_LOADER, "draft")
+            self._push(client, list(self._draft.items()), DRAFT_LOADER, "draft", tag)
 
     # --- pushes -------------------------------------------------------------------------
 
-    def _version_tag(self) -> str:
-        return f"policy-{self.policy_version}.draft-{self.draft_version}"
+    def _version_tag(self, policy: int | None = None, draft: int | None = None) -> str:
+        p = self.policy_version if policy is None else policy
+        d = self.draft_version if draft is None else draft
+        return f"policy-{p}.draft-{d}"
 
-    def _push(self, client, pairs, loader: str, selector: str) -> None:
+    def _push(self, client, pairs, loader: str, selector: str, tag: str) -> None:
         pairs = [(n, t.cuda() if torch.cuda.is_available() and not t.is_cuda else t) for n, t in pairs]
         client.pause()
         done = False
         try:
             client.begin_update(selector)
             try:
-                client.update_tensors(pairs, loader, self._version_tag(), selector)
+                client.update_tensors(pairs, loader, tag, selector)
             except SGLangError:
                 client.end_update()  # close the session so that the next push can open one
                 raise
@@ -298,51 +390,116 @@ class SGLangRolloutEngine:
         dt = self._dtype
         return {n: (t.detach().to(dt) if dt is not None and t.is_floating_point() else t.detach()) for n, t in pairs}
 
-    def _update(self, store: dict, pairs: dict, loader: str, selector: str, attr: str, version: int) -> None:
-        saved = (dict(store), getattr(self, attr))
+    def _check_push(self, what: str, pairs: dict[str, torch.Tensor], table: dict) -> None:
+        """ValueError (one line) unless SGLang's loaders take every tensor of this push:
+        a known name, the served shape, a float for a float (cast to the serving dtype
+        already) and the same integer dtype otherwise; the draft's d2t/t2d unchanged."""
+        bad = []
+        for name, t in pairs.items():
+            if name not in table:
+                bad.append(f"{name}: the server has no such tensor")
+                continue
+            shape, dtype = table[name]
+            if tuple(t.shape) != shape:
+                bad.append(f"{name}: shape {list(t.shape)} != served {list(shape)}")
+            elif t.is_floating_point() != dtype.is_floating_point or (not dtype.is_floating_point and t.dtype != dtype):
+                bad.append(f"{name}: dtype {t.dtype} where the server holds {dtype}")
+            elif name in self._draft_maps and not torch.equal(t.cpu(), self._draft_maps[name].cpu()):
+                bad.append(f"{name} differs from the one SGLang loaded at start (the draft vocabulary is fixed "
+                           "for the server's lifetime; restart it to change it)")
+        if bad:
+            raise ValueError(f"{what} push refused before sending (SGLang's scheduler would die on it): "
+                             f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+
+    def _check_pushable(self) -> None:
+        if "weights" in self._released:
+            raise RuntimeError("the server's weights are released: call resume_memory() before pushing weights")
+
+    def _update(self, kind: str, pairs: dict, version: int) -> None:
+        """Push one weight set; it becomes the host copy and its version the engine's only
+        when SGLang has taken it. A failed push (refused, or the server died and did not
+        come back within max_restarts) leaves the last good copy and version, which every
+        restart pushes."""
+        store, loader, selector = (
+            (self._policy, TARGET_LOADER, "target") if kind == "policy" else (self._draft, DRAFT_LOADER, "draft")
+        )
+        tag = self._version_tag(**{kind: int(version)})
+        self._call(lambda c: self._push(c, list(pairs.items()), loader, selector, tag))
         # Copies: the trainer updates its tensors in place, and a re-push must send these.
         store.update({n: t.to("cpu", copy=True) for n, t in pairs.items()})
-        setattr(self, attr, int(version))
-        try:
-            self._call(lambda c: self._push(c, list(pairs.items()), loader, selector))
-        except SGLangError:
-            store.clear()
-            store.update(saved[0])
-            setattr(self, attr, saved[1])
-            raise
+        setattr(self, f"{kind}_version", int(version))
 
     def update_policy_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """torchtitan names, full tensors. DTensors are gathered here with full_tensor(), a
         collective: under FSDP gather on every rank and let the engine's owner push."""
         self._check_open()
         pairs = self._cast(policy_to_hf_names(named_tensors, self.arch))
-        self._update(self._policy, pairs, TARGET_LOADER, "target", "policy_version", version)
-        self._policy_released = False
+        self._check_push("policy", pairs, self._policy_table)
+        with self._lock:
+            self._check_pushable()
+            self._update("policy", pairs, version)
+            self._policy_released = False
 
     def update_draft_weights(self, named_tensors: NamedTensors, version: int) -> None:
         self._check_open()
         if not self.K:
             raise ValueError("this engine has no draft (num_draft_tokens = 0); there are no draft weights to update")
         pairs = self._cast(draft_to_export_names(named_tensors))
-        self._update(self._draft, pairs, DRAFT_LOADER, "draft", "draft_version", version)
+        self._check_push("draft", pairs, self._draft_table)
+        with self._lock:
+            self._check_pushable()
+            self._update("draft", pairs, version)
 
     # --- memory (colocated training) ----------------------------------------------------
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Free the server's GPU memory while the trainer runs (needs enable_memory_saver)."""
+        """Free the server's GPU memory while the trainer runs (needs enable_memory_saver).
+        Tags already released are skipped; waits for a generate in flight to finish."""
         self._check_open()
-        self._call(lambda c: c.release_memory(tags))
+        wanted = self._memory_tags(tags)
+        with self._lock:
+            # Inside the retried call: a restarted server holds everything again.
+            def release(c):
+                todo = [t for t in wanted if t not in self._released]
+                if todo:
+                    c.release_memory(todo)
+                    self._released.update(todo)
+
+            self._call(release)
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Take the memory back. Released weights come back as garbage unless SGLang kept a
-        CPU backup, so the draft is pushed again at once; the policy is pushed again before
-        the next generate unless the trainer pushes a new one first (it usually does)."""
+        """Take the memory back; only tags that are released are resumed (nothing at all
+        on a server that was never released or was restarted since). Released weights come
+        back as garbage unless SGLang kept a CPU backup, so the draft is pushed again at
+        once; the policy is pushed again before the next generate unless the trainer pushes
+        a new one first (it usually does)."""
         self._check_open()
-        self._call(lambda c: c.resume_memory(tags))
-        if tags is None or "weights" in tags:
-            if self._draft:
-                self._call(lambda c: self._push(c, list(self._draft.items()), DRAFT_LOADER, "draft"))
-            self._policy_released = not self.server_args.get("enable_weights_cpu_backup")
+        wanted = self._memory_tags(tags)
+        with self._lock:
+            resumed: list[str] = []
+
+            def resume(c):
+                resumed.clear()
+                todo = [t for t in wanted if t in self._released]
+                if todo:
+                    c.resume_memory(todo)
+                    self._released.difference_update(todo)
+                    resumed.extend(todo)
+
+            self._call(resume)
+            if "weights" in resumed:
+                if self._draft:
+                    self._call(lambda c: self._push(c, list(self._draft.items()), DRAFT_LOADER, "draft", self._version_tag()))
+                self._policy_released = not self.server_args.get("enable_weights_cpu_backup")
+
+    @staticmethod
+    def _memory_tags(tags) -> list[str]:
+        if tags is None or len(tags) == 0:
+            return list(MEMORY_TAGS)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"memory tags {unknown} are not SGLang's; use {list(MEMORY_TAGS)} (or None for all)")
+        return list(dict.fromkeys(tags))
 
     # --- protocol -----------------------------------------------------------------------
 
@@ -363,19 +520,26 @@ class SGLangRolloutEngine:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{V - 1}")
         if not prompts:
             return []
-        if self._policy_released:
-            if not self._policy:
-                raise RuntimeError(
-                    "the policy's weights were released and none was pushed since: call "
-                    "update_policy_weights first (or set enable_weights_cpu_backup in rollout.sglang.server_args)"
-                )
-            self._call(lambda c: self._push(c, list(self._policy.items()), TARGET_LOADER, "target"))
-            self._policy_released = False
-        params = sampling_to_sglang(sampling, len(prompts))
-        results = self._call(lambda c: c.generate(prompts, params))
+        seeded = bool(self.config.deterministic)
+        if sampling.seed is not None and not seeded and not self._seed_warned:
+            logger.warning(SEEDS_IGNORED)
+            self._seed_warned = True
+        params = sampling_to_sglang(sampling, len(prompts), seeded)
+        with self._lock:
+            if self._released:
+                raise RuntimeError(f"the server's memory {sorted(self._released)} is released: call resume_memory() before generate")
+            if self._policy_released:
+                if not self._policy:
+                    raise RuntimeError(
+                        "the policy's weights were released and none was pushed since: call "
+                        "update_policy_weights first (or set enable_weights_cpu_backup in rollout.sglang.server_args)"
+                    )
+                self._call(lambda c: self._push(c, list(self._policy.items()), TARGET_LOADER, "target", self._version_tag()))
+                self._policy_released = False
+            results = self._call(lambda c: c.generate(prompts, params))
+            versions = (self.policy_version, self.draft_version)
         if len(results) != len(prompts):
             raise SGLangError(f"SGLang answered {len(results)} results for {len(prompts)} prompts")
-        versions = (self.policy_version, self.draft_version)
         return [rollout_from_result(p, r, self.K > 0, versions) for p, r in zip(prompts, results)]
 
     def close(self) -> None:

@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor
 from titan_spec.models.draft_io import EXPORT_KEYS, read_draft_arch
 from titan_spec.models.hf_io import _adapter, read_hf_arch
 from titan_spec.models.registry import Arch, build_target_config
+from titan_spec.models.target import default_tap_layer_ids
 from titan_spec.rl.rollout.base import NamedTensors, named_tensor_items
 
-__all__ = ["policy_to_hf_names", "draft_to_export_names", "check_draft_fits_policy"]
+__all__ = ["policy_to_hf_names", "draft_to_export_names", "check_draft_fits_policy", "sglang_tap_misfit", "served_tap_ids"]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -83,12 +84,37 @@ def draft_to_export_names(named_tensors: NamedTensors) -> list[tuple[str, torch.
     return out
 
 
+def sglang_tap_misfit(taps, n_layers: int) -> str | None:
+    """Why SGLang cannot feed these tap ids to the draft, or None.
+
+    SGLang captures tap id k as the INPUT of decoder layer k + 1 (``layers_to_capture =
+    [k + 1 for k in ids]`` in sglang/srt/models/qwen3.py and llama.py), so the last layer
+    (id L - 1) has no later layer whose input would carry it: its aux state never arrives
+    and ``fc`` sees two states instead of three. Valid ids are 0..L-2.
+    """
+    taps = list(taps)
+    if len(taps) != 3 or len(set(taps)) != 3:
+        return f"tap ids {taps} are not three distinct layers of the {n_layers}-layer policy"
+    bad = [i for i in taps if not 0 <= i < n_layers - 1]
+    if bad:
+        return (f"tap ids {taps} cannot be served by SGLang: it captures tap id k at the input of layer k+1, "
+                f"so ids must be in 0..{n_layers - 2} for the {n_layers}-layer policy")
+    return None
+
+
+def served_tap_ids(draft_arch, n_layers: int) -> tuple[int, ...]:
+    """The tap ids SGLang uses for this draft: its config's, or, for a SpecForge config
+    without ``eagle_config`` (e.g. SpecForge's configs/qwen3-8b-eagle3.json), SGLang's
+    default capture layers [2, L//2, L-3], i.e. tap ids (1, L//2 - 1, L - 4)."""
+    return tuple(draft_arch.tap_layer_ids) or default_tap_layer_ids(n_layers)
+
+
 def check_draft_fits_policy(policy_path: str, draft_path: str) -> None:
     """Raise ValueError (one line) unless SGLang can serve this draft with this policy.
 
     SGLang's EAGLE-3 draft reads the target's embedding (so its hidden size is the
     target's), maps its vocabulary through d2t into the target's, and takes three
-    tapped layers of the target, which must exist.
+    tapped layers of the target, which it must be able to capture (``sglang_tap_misfit``).
     """
     if not os.path.isdir(draft_path):
         raise ValueError(f"draft directory {draft_path!r} does not exist; export one with save_draft or --draft.export_dir")
@@ -99,8 +125,8 @@ def check_draft_fits_policy(policy_path: str, draft_path: str) -> None:
     bad = draft.misfits(policy.vocab_size, policy.dim)
     if draft.draft_vocab_size > policy.vocab_size:
         bad.append(f"draft_vocab_size {draft.draft_vocab_size} > policy vocab {policy.vocab_size}")
-    taps = list(draft.tap_layer_ids)
-    if len(taps) != 3 or any(not 0 <= i < policy.n_layers for i in taps):
-        bad.append(f"tap ids {taps} are not three layers of the {policy.n_layers}-layer policy")
+    why = sglang_tap_misfit(served_tap_ids(draft, policy.n_layers), policy.n_layers)
+    if why:
+        bad.append(why)
     if bad:
         raise ValueError(f"draft directory {draft_path} does not fit the policy {policy_path}: {'; '.join(bad)}")

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The prepared GPU check: every GPU-only path of titan_spec in one go, in under 8 minutes,
+# one JSON (bench/results/gpu_check/gpu_check.json) and a table. Steps and what each
+# measures: docs/PERFORMANCE.md, "The GPU check". Driver: scripts/gpu_check.py.
+# Without CUDA it prints one line and exits 2.
+# Usage: scripts/gpu_check.sh [--out-dir DIR] [--budget-s 470] [--only gpu_tests,ttt_attention,...]
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-}
+if [[ -z "$PY" ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  echo "gpu_check: needs a CUDA GPU (torch.cuda.is_available() is False on this machine); run it on a GPU machine" >&2
+  exit 2
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+exec "$PY" scripts/gpu_check.py "$@"
