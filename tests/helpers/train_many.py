@@ -5,10 +5,13 @@ most of a small CPU run's time, are paid once.
 
 JSON: [[override, ...], ...]; each list is a full set of titan_spec CLI arguments
 (--config included). The runs share the process group; each builds its own trainer,
-trains, exports and closes, as ``python -m titan_spec.train`` does.
+trains, exports and closes, as ``python -m titan_spec.train`` does. An entry may also be
+{"argv": [...], "env": {...}}: environment variables set for that run only (test hooks
+such as TITAN_SPEC_FAULTS, titan_spec/finite.py).
 """
 
 import json
+import os
 import sys
 
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
@@ -22,6 +25,11 @@ from titan_spec.train import to_trainer_config
 def main() -> None:
     init_logger()
     for argv in json.loads(sys.argv[1]):
+        env = {}
+        if isinstance(argv, dict):
+            argv, env = argv["argv"], argv.get("env", {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         i = argv.index("--config")
         path = argv[i + 1]
         cfg = load_config(path, argv[:i] + argv[i + 2:])
@@ -30,6 +38,8 @@ def main() -> None:
             trainer.train()
         finally:
             trainer.close()
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

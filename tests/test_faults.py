@@ -1,0 +1,272 @@
+"""Fault injection through the real trainer (torchrun, gloo, 2 processes, FSDP): NaN gradients,
+kill -9 at a random step and during a checkpoint write, corrupted checkpoint files.
+
+Every run trains policy + draft on ONE repeated problem (a one-line JSONL task: every step's
+batch is the same) at a constant learning rate, so a run in which step k is skipped must end
+with exactly the weights of a run one step shorter: the independent reference of the
+finiteness guard (titan_spec/finite.py). The uninterrupted 4-step run is the reference of
+every resume. Test hooks: TITAN_SPEC_FAULTS (nan_grad_policy@k, nan_grad_draft@k,
+kill_in_checkpoint@k), read in titan_spec/finite.py only.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+NPROC = 2
+TOML = os.path.join(ROOT, "train_configs", "debug_cpu_sft.toml")
+
+
+def _args(tmp, dump, steps):
+    task = os.path.join(tmp, "one.jsonl")
+    if not os.path.exists(task):
+        with open(task, "w") as f:
+            f.write(json.dumps({"question": "12+7?", "answer": "12+7=19 #### 19"}) + "\n")
+    return [
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--training.seq_len", "64",
+        "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", str(NPROC),
+        "--task.name", "jsonl", "--task.path", task, "--lr_scheduler.warmup_steps", "0",
+        "--lr_scheduler.decay_ratio", "0", "--draft.enable", "true", "--draft.draft_vocab_size", "24",
+        "--draft.ttt_steps", "3", "--checkpoint.interval", "1", "--training.steps", str(steps),
+        "--job.dump_folder", dump,
+    ]
+
+
+def _cmd(argv):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+            "-m", "titan_spec.train", "--config", TOML, *argv]
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("TITAN_SPEC_FAULTS", None)
+    env.update(extra)
+    return env
+
+
+def _run(argv, **env):
+    return subprocess.run(_cmd(argv), capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env(**env))
+
+
+def _rows(dump):
+    # Strict JSON: NaN / Infinity literals are not JSON.
+    def bad(token):
+        raise AssertionError(f"non-JSON literal {token} in metrics.jsonl")
+
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=bad) for line in f]
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """ONE torchrun launch: the reference (4 steps) and a 6-step run with NaN injected into
+    both the policy's and the draft's gradients at steps 2 and 4 (on rank 0 only: the other
+    rank's gradients are finite, so skipping on both ranks needs the global decision)."""
+    tmp = str(tmp_path_factory.mktemp("faults"))
+    ref, nan = os.path.join(tmp, "ref"), os.path.join(tmp, "nan")
+    faults = "nan_grad_policy@2,nan_grad_draft@2,nan_grad_policy@4,nan_grad_draft@4"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
+           os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps([
+               {"argv": ["--config", TOML, *_args(tmp, ref, 4)]},
+               # Two skips, never two in a row: a limit of 2 consecutive skips must not stop it.
+               {"argv": ["--config", TOML, *_args(tmp, nan, 6), "--training.max_consecutive_skips", "2"],
+                "env": {"TITAN_SPEC_FAULTS": faults}},
+           ])]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
+    assert out.returncode == 0, out.stderr[-6000:]
+    return {"tmp": tmp, "ref": ref, "nan": nan, "log": out.stdout + out.stderr}
+
+
+def test_nan_gradients_skip_the_step_and_reach_no_weights_or_checkpoint(runs):
+    """A NaN in either model's gradient skips that step for it on every rank: after 6 steps with
+    steps 2 and 4 skipped, the exported policy and draft equal the 4-step run's bit for bit;
+    the skipped rows say so (null + nonfinite flag), and no checkpoint holds a non-finite value."""
+    ref, nan = _rows(runs["ref"]), _rows(runs["nan"])
+    assert [r["step"] for r in nan] == list(range(1, 7))
+    for name in ("hf", "draft"):
+        a, b = _tensors(os.path.join(runs["ref"], name)), _tensors(os.path.join(runs["nan"], name))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (name, k)
+    for r in nan:
+        skipped = r["step"] in (2, 4)
+        assert (r["grad_norm"] is None) == skipped and (r["draft/grad_norm"] is None) == skipped, r
+        assert (set(r.get("nonfinite", [])) == {"grad_norm", "draft/grad_norm"}) == skipped, r
+    assert nan[-1]["skipped_steps"] == 2 and nan[-1]["draft/skipped_steps"] == 2
+    # Step 3 of the NaN run starts from the weights after step 1 (step 2 skipped), like step 2 of
+    # the reference: the same batch, so the same loss.
+    assert nan[2]["loss"] == ref[1]["loss"] and nan[2]["draft/loss"] == ref[1]["draft/loss"]
+    assert "step 2: the policy gradient norm is not finite" in runs["log"]
+    assert "step 4: the draft gradient norm is not finite" in runs["log"]
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = os.path.join(runs["nan"], "checkpoint")
+    assert sorted(os.listdir(folder)) == [f"step-{i}" for i in range(1, 7)]
+    for step in sorted(os.listdir(folder)):
+        out = os.path.join(runs["tmp"], f"{step}.pt")
+        dcp_to_torch_save(os.path.join(folder, step), out)
+        flat = []
+
+        def walk(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                flat.append(x)
+            elif isinstance(x, dict):
+                for v in x.values():
+                    walk(v)
+            elif isinstance(x, (list, tuple)):
+                for v in x:
+                    walk(v)
+
+        walk(torch.load(out, weights_only=False))
+        assert len(flat) > 50 and all(bool(torch.isfinite(t).all()) for t in flat), step
+
+
+def test_exports_are_world_readable(runs):
+    """hf/ and draft/ get the modes of any folder the run makes (0755 / 0644 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("hf", "draft"):
+        path = os.path.join(runs["ref"], name)
+        assert os.stat(path).st_mode & 0o777 == 0o777 & ~umask, name
+        for f in os.listdir(path):
+            assert os.stat(os.path.join(path, f)).st_mode & 0o777 == 0o666 & ~umask, (name, f)
+
+
+def test_consecutive_non_finite_steps_stop_the_run_in_one_line(runs, tmp_path):
+    """Two draft NaNs in a row with max_consecutive_skips = 2: the run stops at step 3 with one
+    line naming the step, the draft and the last good checkpoint; exit 1, no DONE, no export."""
+    dump = str(tmp_path / "stop")
+    out = _run([*_args(runs["tmp"], dump, 5), "--training.max_consecutive_skips", "2"],
+               TITAN_SPEC_FAULTS="nan_grad_draft@2,nan_grad_draft@3")
+    assert out.returncode != 0
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("titan_spec: stopped")]
+    assert len(set(lines)) == 1, out.stderr[-3000:]
+    line = lines[0]
+    assert "step 3" in line and "draft" in line and "policy" not in line, line
+    assert line.endswith(os.path.join(dump, "checkpoint", "step-2")), line
+    assert not os.path.exists(os.path.join(dump, "DONE")) and not os.path.exists(os.path.join(dump, "hf"))
+    assert [r["step"] for r in _rows(dump)] == [1, 2]  # step 3 stopped before its row
+
+
+def _same_rows(rows, ref):
+    assert [r["step"] for r in rows] == [r["step"] for r in ref], rows  # each step once
+    for a, b in zip(rows, ref):
+        assert a == b, (a, b)
+
+
+def test_kill_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(runs, tmp_path):
+    """kill -9 of every process once step k's row is written (k random, printed); rerunning the
+    same command resumes from the last verified checkpoint and metrics.jsonl ends up equal to the
+    uninterrupted run's, each step once (rows of redone steps are replaced, a torn line dropped)."""
+    k = random.Random().randint(1, 3)
+    print(f"kill after step {k}")
+    dump = str(tmp_path / "killed")
+    argv = _args(runs["tmp"], dump, 4)
+    proc = subprocess.Popen(_cmd(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            env=_env(), start_new_session=True)
+    path = os.path.join(dump, "metrics.jsonl")
+    try:
+        while proc.poll() is None:
+            if os.path.exists(path):
+                with open(path) as f:
+                    if sum(1 for _ in f) >= k:
+                        break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out = _run(argv)
+    assert out.returncode == 0, out.stderr[-4000:]
+    _same_rows(_rows(dump), _rows(runs["ref"]))
+    assert os.path.isfile(os.path.join(dump, "DONE"))
+
+
+def test_kill_during_a_checkpoint_write_and_corrupt_files_resume_from_the_last_verified(runs, tmp_path):
+    """kill -9 while step-3 is being written (its DCP files complete, no manifest), then random
+    bytes in step-2's shard: the rerun reports step-3 incomplete and step-2 corrupt, by name,
+    resumes from step-1, and ends with the uninterrupted run's metrics."""
+    dump = str(tmp_path / "killed_in_save")
+    argv = _args(runs["tmp"], dump, 4)
+    out = _run(argv, TITAN_SPEC_FAULTS="kill_in_checkpoint@3")
+    assert out.returncode != 0
+    ckpt = os.path.join(dump, "checkpoint")
+    assert os.path.isfile(os.path.join(ckpt, "step-3", ".metadata"))
+    _scribble(os.path.join(ckpt, "step-2", "__1_0.distcp"), random.Random(3))
+    out = _run(argv)
+    assert out.returncode == 0, out.stderr[-4000:]
+    log = out.stdout + out.stderr
+    assert f"checkpoint {os.path.join(ckpt, 'step-3')} is incomplete" in log
+    assert f"checkpoint {os.path.join(ckpt, 'step-2')} is corrupt (__1_0.distcp does not match its checksum)" in log
+    assert f"Loading the checkpoint from {os.path.join(ckpt, 'step-1')}" in log
+    _same_rows(_rows(dump), _rows(runs["ref"]))
+
+
+def _scribble(path, rng, n=64):
+    """Overwrite n bytes at a random offset with random bytes (same size)."""
+    size = os.path.getsize(path)
+    off = rng.randrange(0, max(size - n, 1))
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(bytes(rng.randrange(256) for _ in range(min(n, size))))
+
+
+def test_every_corrupted_file_is_detected_and_the_previous_checkpoint_chosen(runs, tmp_path, caplog):
+    """Random bytes in each file of the newest checkpoint (.metadata and each rank's .distcp), a
+    truncated or deleted file, an unsealed folder: each is reported by name and the previous
+    verified checkpoint is chosen; with none verified the run stops (CheckpointCorrupt)."""
+    from titan_spec.checkpoint import MANIFEST, CheckpointCorrupt, choose_checkpoint
+
+    src = os.path.join(runs["nan"], "checkpoint")
+    names = sorted(os.listdir(os.path.join(src, "step-6")))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
+    rng = random.Random(0)
+
+    def fresh(tag):
+        folder = str(tmp_path / tag)
+        for s in ("step-5", "step-6"):
+            shutil.copytree(os.path.join(src, s), os.path.join(folder, s))
+        return folder
+
+    assert choose_checkpoint(fresh("clean")) == (6, os.path.join(str(tmp_path / "clean"), "step-6"))
+    cases = {f"bytes {n}": (n, "does not match its checksum") for n in names if n != MANIFEST}
+    cases.update({"deleted .metadata": (".metadata", "is missing"), "truncated": ("__0_0.distcp", "bytes, not"),
+                  "unsealed": (MANIFEST, "incomplete")})
+    for i, (tag, (name, why)) in enumerate(cases.items()):
+        folder = fresh(f"case{i}")
+        target = os.path.join(folder, "step-6", name)
+        if tag.startswith("bytes"):
+            _scribble(target, rng)
+        elif tag == "truncated":
+            os.truncate(target, os.path.getsize(target) - 1)
+        else:
+            os.remove(target)
+        caplog.clear()
+        assert choose_checkpoint(folder) == (5, os.path.join(folder, "step-5")), tag
+        reports = [r.getMessage() for r in caplog.records if "not resuming from it" in r.getMessage()]
+        assert len(reports) == 1 and os.path.join(folder, "step-6") in reports[0] and why in reports[0], (tag, reports)
+        if tag != "unsealed" and name != MANIFEST:
+            assert name in reports[0], (tag, reports)
+    # Nothing verified: the run stops and says why, naming each folder.
+    folder = fresh("none")
+    for s in ("step-5", "step-6"):
+        _scribble(os.path.join(folder, s, "__0_0.distcp"), rng)
+    with pytest.raises(CheckpointCorrupt, match=r"no verified checkpoint.*step-6 corrupt.*step-5 corrupt"):
+        choose_checkpoint(folder)
