@@ -33,11 +33,12 @@ def _args(tmp, dump, steps):
         with open(task, "w") as f:
             f.write(json.dumps({"question": "12+7?", "answer": "12+7=19 #### 19"}) + "\n")
     return [
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--training.seq_len", "64",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", str(NPROC),
         "--task.name", "jsonl", "--task.path", task, "--lr_scheduler.warmup_steps", "0",
         "--lr_scheduler.decay_ratio", "0", "--draft.enable", "true", "--draft.draft_vocab_size", "24",
-        "--draft.ttt_steps", "3", "--checkpoint.interval", "1", "--training.steps", str(steps),
+        "--draft.ttt_steps", "3", "--draft.vocab_count_batches", "1", "--checkpoint.interval", "1",
+        "--training.steps", str(steps),
         "--job.dump_folder", dump,
     ]
 
@@ -75,22 +76,27 @@ def _tensors(path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """ONE torchrun launch: the reference (4 steps) and a 6-step run with NaN injected into
-    both the policy's and the draft's gradients at steps 2 and 4 (on rank 0 only: the other
-    rank's gradients are finite, so skipping on both ranks needs the global decision)."""
+    """ONE torchrun launch of three runs: the reference (4 steps, no checkpoints); a 6-step run
+    with NaN injected into both the policy's and the draft's gradients at steps 2 and 4 (on
+    rank 0 only: the other rank's gradients are finite, so skipping on both ranks needs the
+    global decision); a run whose draft gets NaN at steps 2 and 3 (the stop)."""
     tmp = str(tmp_path_factory.mktemp("faults"))
-    ref, nan = os.path.join(tmp, "ref"), os.path.join(tmp, "nan")
+    ref, nan, stop = (os.path.join(tmp, n) for n in ("ref", "nan", "stop"))
     faults = "nan_grad_policy@2,nan_grad_draft@2,nan_grad_policy@4,nan_grad_draft@4"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps([
-               {"argv": ["--config", TOML, *_args(tmp, ref, 4)]},
+               {"argv": ["--config", TOML, *_args(tmp, ref, 4), "--checkpoint.enable", "false"]},
                # Two skips, never two in a row: a limit of 2 consecutive skips must not stop it.
-               {"argv": ["--config", TOML, *_args(tmp, nan, 6), "--training.max_consecutive_skips", "2"],
-                "env": {"TITAN_SPEC_FAULTS": faults}},
+               {"argv": ["--config", TOML, *_args(tmp, nan, 6), "--training.max_consecutive_skips", "2",
+                         "--checkpoint.interval", "2"], "env": {"TITAN_SPEC_FAULTS": faults}},
+               {"argv": ["--config", TOML, *_args(tmp, stop, 5), "--training.max_consecutive_skips", "2"],
+                "env": {"TITAN_SPEC_FAULTS": "nan_grad_draft@2,nan_grad_draft@3"}},
            ])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
-    assert out.returncode == 0, out.stderr[-6000:]
-    return {"tmp": tmp, "ref": ref, "nan": nan, "log": out.stdout + out.stderr}
+    log = out.stdout + out.stderr
+    assert f"train_many: {ref} exit 0" in log and f"train_many: {nan} exit 0" in log, log[-6000:]
+    assert out.returncode == 1 and f"train_many: {stop} exit 1" in log, log[-6000:]
+    return {"tmp": tmp, "ref": ref, "nan": nan, "stop": stop, "log": log}
 
 
 def test_nan_gradients_skip_the_step_and_reach_no_weights_or_checkpoint(runs):
@@ -118,7 +124,7 @@ def test_nan_gradients_skip_the_step_and_reach_no_weights_or_checkpoint(runs):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder = os.path.join(runs["nan"], "checkpoint")
-    assert sorted(os.listdir(folder)) == [f"step-{i}" for i in range(1, 7)]
+    assert sorted(os.listdir(folder)) == ["step-2", "step-4", "step-6"]  # right after each skip
     for step in sorted(os.listdir(folder)):
         out = os.path.join(runs["tmp"], f"{step}.pt")
         dcp_to_torch_save(os.path.join(folder, step), out)
@@ -149,16 +155,14 @@ def test_exports_are_world_readable(runs):
             assert os.stat(os.path.join(path, f)).st_mode & 0o777 == 0o666 & ~umask, (name, f)
 
 
-def test_consecutive_non_finite_steps_stop_the_run_in_one_line(runs, tmp_path):
+def test_consecutive_non_finite_steps_stop_the_run_in_one_line(runs):
     """Two draft NaNs in a row with max_consecutive_skips = 2: the run stops at step 3 with one
-    line naming the step, the draft and the last good checkpoint; exit 1, no DONE, no export."""
-    dump = str(tmp_path / "stop")
-    out = _run([*_args(runs["tmp"], dump, 5), "--training.max_consecutive_skips", "2"],
-               TITAN_SPEC_FAULTS="nan_grad_draft@2,nan_grad_draft@3")
-    assert out.returncode != 0
-    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("titan_spec: stopped")]
-    assert len(set(lines)) == 1, out.stderr[-3000:]
-    line = lines[0]
+    line naming the step, the draft and the last good checkpoint; exit 1, no DONE, no export
+    (train_and_close, the body of python -m titan_spec.train)."""
+    dump = runs["stop"]
+    lines = {ln for ln in runs["log"].splitlines() if ln.startswith("titan_spec: stopped")}
+    assert len(lines) == 1, lines  # the same line on both ranks
+    line = lines.pop()
     assert "step 3" in line and "draft" in line and "policy" not in line, line
     assert line.endswith(os.path.join(dump, "checkpoint", "step-2")), line
     assert not os.path.exists(os.path.join(dump, "DONE")) and not os.path.exists(os.path.join(dump, "hf"))
@@ -171,16 +175,18 @@ def _same_rows(rows, ref):
         assert a == b, (a, b)
 
 
-def test_kill_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(runs, tmp_path):
-    """kill -9 of every process once step k's row is written (k random, printed); rerunning the
-    same command resumes from the last verified checkpoint and metrics.jsonl ends up equal to the
-    uninterrupted run's, each step once (rows of redone steps are replaced, a torn line dropped)."""
-    k = random.Random().randint(1, 3)
+def test_kill_at_a_random_step_and_during_a_checkpoint_write_then_resume(runs, tmp_path):
+    """Three attempts of the same 4-step command in one folder, then the metrics equal the
+    uninterrupted run's, each step once (rows of redone steps replaced, a torn line dropped):
+    1. kill -9 of every process once step k's row is written (k random, printed);
+    2. rerun: it resumes and is killed (test hook) while writing the last checkpoint, step-4
+       (DCP's files complete, no manifest); then random bytes go into step-3's rank-1 shard;
+    3. rerun: it reports step-4 unsealed and step-3 corrupt, by name, and resumes from step-2."""
+    k = random.Random().randint(2, 3)
     print(f"kill after step {k}")
     dump = str(tmp_path / "killed")
     argv = _args(runs["tmp"], dump, 4)
-    proc = subprocess.Popen(_cmd(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                            env=_env(), start_new_session=True)
+    proc = subprocess.Popen(_cmd(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=_env())
     path = os.path.join(dump, "metrics.jsonl")
     try:
         while proc.poll() is None:
@@ -190,33 +196,42 @@ def test_kill_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(runs,
                         break
             time.sleep(0.05)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill9(proc)
+    assert not os.path.exists(os.path.join(dump, "DONE"))
+
+    out = _run(argv, TITAN_SPEC_FAULTS="kill_in_checkpoint@4")
+    assert out.returncode != 0 and not os.path.exists(os.path.join(dump, "DONE"))
+    ckpt = os.path.join(dump, "checkpoint")
+    assert os.path.isfile(os.path.join(ckpt, "step-4", ".metadata"))
+    _scribble(os.path.join(ckpt, "step-3", "__1_0.distcp"), random.Random(3))
+
     out = _run(argv)
     assert out.returncode == 0, out.stderr[-4000:]
+    log = out.stdout + out.stderr
+    assert f"checkpoint {os.path.join(ckpt, 'step-4')} is unsealed" in log
+    assert f"checkpoint {os.path.join(ckpt, 'step-3')} is corrupt (__1_0.distcp does not match its checksum)" in log
+    assert f"Loading the checkpoint from {os.path.join(ckpt, 'step-2')}" in log
     _same_rows(_rows(dump), _rows(runs["ref"]))
     assert os.path.isfile(os.path.join(dump, "DONE"))
 
 
-def test_kill_during_a_checkpoint_write_and_corrupt_files_resume_from_the_last_verified(runs, tmp_path):
-    """kill -9 while step-3 is being written (its DCP files complete, no manifest), then random
-    bytes in step-2's shard: the rerun reports step-3 incomplete and step-2 corrupt, by name,
-    resumes from step-1, and ends with the uninterrupted run's metrics."""
-    dump = str(tmp_path / "killed_in_save")
-    argv = _args(runs["tmp"], dump, 4)
-    out = _run(argv, TITAN_SPEC_FAULTS="kill_in_checkpoint@3")
-    assert out.returncode != 0
-    ckpt = os.path.join(dump, "checkpoint")
-    assert os.path.isfile(os.path.join(ckpt, "step-3", ".metadata"))
-    _scribble(os.path.join(ckpt, "step-2", "__1_0.distcp"), random.Random(3))
-    out = _run(argv)
-    assert out.returncode == 0, out.stderr[-4000:]
-    log = out.stdout + out.stderr
-    assert f"checkpoint {os.path.join(ckpt, 'step-3')} is incomplete" in log
-    assert f"checkpoint {os.path.join(ckpt, 'step-2')} is corrupt (__1_0.distcp does not match its checksum)" in log
-    assert f"Loading the checkpoint from {os.path.join(ckpt, 'step-1')}" in log
-    _same_rows(_rows(dump), _rows(runs["ref"]))
+def _kill9(proc):
+    """SIGKILL torchrun and its workers (each in its own session, so not by process group),
+    workers first so none outlives the kill."""
+    def children(pid):
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(c) for c in f.read().split()]
+        except OSError:
+            return []
+        return [d for c in kids for d in (c, *children(c))]
+
+    for pid in reversed([proc.pid, *children(proc.pid)]):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def _scribble(path, rng, n=64):
@@ -241,14 +256,14 @@ def test_every_corrupted_file_is_detected_and_the_previous_checkpoint_chosen(run
 
     def fresh(tag):
         folder = str(tmp_path / tag)
-        for s in ("step-5", "step-6"):
+        for s in ("step-4", "step-6"):
             shutil.copytree(os.path.join(src, s), os.path.join(folder, s))
         return folder
 
     assert choose_checkpoint(fresh("clean")) == (6, os.path.join(str(tmp_path / "clean"), "step-6"))
     cases = {f"bytes {n}": (n, "does not match its checksum") for n in names if n != MANIFEST}
     cases.update({"deleted .metadata": (".metadata", "is missing"), "truncated": ("__0_0.distcp", "bytes, not"),
-                  "unsealed": (MANIFEST, "incomplete")})
+                  "unsealed": (MANIFEST, "unsealed")})
     for i, (tag, (name, why)) in enumerate(cases.items()):
         folder = fresh(f"case{i}")
         target = os.path.join(folder, "step-6", name)
@@ -259,14 +274,22 @@ def test_every_corrupted_file_is_detected_and_the_previous_checkpoint_chosen(run
         else:
             os.remove(target)
         caplog.clear()
-        assert choose_checkpoint(folder) == (5, os.path.join(folder, "step-5")), tag
+        assert choose_checkpoint(folder) == (4, os.path.join(folder, "step-4")), tag
         reports = [r.getMessage() for r in caplog.records if "not resuming from it" in r.getMessage()]
         assert len(reports) == 1 and os.path.join(folder, "step-6") in reports[0] and why in reports[0], (tag, reports)
         if tag != "unsealed" and name != MANIFEST:
             assert name in reports[0], (tag, reports)
     # Nothing verified: the run stops and says why, naming each folder.
     folder = fresh("none")
-    for s in ("step-5", "step-6"):
+    for s in ("step-4", "step-6"):
         _scribble(os.path.join(folder, s, "__0_0.distcp"), rng)
-    with pytest.raises(CheckpointCorrupt, match=r"no verified checkpoint.*step-6 corrupt.*step-5 corrupt"):
+    with pytest.raises(CheckpointCorrupt, match=r"no verified checkpoint.*step-6 corrupt.*step-4 corrupt"):
         choose_checkpoint(folder)
+    # Only folders DCP never finished (a kill during the first save): a fresh start, reported.
+    folder = fresh("half")
+    for s in ("step-4", "step-6"):
+        for n in (".metadata", MANIFEST):
+            os.remove(os.path.join(folder, s, n))
+    caplog.clear()
+    assert choose_checkpoint(folder) == (-1, None)
+    assert any("was ever completed: starting from the beginning" in r.getMessage() for r in caplog.records)

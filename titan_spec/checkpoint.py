@@ -9,13 +9,16 @@ load into an optimizer moment; a deleted ``.metadata`` silently resumes an older
 - ``dcp_save`` (every save, the final one included): once DCP has written every file of
   ``step-N`` (all ranks; ``.metadata`` last), the files' sizes and SHA-256 digests go into
   ``step-N/MANIFEST`` (``titan_spec_manifest.json``), written last and atomically (temporary
-  file, fsync, rename, fsync of the folder). A folder without it was never completed.
+  file, fsync, rename, fsync of the folder). A folder without it was never completed (or
+  predates manifests).
   Async saves are sealed when torchtitan waits for them (``_wait_for_saving``).
 - ``_find_load_step`` (resume): the newest ``step-N`` folder is verified against its
-  manifest; one that is incomplete (no manifest) or corrupt (a file missing, of another size
-  or another digest) is reported by name in one line and the previous one is tried. With
-  folders but none verified the run stops (``CheckpointCorrupt``, one line); nothing is
-  skipped silently. An explicit ``checkpoint.load_step`` is verified the same way.
+  manifest; one that is incomplete (neither .metadata nor manifest: DCP never finished it),
+  unsealed (.metadata but no manifest) or corrupt (a listed file missing, of another size or
+  another digest) is reported by name in one line and the previous one is tried. With step
+  folders but none verified the run stops (``CheckpointCorrupt``, one line), unless every one
+  of them is incomplete (nothing was ever saved: it starts from the beginning, saying so);
+  nothing is skipped silently. An explicit ``checkpoint.load_step`` is verified the same way.
 
 Hashing is split over the ranks (file i by rank i mod world) and the results gathered, so
 every rank takes the same decision and no rank reads the whole checkpoint.
@@ -40,6 +43,7 @@ __all__ = ["VerifiedCheckpointManager", "CheckpointCorrupt", "MANIFEST", "choose
 
 MANIFEST = "titan_spec_manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_HALF_WRITTEN = "incomplete"
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -114,8 +118,8 @@ def verify_checkpoint(path: str) -> str | None:
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         if os.path.isfile(os.path.join(path, ".metadata")):
-            return "incomplete (no manifest: its write stopped before it was sealed)"
-        return "incomplete (no .metadata and no manifest: its write was interrupted)"
+            return "unsealed (no manifest: its write stopped before it was sealed, or an older titan_spec wrote it)"
+        return _HALF_WRITTEN + " (no .metadata and no manifest: its write was interrupted)"
     try:
         with open(manifest_path) as f:
             listed = json.load(f)["files"]
@@ -141,15 +145,19 @@ def choose_checkpoint(folder: str) -> tuple[int, str | None]:
     if not os.path.isdir(folder):
         return -1, None
     steps = sorted((int(m.group(1)) for n in os.listdir(folder) if (m := _STEP_DIR.match(n))), reverse=True)
-    rejected = []
+    rejected, stop = [], False
     for step in steps:
         path = os.path.join(folder, f"step-{step}")
         problem = verify_checkpoint(path)
         if problem is None:
             return step, path
         rejected.append(f"step-{step} {problem}")
+        # Only a folder DCP never finished (no .metadata, no manifest) holds nothing to lose.
+        stop = stop or not problem.startswith(_HALF_WRITTEN)
         logger.warning(f"checkpoint {path} is {problem}; not resuming from it, trying the previous one")
-    if rejected:
+    if rejected and not stop:
+        logger.warning(f"no checkpoint in {folder} was ever completed: starting from the beginning")
+    elif rejected:
         raise CheckpointCorrupt(
             f"no verified checkpoint to resume from in {folder}: {', '.join(rejected)}; move the folder "
             "away to start from scratch"

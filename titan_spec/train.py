@@ -65,7 +65,7 @@ from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_i
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_forward_backward, pipeline_spec
 from titan_spec.parallelisms.cp_batch import shard_batch, without_torch_cp
 
-__all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "main"]
+__all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "main", "train_and_close"]
 
 
 def resolve_arch(cfg: TitanSpecConfig, vocab_size: int):
@@ -549,19 +549,27 @@ def main(argv: list[str] | None = None) -> int:
     if check_only:
         return 0
     init_logger()
+    try:
+        return train_and_close(trainer_config)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
+    """Build, train (export, DONE) and close one run; the exit status. A run stopped by the
+    finiteness guard or by a checkpoint it cannot resume from prints one line and returns 1
+    (no DONE: run_train.sh does not treat it as finished)."""
     trainer = None
     try:
         trainer = trainer_config.build()
         trainer.train()
     except (NonFiniteStop, CheckpointCorrupt) as e:
-        # One line; nonzero exit, no DONE (run_train.sh does not treat the run as finished).
         print(f"titan_spec: {e}", file=sys.stderr)
         return 1
     finally:
         if trainer is not None:
             trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     return 0
 
 

@@ -5,7 +5,9 @@ most of a small CPU run's time, are paid once.
 
 JSON: [[override, ...], ...]; each list is a full set of titan_spec CLI arguments
 (--config included). The runs share the process group; each builds its own trainer,
-trains, exports and closes, as ``python -m titan_spec.train`` does. An entry may also be
+trains, exports and closes, as ``python -m titan_spec.train`` does (train_and_close: a run
+stopped by the finiteness guard prints its line, then "train_many: DUMP exit 1", and the next
+run starts). An entry may also be
 {"argv": [...], "env": {...}}: environment variables set for that run only (test hooks
 such as TITAN_SPEC_FAULTS, titan_spec/finite.py).
 """
@@ -19,11 +21,12 @@ import torch
 from torchtitan.tools.logging import init_logger
 
 from titan_spec.config import load_config
-from titan_spec.train import to_trainer_config
+from titan_spec.train import to_trainer_config, train_and_close
 
 
 def main() -> None:
     init_logger()
+    worst = 0
     for argv in json.loads(sys.argv[1]):
         env = {}
         if isinstance(argv, dict):
@@ -33,15 +36,16 @@ def main() -> None:
         i = argv.index("--config")
         path = argv[i + 1]
         cfg = load_config(path, argv[:i] + argv[i + 2:])
-        trainer = to_trainer_config(cfg).build()
         try:
-            trainer.train()
+            rc = train_and_close(to_trainer_config(cfg))
         finally:
-            trainer.close()
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        print(f"train_many: {cfg.job.dump_folder} exit {rc}", flush=True)
+        worst = max(worst, rc)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    sys.exit(worst)  # nonzero when any run stopped
 
 
 if __name__ == "__main__":
