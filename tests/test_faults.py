@@ -293,3 +293,36 @@ def test_every_corrupted_file_is_detected_and_the_previous_checkpoint_chosen(run
     caplog.clear()
     assert choose_checkpoint(folder) == (-1, None)
     assert any("was ever completed: starting from the beginning" in r.getMessage() for r in caplog.records)
+
+
+def test_rl_resume_hint_and_degenerate_reward_warning(caplog):
+    """The RL stop message claims a resume only when a verified checkpoint exists; every group's
+    rewards identical (all advantages 0) for DEGENERATE_WARN_STEPS steps in a row is a warning,
+    and a step with signal resets the count."""
+    from types import SimpleNamespace
+
+    from titan_spec.rl.loop import DEGENERATE_WARN_STEPS, RLTrainer
+
+    none = SimpleNamespace(checkpointer=SimpleNamespace(last_verified=None))
+    assert "no verified checkpoint" in RLTrainer._resume_hint(none)
+    some = SimpleNamespace(checkpointer=SimpleNamespace(last_verified="/x/checkpoint/step-4"))
+    assert RLTrainer._resume_hint(some).endswith("/x/checkpoint/step-4: rerun the same command to resume from it")
+
+    t = SimpleNamespace(parallel_dims=SimpleNamespace(dp_enabled=False), _degenerate_steps=0, step=0)
+    flat = torch.tensor([[1.0, 1.0], [0.0, 0.0]])  # each group identical (rewards differ across groups)
+    signal_ = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+
+    def warnings():
+        return [r for r in caplog.records if "rewards were identical" in r.getMessage()]
+
+    for i in range(DEGENERATE_WARN_STEPS - 1):
+        t.step += 1
+        RLTrainer._warn_if_degenerate(t, flat)
+    RLTrainer._warn_if_degenerate(t, signal_)  # one step with signal: the count starts over
+    for i in range(DEGENERATE_WARN_STEPS - 1):
+        t.step += 1
+        RLTrainer._warn_if_degenerate(t, flat)
+    assert warnings() == []
+    t.step += 1
+    RLTrainer._warn_if_degenerate(t, flat)
+    assert len(warnings()) == 1 and f"for {DEGENERATE_WARN_STEPS} steps in a row" in warnings()[0].getMessage()
