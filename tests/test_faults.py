@@ -94,8 +94,7 @@ def runs(tmp_path_factory):
            ])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     log = out.stdout + out.stderr
-    assert f"train_many: {ref} exit 0" in log and f"train_many: {nan} exit 0" in log, log[-6000:]
-    assert out.returncode == 1 and f"train_many: {stop} exit 1" in log, log[-6000:]
+    assert f"train_many: {ref} exit 0" in log, log[-6000:]  # each test checks its own run's exit
     return {"tmp": tmp, "ref": ref, "nan": nan, "stop": stop, "log": log}
 
 
@@ -103,6 +102,7 @@ def test_nan_gradients_skip_the_step_and_reach_no_weights_or_checkpoint(runs):
     """A NaN in either model's gradient skips that step for it on every rank: after 6 steps with
     steps 2 and 4 skipped, the exported policy and draft equal the 4-step run's bit for bit;
     the skipped rows say so (null + nonfinite flag), and no checkpoint holds a non-finite value."""
+    assert f"train_many: {runs['nan']} exit 0" in runs["log"]
     ref, nan = _rows(runs["ref"]), _rows(runs["nan"])
     assert [r["step"] for r in nan] == list(range(1, 7))
     for name in ("hf", "draft"):
@@ -160,6 +160,7 @@ def test_consecutive_non_finite_steps_stop_the_run_in_one_line(runs):
     line naming the step, the draft and the last good checkpoint; exit 1, no DONE, no export
     (train_and_close, the body of python -m titan_spec.train)."""
     dump = runs["stop"]
+    assert f"train_many: {dump} exit 1" in runs["log"]
     lines = {ln for ln in runs["log"].splitlines() if ln.startswith("titan_spec: stopped")}
     assert len(lines) == 1, lines  # the same line on both ranks
     line = lines.pop()
