@@ -327,3 +327,14 @@ def test_rl_resume_hint_and_degenerate_reward_warning(caplog):
     t.step += 1
     RLTrainer._warn_if_degenerate(t, flat)
     assert len(warnings()) == 1 and f"for {DEGENERATE_WARN_STEPS} steps in a row" in warnings()[0].getMessage()
+
+
+def test_rl_report_skips_null_values(tmp_path):
+    """A metrics row with a non-finite value (null + nonfinite) does not break the RL report."""
+    from titan_spec.rl.report import _mean, _series, read_metrics
+
+    rows = [{"step": 1, "rl/reward": 0.5}, {"step": 2, "rl/reward": None, "nonfinite": ["rl/reward"]},
+            {"step": 3, "rl/reward": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = read_metrics(str(tmp_path))
+    assert _mean(rows, "rl/reward") == 0.75 and _series(rows, "rl/reward") == ([1, 3], [0.5, 1.0])
