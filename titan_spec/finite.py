@@ -71,12 +71,12 @@ def inject_nan_grad(params: list[torch.nn.Parameter]) -> bool:
 
 
 @torch.no_grad()
-def global_grad_norm(params: list[torch.nn.Parameter], pp_mesh=None) -> torch.Tensor:
+def global_grad_norm(params: list[torch.nn.Parameter], device: torch.device, pp_mesh=None) -> torch.Tensor:
     """The 2-norm of all gradients, reduced like torchtitan's clip_grad_norm_ (DTensor
     shards over their mesh, then the pipeline stages), so every rank gets the same value."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
@@ -102,8 +102,9 @@ class StepGuard:
     """Whether the last checked step's loss (not only its gradient norm) was non-finite."""
 
     def check(self, loss: torch.Tensor | None, grad_norm: torch.Tensor, group=None) -> bool:
-        """True when the step may be applied. ``grad_norm`` must already be the global norm;
-        the loss's finiteness is all-reduced over ``group`` (None = no reduction)."""
+        """True when the step may be applied. ``grad_norm`` must already be the global norm
+        (a tensor on the training device); the loss's finiteness is all-reduced over ``group``
+        (None = no reduction)."""
         loss_bad = 0.0 if loss is None else float(not bool(torch.isfinite(loss.detach()).all()))
         flags = torch.tensor([loss_bad, float(not math.isfinite(float(grad_norm)))], dtype=torch.float32)
         if group is not None and dist.is_initialized():

@@ -303,7 +303,7 @@ class SpecTrainer(Trainer):
             params = [p for m in self.model_parts for p in m.parameters()]
             if fault("nan_grad_policy", self.step) and torch.distributed.get_rank() == 0:
                 inject_nan_grad(params)
-            self._pre_clip_norm = global_grad_norm(params, self.parallel_dims.get_optional_mesh("pp"))
+            self._pre_clip_norm = global_grad_norm(params, self.device, self.parallel_dims.get_optional_mesh("pp"))
         # A non-finite loss means the step is skipped; torchtitan's own post-step "Loss is not
         # finite" stop would then end the run although the weights are intact: it sees 0 and
         # the log the true value (_log_jsonl). torch.where: no host sync per microbatch.
@@ -325,8 +325,9 @@ class SpecTrainer(Trainer):
         flags = torch.tensor([
             float(self.guard.consecutive >= self.guard.max_consecutive),
             float(draft_guard is not None and draft_guard.consecutive >= draft_guard.max_consecutive),
-        ])
+        ], device=self.device)  # on the device: NCCL has no CPU tensors
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags = flags.cpu()
         if flags.any():
             last_good = self.checkpointer.last_good() if self.checkpointer.enable else "none (checkpoint.enable = false)"
             for guard, flag in ((self.guard, flags[0]), (draft_guard, flags[1])):
@@ -449,7 +450,7 @@ class SpecTrainer(Trainer):
         """max_loss under context parallelism: the largest mean loss of one data-parallel
         rank's batch, its CP shards pooled (torchtitan divides each shard's loss by the
         token count of the whole unsharded batch, which understates it)."""
-        sums = self._cp_sums.clone()
+        sums = self._cp_sums.to(self.device)
         dist = torch.distributed
         dist.all_reduce(sums, group=self.parallel_dims.get_mesh("cp").get_group())
         mean = (sums[0] / sums[1].clamp(min=1)).reshape(1)

@@ -133,6 +133,7 @@ class RLTrainer(SpecTrainer):
         DEGENERATE_WARN_STEPS steps in a row (collective over the data-parallel ranks)."""
         flat = torch.tensor([float(bool((rewards_PG.amax(1) == rewards_PG.amin(1)).all()))])
         if self.parallel_dims.dp_enabled:
+            flat = flat.to(self.device)  # NCCL has no CPU tensors
             dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=self.parallel_dims.get_mesh("batch").get_group())
         self._degenerate_steps = self._degenerate_steps + 1 if bool(flat) else 0
         if self._degenerate_steps and self._degenerate_steps % DEGENERATE_WARN_STEPS == 0:
