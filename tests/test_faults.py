@@ -79,9 +79,10 @@ def runs(tmp_path_factory):
     """ONE torchrun launch of three runs: the reference (4 steps, no checkpoints); a 6-step run
     with NaN injected into both the policy's and the draft's gradients at steps 2 and 4 (on
     rank 0 only: the other rank's gradients are finite, so skipping on both ranks needs the
-    global decision); a run whose draft gets NaN at steps 2 and 3 (the stop)."""
+    global decision); a run whose draft gets NaN at steps 2 and 3 (the stop); a run at lr 1e30
+    (the issue's case: finite loss, gradient norm overflowing to inf from step 2)."""
     tmp = str(tmp_path_factory.mktemp("faults"))
-    ref, nan, stop = (os.path.join(tmp, n) for n in ("ref", "nan", "stop"))
+    ref, nan, stop, huge = (os.path.join(tmp, n) for n in ("ref", "nan", "stop", "huge"))
     faults = "nan_grad_policy@2,nan_grad_draft@2,nan_grad_policy@4,nan_grad_draft@4"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps([
@@ -91,11 +92,12 @@ def runs(tmp_path_factory):
                          "--checkpoint.interval", "2"], "env": {"TITAN_SPEC_FAULTS": faults}},
                {"argv": ["--config", TOML, *_args(tmp, stop, 5), "--training.max_consecutive_skips", "2"],
                 "env": {"TITAN_SPEC_FAULTS": "nan_grad_draft@2,nan_grad_draft@3"}},
+               {"argv": ["--config", TOML, *_args(tmp, huge, 8), "--optimizer.lr", "1e30"]},
            ])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     log = out.stdout + out.stderr
     assert f"train_many: {ref} exit 0" in log, log[-6000:]  # each test checks its own run's exit
-    return {"tmp": tmp, "ref": ref, "nan": nan, "stop": stop, "log": log}
+    return {"tmp": tmp, "ref": ref, "nan": nan, "stop": stop, "huge": huge, "log": log}
 
 
 def test_nan_gradients_skip_the_step_and_reach_no_weights_or_checkpoint(runs):
@@ -121,12 +123,18 @@ def test_nan_gradients_skip_the_step_and_reach_no_weights_or_checkpoint(runs):
     assert "step 2: the policy gradient norm is not finite" in runs["log"]
     assert "step 4: the draft gradient norm is not finite" in runs["log"]
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     folder = os.path.join(runs["nan"], "checkpoint")
     assert sorted(os.listdir(folder)) == ["step-2", "step-4", "step-6"]  # right after each skip
+    _assert_checkpoints_finite(folder, runs["tmp"])
+
+
+def _assert_checkpoints_finite(folder, tmp):
+    """Every floating tensor of every checkpoint under folder (weights, both optimizers' moments,
+    the draft) is finite, read back through DCP."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     for step in sorted(os.listdir(folder)):
-        out = os.path.join(runs["tmp"], f"{step}.pt")
+        out = os.path.join(tmp, f"{os.path.basename(os.path.dirname(folder))}-{step}.pt")
         dcp_to_torch_save(os.path.join(folder, step), out)
         flat = []
 
@@ -161,13 +169,31 @@ def test_consecutive_non_finite_steps_stop_the_run_in_one_line(runs):
     (train_and_close, the body of python -m titan_spec.train)."""
     dump = runs["stop"]
     assert f"train_many: {dump} exit 1" in runs["log"]
-    lines = {ln for ln in runs["log"].splitlines() if ln.startswith("titan_spec: stopped")}
+    lines = {ln for ln in runs["log"].splitlines() if ln.startswith("titan_spec: stopped") and dump in ln}
     assert len(lines) == 1, lines  # the same line on both ranks
     line = lines.pop()
     assert "step 3" in line and "draft" in line and "policy" not in line, line
     assert line.endswith(os.path.join(dump, "checkpoint", "step-2")), line
     assert not os.path.exists(os.path.join(dump, "DONE")) and not os.path.exists(os.path.join(dump, "hf"))
     assert [r["step"] for r in _rows(dump)] == [1, 2]  # step 3 stopped before its row
+
+
+def test_huge_learning_rate_stops_before_any_non_finite_weight(runs):
+    """lr 1e30: step 1 leaves huge but finite weights, from step 2 the loss stays finite but the
+    gradient norm overflows (clipping alone would scale the gradients to 0 and step on); the
+    guard skips steps 2-4 and stops (default limit 3) naming the policy's gradient norm, with
+    every checkpoint finite and no DONE."""
+    dump = runs["huge"]
+    assert f"train_many: {dump} exit 1" in runs["log"]
+    lines = {ln for ln in runs["log"].splitlines() if ln.startswith("titan_spec: stopped") and dump in ln}
+    assert lines == {f"titan_spec: stopped at step 4: the policy gradient norm was not finite for 3 consecutive "
+                     f"steps (training.max_consecutive_skips = 3); last good checkpoint: "
+                     f"{os.path.join(dump, 'checkpoint', 'step-3')}"}, lines
+    rows = _rows(dump)
+    assert [r["grad_norm"] is None for r in rows] == [False, True, True]
+    assert all(r["loss"] is not None for r in rows)
+    assert not os.path.exists(os.path.join(dump, "DONE"))
+    _assert_checkpoints_finite(os.path.join(dump, "checkpoint"), runs["tmp"])
 
 
 def _same_rows(rows, ref):
