@@ -566,7 +566,9 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
         trainer = trainer_config.build()
         trainer.train()
     except (NonFiniteStop, CheckpointCorrupt) as e:
-        print(f"titan_spec: {e}", file=sys.stderr)
+        # One write: the line of each rank stays whole even with unbuffered stderr.
+        sys.stderr.write(f"titan_spec: {e}\n")
+        sys.stderr.flush()
         return 1
     finally:
         if trainer is not None:

@@ -41,7 +41,8 @@ def main() -> None:
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        print(f"train_many: {cfg.job.dump_folder} exit {rc}", flush=True)
+        sys.stdout.write(f"train_many: {cfg.job.dump_folder} exit {rc}\n")  # one write per rank: lines stay whole
+        sys.stdout.flush()
         worst = max(worst, rc)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
