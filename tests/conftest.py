@@ -29,16 +29,18 @@ def run_train(
 
 
 def train_many(
-    nproc: int, runs: list[tuple[str, tuple[str, ...]]], timeout: int = 600, config: str = "debug_cpu_pp.toml"
+    nproc: int, runs: list[tuple], timeout: int = 600, config: str = "debug_cpu_pp.toml"
 ) -> list[list[dict]]:
-    """Several runs (dump folder, overrides) of train_configs/``config`` in ONE torchrun launch
-    of nproc processes (tests/helpers/train_many.py); returns each run's metrics.jsonl rows."""
+    """Several runs (dump folder, overrides[, env]) of train_configs/``config`` in ONE torchrun
+    launch of nproc processes (tests/helpers/train_many.py); returns each run's metrics.jsonl
+    rows. ``env``: environment variables for that run only."""
     base = [
         "--config", os.path.join(ROOT, "train_configs", config), "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard", "false", "--training.seq_len", "128", "--training.local_batch_size", "4",
         "--lr_scheduler.warmup_steps", "2",
     ]
-    argvs = [[*base, "--job.dump_folder", dump, *overrides] for dump, overrides in runs]
+    argvs = [{"argv": [*base, "--job.dump_folder", run[0], *run[1]], "env": run[2] if len(run) > 2 else {}}
+             for run in runs]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps(argvs),
@@ -48,8 +50,8 @@ def train_many(
     if out.returncode != 0:
         raise AssertionError(f"training failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
     rows = []
-    for dump, _ in runs:
-        with open(os.path.join(dump, "metrics.jsonl")) as f:
+    for run in runs:
+        with open(os.path.join(run[0], "metrics.jsonl")) as f:
             rows.append([json.loads(line) for line in f])
     return rows
 

@@ -175,7 +175,10 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
 
     worker.main._generate_batch = dead
     worker._rebuild = lambda: _dead_engine(worker)
-    with pytest.raises(RuntimeError, match=r"failed 2 time\(s\).*last checkpoint is intact"):
+    # The stop message says what a rerun does as the trainer knows it (RLTrainer._resume_hint:
+    # "resume from" only when a verified checkpoint exists), never a blanket claim.
+    worker.resume_hint = lambda: "no verified checkpoint exists yet: a rerun starts from the beginning"
+    with pytest.raises(RuntimeError, match=r"failed 2 time\(s\).*stops here; no verified checkpoint exists yet"):
         worker.generate(prompts, sp)
     # The baselines run the same prompts with the frozen draft and without speculation.
     base = worker.baselines(prompts, sp)

@@ -36,7 +36,8 @@ except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig
+from torchtitan.config import TrainingConfig as _TorchtitanTrainingConfig
 from torchtitan.tools.logging import logger as tt_logger
 from torchtitan.tools.profiler import Profiler
 
@@ -57,6 +58,16 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------
 # titan_spec's own sections
 # ---------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig(_TorchtitanTrainingConfig):
+    """torchtitan's [training] section plus titan_spec's own keys."""
+
+    max_consecutive_skips: int = 3
+    """A step whose policy or draft loss or gradient norm is not finite is skipped (no
+    optimizer step, counted as skipped_steps / draft/skipped_steps); after this many skips
+    in a row the run stops, naming the step, the loss and the last good checkpoint."""
 
 
 @dataclass(kw_only=True)
@@ -458,6 +469,7 @@ class TitanSpecConfig:
         _check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
         _check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, ">= 1")
         _check(t.max_norm > 0, "training.max_norm", t.max_norm, "> 0")
+        _check(t.max_consecutive_skips >= 1, "training.max_consecutive_skips", t.max_consecutive_skips, ">= 1")
         _check(self.metrics.log_freq >= 1, "metrics.log_freq", self.metrics.log_freq, ">= 1")
         _check(self.checkpoint.interval >= 1, "checkpoint.interval", self.checkpoint.interval, ">= 1")
         if self.checkpoint.enable:

@@ -5,7 +5,9 @@ SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
     loss(taps, logits, ...)   TTT loss from the policy forward's detached taps and logits,
                               normalized by normalizer(): the trainable rows of the whole
                               step (all microbatches, all data-parallel ranks)
-    step()                    the draft's own clipping, AdamW step and LR schedule
+    step(k)                   the draft's own clipping, finiteness guard (titan_spec/finite.py:
+                              a non-finite draft loss or gradient norm skips the AdamW step),
+                              AdamW step and LR schedule
 
 The draft is small and is trained data-parallel with the policy: FSDP2 over the same
 mesh, dp_shard x cp (sum-reduced; the loss is already normalized by the global count).
@@ -31,6 +33,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from titan_spec import platform
 from titan_spec.config import DraftConfig
+from titan_spec.finite import StepGuard, fault, inject_nan_grad
 from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping
 from titan_spec.models.draft_io import load_draft_into, save_draft
 from titan_spec.models.target import Taps
@@ -69,6 +72,7 @@ class DraftTraining(Stateful):
         training_steps: int,
         token_counts_V: torch.Tensor | None,
         seed: int,
+        max_consecutive_skips: int = 3,
     ):
         self.cfg = cfg
         draft = initial_draft(cfg, arch, token_counts_V, seed)
@@ -85,6 +89,8 @@ class DraftTraining(Stateful):
         self.scheduler = lr_scheduler_cfg.build(optimizers=[self.optimizer], training_steps=training_steps)
         self._acc: dict[str, torch.Tensor] = {}
         self.last_grad_norm = 0.0
+        self.guard = StepGuard("draft", max_consecutive_skips)
+        self._step_loss: torch.Tensor | None = None  # this step's draft loss (all microbatches)
 
     # --- per step ----------------------------------------------------------------------
 
@@ -135,17 +141,35 @@ class DraftTraining(Stateful):
             self.cfg.loss_decay, count_S,
         )
         self._accumulate(result)
+        loss = result.loss.detach()
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         return result
 
-    def step(self) -> None:
+    def step(self, step: int = 0) -> bool:
+        """Clip, then apply the AdamW step unless the step's draft loss or its (global)
+        gradient norm is not finite; the LR schedule advances either way. Returns whether
+        the step was applied (the same on every rank of the draft's mesh)."""
         params = [p for p in self.draft.parameters()]
+        if fault("nan_grad_draft", step) and (self.dp_mesh is None or self.dp_mesh.get_local_rank() == 0):
+            inject_nan_grad(params)
+        # torchtitan's clip returns the pre-clip norm, all-reduced over the draft's mesh.
         norm = clip_grad_norm_(params, self.cfg.max_norm, foreach=True)
-        self.last_grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        self.optimizer.step()
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.last_grad_norm = float(norm)
+        group = self.dp_mesh.get_group() if self.dp_mesh is not None else None
+        ok = self.guard.check(self._step_loss, norm, group)
+        self._step_loss = None
+        if ok:
+            self.optimizer.step()
+        else:
+            self.guard.log_skip(step)
+            self.zero_grad()
         self.scheduler.step()
+        return ok
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self._step_loss = None
 
     # --- metrics -----------------------------------------------------------------------
 
@@ -164,7 +188,8 @@ class DraftTraining(Stateful):
         loss_sum, count, correct = stacked.cpu()
         self._acc = {}
         n = count.clamp(min=1)
-        out = {"draft/grad_norm": self.last_grad_norm, "draft/lr": self.scheduler.schedulers[0].get_last_lr()[0]}
+        out = {"draft/grad_norm": self.last_grad_norm, "draft/lr": self.scheduler.schedulers[0].get_last_lr()[0],
+               "draft/skipped_steps": self.guard.skipped}
         out["draft/loss"] = float((loss_sum / n).mean())
         for j in range(len(count)):
             out[f"draft/acc_{j}"] = float(correct[j] / n[j])
@@ -181,12 +206,14 @@ class DraftTraining(Stateful):
             "model": get_model_state_dict(self.draft),
             "optim": get_optimizer_state_dict(self.draft, self.optimizer),
             "lr": self.scheduler.state_dict(),
+            "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         set_model_state_dict(self.draft, sd["model"])
         set_optimizer_state_dict(self.draft, self.optimizer, sd["optim"])
         self.scheduler.load_state_dict(sd["lr"])
+        self.guard.load_state_dict(sd["guard"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The draft's full tensors by export name, on every rank (collective under FSDP)."""

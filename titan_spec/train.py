@@ -13,13 +13,17 @@ each capability titan_spec adds hooks in at one of the parent's seams:
   detached taps and logits also give the draft's TTT loss (draft_training.py);
 - ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
   stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
-- ``train_step`` / the policy optimizer's step post-hook: the draft's optimizer steps
-  right after the policy's (its own clipping and schedule);
+- ``forward_backward_step`` / ``optimizers.step`` (wrapped): the finiteness guard
+  (titan_spec/finite.py): a step whose policy or draft loss or gradient norm is not finite
+  is skipped for that model and counted; the draft's optimizer steps right after the
+  policy's (its own clipping, guard and schedule);
 - ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
   sharded over the cp ranks (parallelisms/cp_batch.py);
 - ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
   rank's token count goes under its own key);
-- ``extra_metrics``: the draft's loss and per-step accuracy join the step's metrics.
+- ``extra_metrics``: the draft's loss and per-step accuracy join the step's metrics;
+- ``checkpoint``: torchtitan's DCP checkpointer with an integrity manifest
+  (titan_spec/checkpoint.py); metrics.jsonl rows are strict JSON (``_log_jsonl``).
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
 -> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
@@ -33,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -40,7 +45,7 @@ from typing import Any
 
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
-from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
@@ -50,7 +55,9 @@ from torchtitan.trainer import Trainer
 from titan_spec import platform
 from titan_spec.config import ConfigError, TitanSpecConfig, load_config
 from titan_spec.data import CharTokenizer, TaskDataLoader
+from titan_spec.checkpoint import CheckpointCorrupt, VerifiedCheckpointManager
 from titan_spec.draft_training import DraftTraining, under_dump_folder
+from titan_spec.finite import NonFiniteStop, StepGuard, fault, global_grad_norm, inject_nan_grad
 from titan_spec.models.attention import DocCausalAttention
 from titan_spec.models.draft import DraftArch
 from titan_spec.models.hf_io import check_hf_weights, load_hf_into, read_hf_arch, save_hf
@@ -59,7 +66,7 @@ from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_i
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_forward_backward, pipeline_spec
 from titan_spec.parallelisms.cp_batch import shard_batch, without_torch_cp
 
-__all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "validate_run", "plan_runs", "main"]
+__all__ = ["SpecTrainer", "to_trainer_config", "resolve_arch", "validate_run", "plan_runs", "main", "train_and_close"]
 
 
 @dataclass(frozen=True)
@@ -240,7 +247,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         lr_scheduler=cfg.lr_scheduler,
         training=training,
         parallelism=cfg.parallelism,
-        checkpoint=cfg.checkpoint,
+        checkpoint=VerifiedCheckpointManager.from_config(cfg.checkpoint),
         activation_checkpoint=ac,
         compile=cfg.compile,
         comm=cfg.comm,
@@ -285,12 +292,20 @@ class SpecTrainer(Trainer):
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
         self.draft_training = self._build_draft_training() if spec.draft.enable and on_draft_stage else None
-        if self.draft_training is not None:
-            # The draft's optimizer steps right after the policy's (its own clipping and
-            # schedule), inside torchtitan's train_step, so the step's metrics include it.
-            self.optimizers.register_step_post_hook(lambda *_: self.draft_training.step())
-            if self.parallel_dims.pp_enabled:
-                self.pp_schedule.titan_spec_loss.attach_draft(self.draft_training, spec.draft.loss_weight)
+        if self.draft_training is not None and self.parallel_dims.pp_enabled:
+            self.pp_schedule.titan_spec_loss.attach_draft(self.draft_training, spec.draft.loss_weight)
+        # torchtitan's train_step calls optimizers.step() right after its clip: the guarded
+        # step applies (or skips) the policy's step, then the draft's (its own clipping,
+        # guard and schedule), inside train_step, so the step's metrics include both.
+        self.guard = StepGuard("policy", config.training.max_consecutive_skips)
+        self._policy_step = self.optimizers.step
+        self.optimizers.step = self._guarded_step
+        self._fb_calls = 0
+        self._step_loss: torch.Tensor | None = None
+        self._pre_clip_norm: torch.Tensor | None = None
+        self._loss_was_finite = True
+        self._cp_sums = torch.zeros(2, dtype=torch.float64)  # CP: this shard's [loss sum, valid tokens]
+        self._metrics_trimmed = False
 
     def _build_draft_training(self) -> DraftTraining:
         spec, pd = self.config.spec, self.parallel_dims
@@ -311,12 +326,71 @@ class SpecTrainer(Trainer):
             training_steps=self.config.training.steps,
             token_counts_V=counts,
             seed=self.config.debug.seed or 0,
+            max_consecutive_skips=self.config.training.max_consecutive_skips,
         )
 
     def train_step(self, data_iterator):
+        if not self._metrics_trimmed:
+            # The first step of this process (after any checkpoint load): rows of later
+            # steps come from an interrupted earlier attempt and are written again now.
+            self._trim_metrics(self.step - 1)  # train() has already counted this step
+            self._metrics_trimmed = True
         if self.draft_training is not None:
             self.draft_training.zero_grad()
+        self._fb_calls, self._step_loss, self._pre_clip_norm = 0, None, None
+        self._cp_sums.zero_()
         super().train_step(data_iterator)
+
+    # --- the finiteness guard (titan_spec/finite.py) ----------------------------------------
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        loss = loss.detach()
+        self._step_loss = loss.clone() if self._step_loss is None else self._step_loss + loss
+        if self.parallel_dims.cp_enabled:
+            self._cp_sums[0] += float(loss.sum()) * float(global_valid_tokens)
+        self._fb_calls += 1
+        if self._fb_calls == self.gradient_accumulation_steps:
+            # The gradients of the step are complete: its global pre-clip norm decides, with
+            # the loss, whether the optimizer step is applied (torchtitan's clip comes next).
+            params = [p for m in self.model_parts for p in m.parameters()]
+            if fault("nan_grad_policy", self.step) and torch.distributed.get_rank() == 0:
+                inject_nan_grad(params)
+            self._pre_clip_norm = global_grad_norm(params, self.device, self.parallel_dims.get_optional_mesh("pp"))
+        # A non-finite loss means the step is skipped; torchtitan's own post-step "Loss is not
+        # finite" stop would then end the run although the weights are intact: it sees 0 and
+        # the log the true value (_log_jsonl). torch.where: no host sync per microbatch.
+        return torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss))
+
+    def _guarded_step(self) -> None:
+        """optimizers.step() as torchtitan's train_step calls it, after its clip."""
+        ok = self.guard.check(self._step_loss, self._pre_clip_norm, torch.distributed.group.WORLD)
+        self._loss_was_finite = not self.guard.last_loss_bad
+        if ok:
+            self._policy_step()
+        else:
+            self.guard.log_skip(self.step)
+            self.optimizers.zero_grad(set_to_none=True)
+        if self.draft_training is not None:
+            self.draft_training.step(self.step)
+        # Stop on every rank together (under PP the draft lives on the last stage only).
+        draft_guard = self.draft_training.guard if self.draft_training is not None else None
+        flags = torch.tensor([
+            float(self.guard.consecutive >= self.guard.max_consecutive),
+            float(draft_guard is not None and draft_guard.consecutive >= draft_guard.max_consecutive),
+        ], device=self.device)  # on the device: NCCL has no CPU tensors
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags = flags.cpu()
+        if flags.any():
+            last_good = self.checkpointer.last_good() if self.checkpointer.enable else "none (checkpoint.enable = false)"
+            for guard, flag in ((self.guard, flags[0]), (draft_guard, flags[1])):
+                if flag and guard is not None:
+                    guard.maybe_stop(self.step, last_good)
+            which = "policy" if flags[0] else "draft"
+            raise NonFiniteStop(
+                f"stopped at step {self.step}: the {which} loss or gradient norm was not finite for "
+                f"{self.config.training.max_consecutive_skips} consecutive steps; last good checkpoint: {last_good}"
+            )
 
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
         """ONE forward of the policy; its detached taps and logits also train the draft."""
@@ -348,6 +422,7 @@ class SpecTrainer(Trainer):
         # ONE copy of a plain value that every rank saves under the same key, so each rank's
         # count goes under its own key.
         sd[_ntokens_key()] = sd.pop("ntokens_seen")
+        sd["guard"] = self.guard.state_dict()
         if self.draft_training is not None:
             sd["draft"] = self.draft_training.state_dict()
         return sd
@@ -356,6 +431,7 @@ class SpecTrainer(Trainer):
         state_dict = dict(state_dict)
         state_dict["ntokens_seen"] = state_dict.pop(_ntokens_key())
         super().load_state_dict(state_dict)
+        self.guard.load_state_dict(state_dict["guard"])
         if self.draft_training is not None and "draft" in state_dict:
             self.draft_training.load_state_dict(state_dict["draft"])
 
@@ -380,29 +456,73 @@ class SpecTrainer(Trainer):
             self.draft_training.export(path)
             logger.info(f"Exported the draft (SGLang LlamaForCausalLMEagle3 format) to {path}")
 
-    def _log_jsonl(self, log):
-        """Wrap MetricsProcessor.log to also append full-precision metrics to metrics.jsonl."""
-        path = os.path.join(self.config.dump_folder, "metrics.jsonl")
+    def _metrics_writer(self) -> bool:
         # The first rank of the last pipeline stage sees the loss (torchtitan's loss-visible rank).
         pd = self.parallel_dims
-        writer = (pd.world_size // pd.pp) * (pd.pp - 1)
+        return torch.distributed.get_rank() == (pd.world_size // pd.pp) * (pd.pp - 1)
+
+    def _trim_metrics(self, last_step: int) -> None:
+        """Keep the metrics.jsonl rows of steps <= last_step (the steps this run does not
+        redo) and drop a torn last line, so a resumed run writes each step's row once."""
+        path = os.path.join(self.config.dump_folder, "metrics.jsonl")
+        if not self._metrics_writer() or not os.path.exists(path):
+            return
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+                if row.get("step", 0) <= last_step:
+                    kept.append(json.dumps(row, allow_nan=False) + "\n")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+    def _log_jsonl(self, log):
+        """Wrap MetricsProcessor.log to also append full-precision metrics to metrics.jsonl:
+        one strict-JSON row per logged step; a non-finite value is written as null and named
+        in the row's ``nonfinite`` list."""
+        path = os.path.join(self.config.dump_folder, "metrics.jsonl")
 
         def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
             extra_metrics = {**(extra_metrics or {}), **self.extra_metrics()}
+            if not self._loss_was_finite:  # the guard saw a non-finite loss; torchtitan was shown 0
+                global_avg_loss = global_max_loss = float("nan")
+            elif self.parallel_dims.cp_enabled:
+                global_max_loss = self._cp_max_loss()
             log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-            if torch.distributed.get_rank() == writer:
+            if self._metrics_writer():
                 row = {"step": step, "loss": global_avg_loss, "max_loss": global_max_loss, "grad_norm": grad_norm}
                 row.update({k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))})
+                bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+                row.update({k: None for k in bad})
+                if bad:
+                    row["nonfinite"] = bad
                 with open(path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                    f.write(json.dumps(row, allow_nan=False) + "\n")
 
         return logged
+
+    def _cp_max_loss(self) -> float:
+        """max_loss under context parallelism: the largest mean loss of one data-parallel
+        rank's batch, its CP shards pooled (torchtitan divides each shard's loss by the
+        token count of the whole unsharded batch, which understates it)."""
+        sums = self._cp_sums.to(self.device)
+        dist = torch.distributed
+        dist.all_reduce(sums, group=self.parallel_dims.get_mesh("cp").get_group())
+        mean = (sums[0] / sums[1].clamp(min=1)).reshape(1)
+        if self.parallel_dims.dp_enabled:
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=self.parallel_dims.get_mesh("batch").get_group())
+        return float(mean)
 
     def extra_metrics(self) -> dict[str, float]:
         """Metrics of the step besides torchtitan's (collective: every rank calls it)."""
         if self.draft_training is None:
-            return {}
-        out = self.draft_training.metrics()
+            return {"skipped_steps": self.guard.skipped}
+        out = {"skipped_steps": self.guard.skipped, **self.draft_training.metrics()}
         if self.parallel_dims.pp_enabled:  # taps of the last step, counted by microbatch tag
             out["pp/taps_delivered"] = self.pp_schedule.titan_spec_loss.channel.received
         return out
@@ -412,6 +532,7 @@ class SpecTrainer(Trainer):
             # Zigzag-shard for the ring (parallelisms/cp_batch.py), not torch's CP input split.
             inputs, labels, extra = shard_batch(input_dict, labels, self.parallel_dims.get_mesh("cp"))
             self.ntokens_seen += extra["attention_masks"].num_real_rows()
+            self._cp_sums[1] += float((labels != IGNORE_INDEX).sum())  # this shard's targets (max_loss)
             return inputs, labels, extra
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         attn = self.model_config.first_attention
@@ -514,15 +635,29 @@ def main(argv: list[str] | None = None) -> int:
     if check_only:
         return 0
     init_logger()
+    try:
+        return train_and_close(trainer_config)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
+    """Build, train (export, DONE) and close one run; the exit status. A run stopped by the
+    finiteness guard or by a checkpoint it cannot resume from prints one line and returns 1
+    (no DONE: run_train.sh does not treat it as finished)."""
     trainer = None
     try:
         trainer = trainer_config.build()
         trainer.train()
+    except (NonFiniteStop, CheckpointCorrupt) as e:
+        # One write: the line of each rank stays whole even with unbuffered stderr.
+        sys.stderr.write(f"titan_spec: {e}\n")
+        sys.stderr.flush()
+        return 1
     finally:
         if trainer is not None:
             trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     return 0
 
 

@@ -5,10 +5,15 @@ most of a small CPU run's time, are paid once.
 
 JSON: [[override, ...], ...]; each list is a full set of titan_spec CLI arguments
 (--config included). The runs share the process group; each builds its own trainer,
-trains, exports and closes, as ``python -m titan_spec.train`` does.
+trains, exports and closes, as ``python -m titan_spec.train`` does (train_and_close: a run
+stopped by the finiteness guard prints its line, then "train_many: DUMP exit 1", and the next
+run starts). An entry may also be
+{"argv": [...], "env": {...}}: environment variables set for that run only (test hooks
+such as TITAN_SPEC_FAULTS, titan_spec/finite.py).
 """
 
 import json
+import os
 import sys
 import time
 
@@ -18,7 +23,7 @@ import torchtitan.trainer
 from torchtitan.tools.logging import init_logger
 
 from titan_spec.config import load_config
-from titan_spec.train import to_trainer_config
+from titan_spec.train import to_trainer_config, train_and_close
 
 
 class _NoEndSleep:
@@ -36,17 +41,27 @@ class _NoEndSleep:
 def main() -> None:
     init_logger()
     torchtitan.trainer.time = _NoEndSleep()
+    worst = 0
     for argv in json.loads(sys.argv[1]):
+        env = {}
+        if isinstance(argv, dict):
+            argv, env = argv["argv"], argv.get("env", {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         i = argv.index("--config")
         path = argv[i + 1]
         cfg = load_config(path, argv[:i] + argv[i + 2:])
-        trainer = to_trainer_config(cfg).build()
         try:
-            trainer.train()
+            rc = train_and_close(to_trainer_config(cfg))
         finally:
-            trainer.close()
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        sys.stdout.write(f"train_many: {cfg.job.dump_folder} exit {rc}\n")  # one write per rank: lines stay whole
+        sys.stdout.flush()
+        worst = max(worst, rc)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    sys.exit(worst)  # nonzero when any run stopped
 
 
 if __name__ == "__main__":

@@ -234,6 +234,16 @@ def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.
     write_safetensors_dir(path, hf_sd, cfg)
 
 
+def _publish(path: str) -> None:
+    """World-readable like any directory the run makes (mkdtemp makes 0700): the umask's
+    modes, 0755 / 0644 under the usual umask 022."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+    for name in os.listdir(path):
+        os.chmod(os.path.join(path, name), 0o666 & ~umask)
+
+
 def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
     """``config.json`` + ``model.safetensors`` written to a temporary sibling directory
     that replaces ``path`` only when complete: an interrupted write leaves the old
@@ -245,6 +255,7 @@ def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: d
         save_file(tensors, os.path.join(tmp, _SINGLE), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        _publish(tmp)
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -44,6 +44,9 @@ from titan_spec.train import SpecTrainer
 __all__ = ["RLTrainer", "CoTrainingLoss", "co_training_loss", "token_logprobs"]
 
 _VALUES = ("behaviour_logp", "advantages")
+DEGENERATE_WARN_STEPS = 5
+"""Steps in a row in which every group's rewards are identical (all advantages 0, so the
+policy gradient is 0: nothing is learned) before a warning, repeated every as many steps."""
 
 
 def token_logprobs(logits_BLV: torch.Tensor, labels_BL: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -113,9 +116,32 @@ class RLTrainer(SpecTrainer):
                 counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, config.arch.vocab_size)
             draft = initial_draft(spec.draft, config.draft_arch, counts, config.debug.seed or 0)
         self.worker = RolloutWorker(spec, config.arch, self.device, draft)
+        self.worker.resume_hint = self._resume_hint
+        self._degenerate_steps = 0
         self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
         self._rl: dict[str, Any] = {}
         self._values: dict[str, torch.Tensor] = {}
+
+    def _resume_hint(self) -> str:
+        last = self.checkpointer.last_verified
+        if last is None:
+            return "no verified checkpoint exists yet: a rerun starts from the beginning"
+        return f"its last verified checkpoint is {last}: rerun the same command to resume from it"
+
+    def _warn_if_degenerate(self, rewards_PG: torch.Tensor) -> None:
+        """A logged warning when no group on any rank has two different rewards for
+        DEGENERATE_WARN_STEPS steps in a row (collective over the data-parallel ranks)."""
+        flat = torch.tensor([float(bool((rewards_PG.amax(1) == rewards_PG.amin(1)).all()))])
+        if self.parallel_dims.dp_enabled:
+            flat = flat.to(self.device)  # NCCL has no CPU tensors
+            dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=self.parallel_dims.get_mesh("batch").get_group())
+        self._degenerate_steps = self._degenerate_steps + 1 if bool(flat) else 0
+        if self._degenerate_steps and self._degenerate_steps % DEGENERATE_WARN_STEPS == 0:
+            logger.warning(
+                f"step {self.step}: every group's rewards were identical for {self._degenerate_steps} steps in a row "
+                f"(reward {float(rewards_PG.mean()):g}): all advantages are 0 and the policy gradient is zero; "
+                "the task may be too hard or too easy for the policy, or the policy has collapsed"
+            )
 
     def _build_draft_training(self):
         # A frozen-draft run (draft.co_train = false) serves rollouts with the draft but never trains it.
@@ -160,6 +186,7 @@ class RLTrainer(SpecTrainer):
             rewards = [exact_match_reward(tok.decode(r.output_ids), problems[i // rl.group_size].answer)
                        for i, r in enumerate(rollouts)]
             rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), rl.group_size)
+            self._warn_if_degenerate(rewards_PG)
             adv = group_advantages(rewards_PG, rl.scale_advantages).reshape(-1).tolist()
             docs = [
                 Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids),

@@ -23,7 +23,7 @@ def read_metrics(dump_folder: str) -> list[dict]:
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if key in r]
+    vals = [r[key] for r in rows if r.get(key) is not None]  # null: a non-finite value (nonfinite)
     return sum(vals) / len(vals) if vals else None
 
 
@@ -84,7 +84,7 @@ def _plot(path: str, title: str, ylabel: str, series: list[tuple[str, list[int],
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if key in r]
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,9 @@ class RolloutWorker:
     ):
         """``draft``: the draft before RL (unsharded; None without speculation)."""
         self.cfg = cfg
+        # What a rerun would do, for the stop message; the trainer sets it (only it knows
+        # whether a verified checkpoint exists).
+        self.resume_hint: Callable[[], str] = lambda: "whether a checkpoint exists to resume from is unknown here"
         spec = cfg.speculative.enabled and draft is not None
         self.co_train = spec and cfg.draft.co_train
         self.frozen = self.nospec = None
@@ -126,7 +130,7 @@ class RolloutWorker:
                 if attempt == retries:
                     raise RuntimeError(
                         f"the rollout engine failed {retries + 1} time(s) in a row (last: {type(e).__name__}: {e}); "
-                        "the run stops here and its last checkpoint is intact: rerun the same command to resume"
+                        f"the run stops here; {self.resume_hint()}"
                     ) from e
                 logger.warning(f"rollout engine failed ({type(e).__name__}: {e}); rebuilding it and retrying")
                 if self._rebuild is not None:

@@ -1,0 +1,144 @@
+"""The finiteness guard of every optimizer step (policy and draft), and the test hook that
+injects faults.
+
+A step whose loss or gradient norm is not finite never reaches the weights or the optimizer
+state: ``StepGuard.check`` decides, the caller then skips ``optimizer.step()`` and zeroes the
+gradients. A skipped step is otherwise a normal step: its batch is consumed, the step counter
+and the LR schedule advance (so step numbers, checkpoints, data order and LRs stay aligned with
+a run where nothing went wrong, and a resumed run sees the same batches). Adam's own step count
+does not advance, so its bias correction is exactly that of a run without the skipped step.
+
+The decision is the same on every rank: the gradient norm is the global one (all-reduced over
+the data-parallel and pipeline meshes, as torchtitan's clip computes it) and the loss flag is
+all-reduced (MAX) over the given process group, so one rank's NaN skips the step everywhere.
+After ``max_consecutive`` skips in a row the run stops with ``NonFiniteStop`` (one line naming
+the step, which loss and the last good checkpoint).
+
+Test hook (fault injection): the environment variable ``TITAN_SPEC_FAULTS``, read ONLY by
+``fault()`` here, is a comma-separated list of ``name@step`` entries, e.g.
+``nan_grad_policy@3,nan_grad_draft@3,kill_in_checkpoint@4``:
+
+    nan_grad_policy@k     a NaN in one gradient element of the policy at step k (global rank 0)
+    nan_grad_draft@k      a NaN in one gradient element of the draft at step k (its first rank)
+    kill_in_checkpoint@k  SIGKILL this process while the step-k checkpoint is being written
+                          (after DCP wrote its files, before the integrity manifest)
+
+It exists for tests/test_faults.py; a run without the variable is unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torchtitan.tools.logging import logger
+
+__all__ = ["StepGuard", "NonFiniteStop", "fault", "global_grad_norm", "inject_nan_grad"]
+
+FAULTS_ENV = "TITAN_SPEC_FAULTS"
+
+
+class NonFiniteStop(RuntimeError):
+    """The run stops: too many consecutive non-finite steps (the message is one line)."""
+
+
+def fault(name: str, step: int) -> bool:
+    """Whether the test hook ``TITAN_SPEC_FAULTS`` asks for fault ``name`` at ``step``."""
+    for entry in os.environ.get(FAULTS_ENV, "").split(","):
+        entry = entry.strip()
+        if entry and "@" in entry:
+            n, s = entry.split("@", 1)
+            if n == name and s.strip() == str(step):
+                return True
+    return False
+
+
+def inject_nan_grad(params: list[torch.nn.Parameter]) -> bool:
+    """Set the first element of the first non-empty local gradient to NaN (test hook)."""
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        local = g.to_local() if isinstance(g, DTensor) else g
+        if local.numel():
+            local.view(-1)[0] = float("nan")
+            return True
+    return False
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[torch.nn.Parameter], device: torch.device, pp_mesh=None) -> torch.Tensor:
+    """The 2-norm of all gradients, reduced like torchtitan's clip_grad_norm_ (DTensor
+    shards over their mesh, then the pipeline stages), so every rank gets the same value."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_mesh is not None:
+        norm = norm**2
+        dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+        norm = norm**0.5
+    return norm
+
+
+@dataclass
+class StepGuard:
+    """Counts skipped steps of one model ("policy" or "draft") and decides each step."""
+
+    name: str
+    max_consecutive: int
+    skipped: int = 0
+    """Steps skipped so far (cumulative, checkpointed)."""
+    consecutive: int = 0
+    """Skips in a row up to the last step (reset by a good step)."""
+    last_reason: str = field(default="", repr=False)
+    last_loss_bad: bool = field(default=False, repr=False)
+    """Whether the last checked step's loss (not only its gradient norm) was non-finite."""
+
+    def check(self, loss: torch.Tensor | None, grad_norm: torch.Tensor, group=None) -> bool:
+        """True when the step may be applied. ``grad_norm`` must already be the global norm
+        (a tensor on the training device); the loss's finiteness is all-reduced over ``group``
+        (None = no reduction)."""
+        loss_bad = 0.0 if loss is None else float(not bool(torch.isfinite(loss.detach()).all()))
+        flags = torch.tensor([loss_bad, float(not math.isfinite(float(grad_norm)))], dtype=torch.float32)
+        if group is not None and dist.is_initialized():
+            flags = flags.to(grad_norm.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        loss_bad, norm_bad = (bool(v) for v in flags.cpu().tolist())
+        self.last_loss_bad = loss_bad
+        if not (loss_bad or norm_bad):
+            self.consecutive = 0
+            return True
+        self.skipped += 1
+        self.consecutive += 1
+        what = " and ".join(w for w, bad in ((f"{self.name} loss", loss_bad), (f"{self.name} gradient norm", norm_bad)) if bad)
+        self.last_reason = what
+        return False
+
+    def skip_message(self, step: int) -> str:
+        return (f"step {step}: the {self.last_reason} is not finite; the {self.name} optimizer step is skipped "
+                f"({self.consecutive} in a row, {self.skipped} in all)")
+
+    def maybe_stop(self, step: int, last_good: str) -> None:
+        """Raise NonFiniteStop when the consecutive skips reach the limit."""
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteStop(
+                f"stopped at step {step}: the {self.last_reason} was not finite for {self.consecutive} "
+                f"consecutive steps (training.max_consecutive_skips = {self.max_consecutive}); "
+                f"last good checkpoint: {last_good}"
+            )
+
+    def log_skip(self, step: int) -> None:
+        logger.warning(self.skip_message(step))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.skipped, self.consecutive = int(sd["skipped"]), int(sd["consecutive"])
