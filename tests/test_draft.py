@@ -132,19 +132,7 @@ def test_export_import_round_trip_and_exact_format(tmp_path):
     assert sorted(os.listdir(tmp_path / "draft")) == ["config.json", "model.safetensors"]
     tensors = load_file(tmp_path / "draft" / "model.safetensors")
     assert sorted(tensors) == sorted(EXPORT_KEYS)
-    a = ARCH
-    shapes = {
-        "fc.weight": (a.hidden, 3 * a.target_hidden),
-        "midlayer.self_attn.q_proj.weight": (a.n_heads * a.head_dim, 2 * a.hidden),
-        "midlayer.self_attn.k_proj.weight": (a.n_kv_heads * a.head_dim, 2 * a.hidden),
-        "midlayer.self_attn.o_proj.weight": (a.hidden, a.n_heads * a.head_dim),
-        "midlayer.mlp.down_proj.weight": (a.hidden, a.intermediate),
-        "lm_head.weight": (a.draft_vocab_size, a.hidden),
-        "d2t": (a.draft_vocab_size,),
-        "t2d": (a.vocab_size,),
-    }
-    for k, shape in shapes.items():
-        assert tuple(tensors[k].shape) == shape, k
+    # Every tensor's shape in SGLang's layout: tests/test_draft_sglang_forward.py.
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert tensors["fc.weight"].dtype == torch.float32
     cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
