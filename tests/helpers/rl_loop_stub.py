@@ -70,9 +70,10 @@ def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, 
     )
     fake = SimpleNamespace(
         tokenizer=tok, rl=rl, step=1, model_parts=[torch.nn.Linear(2, 2)], draft_training=None, worker=worker,
-        dataloader=dataloader,
+        dataloader=dataloader, parallel_dims=SimpleNamespace(dp_enabled=False), _degenerate_steps=0,
         config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0)),
                                training=SimpleNamespace(seq_len=seq_len)),
     )
+    fake._warn_if_degenerate = lambda rewards_PG: RLTrainer._warn_if_degenerate(fake, rewards_PG)  # the real one
     inputs, labels_BL = next(RLTrainer._rollout_batches(fake))
     return inputs, labels_BL, tok
