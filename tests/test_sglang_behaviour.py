@@ -267,8 +267,8 @@ def test_adjacent_rank_seeds_never_share_a_request_seed(dirs, stubs):  # noqa: F
     for rank_seed in (s, s + 1):
         det.generate([[3]] * 8, SamplingParams(temperature=1.0, max_new_tokens=2, seed=rank_seed))
     sent = [[p["sampling_seed"] for p in c[1]["sampling_params"]] for c in stubs[-1].calls if c[0] == "generate"]
-    assert sent == [[(r * SEED_MIX + i) % 2**62 for i in range(8)] for r in (s, s + 1)]  # hand formula
     assert len(set(sent[0])) == len(set(sent[1])) == 8 and not set(sent[0]) & set(sent[1])
+    assert sent == [[(r * SEED_MIX + i) % 2**62 for i in range(8)] for r in (s, s + 1)]  # hand formula
 
 
 # --- 8. SpecForge drafts without eagle_config ----------------------------------------------
