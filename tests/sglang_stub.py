@@ -17,6 +17,11 @@ behaviour is a hazard for the engine (each checked in SGLang's source; never its
 - ``resume_memory_occupation`` of a tag that is not released raises KeyError in the
   scheduler (``offload_tags.remove``), and ``release_memory_occupation`` with a request in
   flight fails an assertion: both kill the stub too.
+- With deterministic inference on (``deterministic``, the server's
+  enable_deterministic_inference), a sampled request's tokens are a function of its seed
+  and position only, and a request WITHOUT ``sampling_seed`` samples with seed 42
+  (sampling/sampling_batch_info.py builds the seed tensor with 42 for unseeded requests;
+  the seeded sampler hashes (seed, position)): equal seeds, equal samples.
 - meta_info carries SGLang's counts: ``spec_verify_ct`` (no prefill, no re-prefill),
   ``spec_num_correct_drafts`` and ``num_retractions``; ``meta`` overrides them per test.
 
@@ -28,6 +33,7 @@ import importlib
 import json
 import os
 import pickle
+import random
 import threading
 import types
 from glob import glob
@@ -100,10 +106,12 @@ class StubSGLang:
     these weight_version tags kill the server while loading (an OOM, say);
     ``hold_generate``: an Event that /generate waits on (``generate_entered`` is set when
     one arrives); ``meta``: meta_info overrides; ``model_path``/``draft_path``: the start
-    files of the runners (no runner, no loader run)."""
+    files of the runners (no runner, no loader run); ``deterministic``: the server runs
+    with enable_deterministic_inference (seeded sampling, seed 42 when none is sent)."""
 
     def __init__(self, fail_update=False, tp_size=1, model_path=None, draft_path=None,
-                 crash_versions=(), hold_generate=None, meta=None):
+                 crash_versions=(), hold_generate=None, meta=None, deterministic=False):
+        self.deterministic = deterministic
         self.calls, self.pushed = [], []
         self.version = "default"
         self.unhealthy = False
@@ -221,6 +229,10 @@ class StubSGLang:
     def result(self, prompt, sp):
         n = min(sp["max_new_tokens"], 5)
         toks = [(prompt[-1] + j + 1) % V for j in range(n)]
+        if self.deterministic and sp["temperature"] > 0:
+            seed = sp.get("sampling_seed", 42)  # SGLang's default for an unseeded request
+            pos = len(prompt)
+            toks = [(t + random.Random(f"{seed}:{pos + j}").randrange(V)) % V for j, t in enumerate(toks)]
         meta = {
             "output_token_logprobs": [[-0.25 * (j + 1), t, None] for j, t in enumerate(toks)],
             "finish_reason": {"type": "length", "length": n}, "completion_tokens": n,

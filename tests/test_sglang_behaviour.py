@@ -27,7 +27,7 @@ from titan_spec.models.draft_io import read_draft_arch, save_draft
 from titan_spec.models.target import default_tap_layer_ids
 from titan_spec.rl.rollout import SamplingParams
 from titan_spec.rl.rollout.sglang_client import EngineDied, HttpClient
-from titan_spec.rl.rollout.sglang_engine import SEEDS_IGNORED, SGLangRolloutEngine, rollout_from_result
+from titan_spec.rl.rollout.sglang_engine import SEED_MIX, SEEDS_IGNORED, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang
 from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, policy_to_hf_names, served_tap_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +39,9 @@ def _engine(dirs, stubs, cfg=None, K=4, draft=None, **stub_kw):  # noqa: F811
     cfg = cfg or _cfg(request_timeout_s=60.0, max_restarts=1, dtype="float32")
 
     def connect(args):
+        kw = {"deterministic": bool(args.get("enable_deterministic_inference")), **stub_kw}
         stubs.append(StubSGLang(model_path=args["model_path"], draft_path=args.get("speculative_draft_model_path"),
-                                tp_size=args["tp_size"], **stub_kw))
+                                tp_size=args["tp_size"], **kw))
         return HttpClient(stubs[-1].url, cfg.request_timeout_s, args["tp_size"])
 
     return SGLangRolloutEngine(cfg, dirs.policy, draft or dirs.draft, K, connect=connect)
@@ -229,7 +230,45 @@ def test_seeds_need_deterministic_inference(dirs, stubs, caplog):  # noqa: F811
     with caplog.at_level(logging.WARNING, logger="titan_spec.rl.rollout.sglang_engine"):
         det.generate([[1], [2]], sp)
     assert not [r for r in caplog.records if "sampling_seed" in r.getMessage()]
-    assert [p["sampling_seed"] for p in dict(stubs[-1].calls)["generate"]["sampling_params"]] == [5, 6]
+    assert [p["sampling_seed"] for p in dict(stubs[-1].calls)["generate"]["sampling_params"]] == [5 * SEED_MIX, 5 * SEED_MIX + 1]
+    # The warning names what SGLang 0.5.23's deterministic mode costs (server_args/args.py
+    # and its attention-backend check), and the config field says the same.
+    from titan_spec.config import __file__ as config_file
+
+    text = open(config_file).read()
+    doc = text[text.index("deterministic: bool", text.index("class SGLangConfig")):][:600]
+    for where in (SEEDS_IGNORED, doc):
+        for needle in ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton", "batch-invariant", "pytorch sampler", "radix cache"):
+            assert needle in where, (needle, where)
+
+
+def test_unseeded_copies_of_a_prompt_differ_under_deterministic_inference(dirs, stubs):  # noqa: F811
+    # With deterministic inference SGLang samples an unseeded request with seed 42, and its
+    # sampler hashes only (seed, position): G unseeded copies of a prompt would all be equal
+    # (the stub plays this), collapsing a GRPO group. Each call draws a fresh base instead.
+    det = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=60.0, deterministic=True))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=5)  # seed None
+    first = [tuple(r.output_ids) for r in det.generate([[3]] * 4, sp)]
+    second = [tuple(r.output_ids) for r in det.generate([[3]] * 4, sp)]
+    assert len(set(first)) == 4 and len(set(second)) == 4 and set(first) != set(second)
+    sent = [[p["sampling_seed"] for p in c[1]["sampling_params"]] for c in stubs[-1].calls if c[0] == "generate"]
+    assert all(isinstance(x, int) and 0 <= x < 2**62 for call in sent for x in call)
+    assert len({x for call in sent for x in call}) == 8
+    # A seeded call stays reproducible: same seed, same samples (the stub's seeded sampler).
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=5, seed=9)
+    assert [r.output_ids for r in det.generate([[3]] * 4, seeded)] == [r.output_ids for r in det.generate([[3]] * 4, seeded)]
+
+
+def test_adjacent_rank_seeds_never_share_a_request_seed(dirs, stubs):  # noqa: F811
+    # The RL loop seeds rank r's step with base * 4096 + r (rl/loop.py). Request i of seed s
+    # must not get the seed of request i' of seed s + 1 (seed + i would: s + 1 + 0 == s + 1).
+    det = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=60.0, deterministic=True))
+    s = 7 * 4096 + 2
+    for rank_seed in (s, s + 1):
+        det.generate([[3]] * 8, SamplingParams(temperature=1.0, max_new_tokens=2, seed=rank_seed))
+    sent = [[p["sampling_seed"] for p in c[1]["sampling_params"]] for c in stubs[-1].calls if c[0] == "generate"]
+    assert len(set(sent[0])) == len(set(sent[1])) == 8 and not set(sent[0]) & set(sent[1])
+    assert sent == [[(r * SEED_MIX + i) % 2**62 for i in range(8)] for r in (s, s + 1)]  # hand formula
 
 
 # --- 8. SpecForge drafts without eagle_config ----------------------------------------------
@@ -248,11 +287,52 @@ def test_specforge_draft_without_eagle_config_serves_with_default_taps(dirs, stu
     check_draft_fits_policy(dirs.policy, str(d))
     ok = load_config(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from", str(d)])
     assert ok.draft.init_from == str(d)
-    assert served_tap_ids(read_draft_arch(str(d)), dirs.arch.n_layers) == default_tap_layer_ids(dirs.arch.n_layers)
+    assert served_tap_ids(json.loads((d / "config.json").read_text()), dirs.arch.n_layers) == default_tap_layer_ids(dirs.arch.n_layers)
     engine = _engine(dirs, stubs, draft=str(d))
     assert stubs[-1].calls == [] and engine.server_args["speculative_draft_model_path"] == str(d)
     engine.update_draft_weights(dirs.d.state_dict(), version=1)
     assert stubs[-1].dead is None and engine.draft_version == 1
+
+
+def test_sglang_serves_only_eagle_config_tap_ids(dirs, tmp_path):  # noqa: F811
+    # SGLang 0.5.23 captures the layers of eagle_config["eagle_aux_hidden_state_layer_ids"]
+    # only (model_runner_components/spec_aux_hidden_state.py), else its default; a top-level
+    # list sizes fc but is never captured, and use_aux_hidden_state = false captures nothing.
+    L = dirs.arch.n_layers
+    base = ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from"]
+
+    def variant(name, edit):
+        d = tmp_path / name
+        shutil.copytree(dirs.draft, d)
+        cfg = json.loads((d / "config.json").read_text())
+        edit(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+        return str(d), cfg
+
+    # The exporter's own directory (both keys, equal): served as written.
+    own = json.loads(open(os.path.join(dirs.draft, "config.json")).read())
+    assert served_tap_ids(own, L) == tuple(dirs.d.arch.tap_layer_ids)
+    # eagle_config's ids are served even when they are not the default.
+    d, cfg = variant("eagle_only", lambda c: (c.pop("eagle_aux_hidden_state_layer_ids"),
+                                              c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 5])))
+    assert served_tap_ids(cfg, L) == (0, 2, 5) != default_tap_layer_ids(L)
+    # Top-level ids only: SGLang serves its default; they differ, so the directory is refused.
+    d, cfg = variant("top_only", lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 5])))
+    assert served_tap_ids(cfg, L) == default_tap_layer_ids(L) == (1, 3, 4)
+    refusals = [(d, r"top-level eagle_aux_hidden_state_layer_ids \[0, 2, 5\] .* SGLang serves \[1, 3, 4\]")]
+    # Both keys, different: eagle_config's are served, the top-level list is refused.
+    d, _ = variant("both", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 5]))
+    refusals.append((d, r"top-level eagle_aux_hidden_state_layer_ids \[0, 2, 5\] .* SGLang serves \[1, 3, 4\]"))
+    d, _ = variant("no_aux", lambda c: c["eagle_config"].update(use_aux_hidden_state=False))
+    refusals.append((d, "use_aux_hidden_state = false"))
+    for d, msg in refusals:
+        with pytest.raises(ValueError, match=msg) as e:
+            check_draft_fits_policy(dirs.policy, d)
+        assert "\n" not in str(e.value)
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, base + [d])
+    # The built-in engine's reading of the same directory is unchanged (eagle_config first).
+    assert read_draft_arch(refusals[1][0]).tap_layer_ids == tuple(dirs.d.arch.tap_layer_ids)
 
 
 # --- 9. smaller ones -------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from titan_spec.rl.rollout import RolloutEngine, SamplingParams
 from titan_spec.rl.rollout.sglang_client import (
     INSTALL_HINT, EngineDied, HttpClient, SGLangError, SGLangStartError, server_cli_args,
 )
-from titan_spec.rl.rollout.sglang_engine import SGLangRolloutEngine, rollout_from_result, sampling_to_sglang, sglang_server_args
+from titan_spec.rl.rollout.sglang_engine import SEED_MIX, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang, sglang_server_args
 from titan_spec.rl.rollout.sglang_loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
 from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
 
@@ -303,13 +303,13 @@ def test_generate_payload_and_results(dirs, stubs):
     assert body["input_ids"] == [[5, 6], [7], [5, 6]] and body["return_logprob"] is True
     assert body["sampling_params"] == [
         {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [2], "sampling_seed": s}
-        for s in (11, 12, 13)
+        for s in (11 * SEED_MIX, 11 * SEED_MIX + 1, 11 * SEED_MIX + 2)
     ]
     r = out[1]
     assert r.prompt_ids == [7] and r.output_ids == [8, 9, 10, 11, 12] and r.logprobs == [-0.25, -0.5, -0.75, -1.0, -1.25]
     assert (r.finish_reason, r.verify_steps, r.accepted_tokens) == ("length", 3, 2)  # prefill + 2 verifies
     assert r.acceptance_length == 5 / 3
-    assert sampling_to_sglang(SamplingParams(temperature=0.0, max_new_tokens=4), 1) == [
+    assert sampling_to_sglang(SamplingParams(temperature=0.0, max_new_tokens=4), 1, seeded=False) == [
         {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}]
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1], []], sp)

@@ -318,7 +318,9 @@ class SGLangConfig:
     deterministic: bool = False
     """Start SGLang with enable_deterministic_inference, so that SamplingParams.seed makes
     rollouts reproducible (without it SGLang ignores sampling_seed and a warning says so).
-    Costs batch-invariant kernels: slower decoding; flashinfer, fa3 or triton attention only."""
+    SGLang 0.5.23 then forces batch-invariant ops and the pytorch sampler (slower decoding),
+    allows attention backend ascend, fa3, fa4, flashinfer, intel_xpu or triton only, and with
+    flashinfer the radix cache is disabled. Unseeded calls get a fresh random seed each."""
 
     log_dir: str = ""
     """Where the server's log goes ('' = the system temp dir)."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import random
 import re
 import socket
 import tempfile
@@ -57,7 +58,7 @@ from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, draft_to
 
 __all__ = [
     "SGLangRolloutEngine", "sglang_server_args", "sampling_to_sglang", "rollout_from_result", "MANAGED_SERVER_ARGS",
-    "MEMORY_TAGS", "SEEDS_IGNORED",
+    "MEMORY_TAGS", "SEEDS_IGNORED", "SEED_MIX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,18 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 SEEDS_IGNORED = (
     "SGLang ignores sampling_seed unless the server runs with enable_deterministic_inference, so these "
     "seeded rollouts are not reproducible; set rollout.sglang.deterministic = true to honour seeds "
-    "(batch-invariant kernels: slower decoding, and only the flashinfer, fa3 or triton attention backends)"
+    "(SGLang 0.5.23 then forces batch-invariant ops and the pytorch sampler: slower decoding; attention "
+    "backend ascend, fa3, fa4, flashinfer, intel_xpu or triton only; with flashinfer the radix cache is disabled)"
 )
+
+# Request i of a call seeded s gets sampling_seed (s * SEED_MIX + i) mod 2**62. Guarantee:
+# two calls whose seeds differ by d, 0 < |d| < 2**62 / SEED_MIX (~4.4e12), never share a
+# request seed for request indices below SEED_MIX (> 2**20): a collision needs
+# d * SEED_MIX == i' - i (mod 2**62), but |d| * SEED_MIX lies in [SEED_MIX, 2**62) while
+# |i' - i| < SEED_MIX. So the RL loop's adjacent ranks (seed base * 4096 + rank) and steps
+# never collide, where seed + i would (rank r's request 1 == rank r+1's request 0).
+SEED_MIX = 2**20 + 7  # odd: s -> s * SEED_MIX is a bijection mod 2**62
+_SEED_MOD = 2**62
 
 # meta_info keys across sglang versions (0.5.23 first). Verify steps exclude the prefill.
 _VERIFY_KEYS = ("spec_verify_ct",)
@@ -139,7 +150,8 @@ def sampling_to_sglang(sp: SamplingParams, n: int, seeded: bool = True) -> list[
     """SamplingParams -> one SGLang sampling_params dict per request
     (sglang/srt/sampling/sampling_params.py). Seeds differ per request so that G copies of
     one prompt give G different samples; they are sent only when ``seeded`` (the server
-    runs deterministic inference: otherwise SGLang ignores them). Without stop ids SGLang
+    runs deterministic inference: otherwise SGLang ignores them), then always (a fresh
+    random base when ``sp.seed`` is None). Without stop ids SGLang
     must not stop at the model's EOS either (``ignore_eos``), as the built-in engine does not."""
     base = {
         "max_new_tokens": sp.max_new_tokens,
@@ -151,11 +163,17 @@ def sampling_to_sglang(sp: SamplingParams, n: int, seeded: bool = True) -> list[
         base["stop_token_ids"] = list(sp.stop_token_ids)
     else:
         base["ignore_eos"] = True
+    # Under deterministic inference SGLang 0.5.23 samples a request WITHOUT sampling_seed
+    # with seed 42 (sampling/sampling_batch_info.py) and hashes only (seed, position): G
+    # unseeded copies of a prompt would be identical. An unseeded call gets a fresh base.
+    seed = None
+    if seeded:
+        seed = int(sp.seed) if sp.seed is not None else random.SystemRandom().getrandbits(62)
     out = []
     for i in range(n):
         d = dict(base)
-        if sp.seed is not None and seeded:
-            d["sampling_seed"] = int(sp.seed) + i
+        if seed is not None:
+            d["sampling_seed"] = (seed * SEED_MIX + i) % _SEED_MOD  # SEED_MIX: no cross-rank collision
         out.append(d)
     return out
 

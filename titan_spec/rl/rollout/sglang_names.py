@@ -14,6 +14,7 @@ silent drop, because a dropped weight would leave SGLang serving a stale tensor.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -102,11 +103,34 @@ def sglang_tap_misfit(taps, n_layers: int) -> str | None:
     return None
 
 
-def served_tap_ids(draft_arch, n_layers: int) -> tuple[int, ...]:
-    """The tap ids SGLang uses for this draft: its config's, or, for a SpecForge config
-    without ``eagle_config`` (e.g. SpecForge's configs/qwen3-8b-eagle3.json), SGLang's
-    default capture layers [2, L//2, L-3], i.e. tap ids (1, L//2 - 1, L - 4)."""
-    return tuple(draft_arch.tap_layer_ids) or default_tap_layer_ids(n_layers)
+def served_tap_ids(draft_config: dict, n_layers: int) -> tuple[int, ...]:
+    """The tap ids SGLang 0.5.23 captures for a draft config.json: only
+    ``eagle_config["eagle_aux_hidden_state_layer_ids"]``
+    (model_executor/model_runner_components/spec_aux_hidden_state.py), else its default
+    capture layers [2, L//2, L-3], i.e. tap ids (1, L//2 - 1, L - 4) (e.g. SpecForge's
+    configs/qwen3-8b-eagle3.json, which has no eagle_config). A top-level
+    ``eagle_aux_hidden_state_layer_ids`` only sizes the draft; it is never captured."""
+    ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return tuple(int(i) for i in ids) if ids else default_tap_layer_ids(n_layers)
+
+
+def _draft_config(draft_path: str) -> dict:
+    with open(os.path.join(draft_path, "config.json")) as f:
+        return json.load(f)
+
+
+def sglang_config_misfit(draft_config: dict, n_layers: int) -> str | None:
+    """Why SGLang would not feed this draft the taps its config names, or None: a top-level
+    id list other than the served one (the trainer and the built-in engine may read it,
+    SGLang does not), or ``use_aux_hidden_state`` false (SGLang then captures nothing)."""
+    eagle = draft_config.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False or draft_config.get("use_aux_hidden_state") is False:
+        return "use_aux_hidden_state = false: SGLang captures no aux hidden states for the EAGLE-3 draft"
+    served, top = served_tap_ids(draft_config, n_layers), draft_config.get("eagle_aux_hidden_state_layer_ids")
+    if top and tuple(int(i) for i in top) != served:
+        return (f"top-level eagle_aux_hidden_state_layer_ids {[int(i) for i in top]} is not what SGLang serves: "
+                f"SGLang serves {list(served)} (eagle_config's ids, else its default)")
+    return None
 
 
 def check_draft_fits_policy(policy_path: str, draft_path: str) -> None:
@@ -125,8 +149,10 @@ def check_draft_fits_policy(policy_path: str, draft_path: str) -> None:
     bad = draft.misfits(policy.vocab_size, policy.dim)
     if draft.draft_vocab_size > policy.vocab_size:
         bad.append(f"draft_vocab_size {draft.draft_vocab_size} > policy vocab {policy.vocab_size}")
-    why = sglang_tap_misfit(served_tap_ids(draft, policy.n_layers), policy.n_layers)
-    if why:
-        bad.append(why)
+    draft_config = _draft_config(draft_path)
+    for why in (sglang_config_misfit(draft_config, policy.n_layers),
+                sglang_tap_misfit(served_tap_ids(draft_config, policy.n_layers), policy.n_layers)):
+        if why:
+            bad.append(why)
     if bad:
         raise ValueError(f"draft directory {draft_path} does not fit the policy {policy_path}: {'; '.join(bad)}")
