@@ -174,10 +174,9 @@ class VerifiedCheckpointManager(CheckpointManager):
 
     @classmethod
     def from_config(cls, cfg: CheckpointManager.Config) -> "VerifiedCheckpointManager.Config":
-        from titan_spec.config import _quiet_torchtitan
-
-        with _quiet_torchtitan():
-            return cls.Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
+        """The same [checkpoint] keys as this class's Config (torchtitan's own Config warns
+        about its defaults when built: the caller builds it under config.quiet_torchtitan)."""
+        return cls.Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
 
     def __init__(self, config, **kwargs):
         self._last_good: str | None = None

@@ -772,7 +772,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _quiet_torchtitan():
+def quiet_torchtitan():
+    """torchtitan config dataclasses built without the warnings they log about their own defaults."""
     # torchtitan's default CheckpointManager.Config warns about its own default
     # (initial_load_model_only without initial_load_path) each time one is built.
     level = tt_logger.level
@@ -787,7 +788,7 @@ def load_config(
     path: str | None, overrides: list[str] | None = None, world_size: int | None = None, check_paths: bool = True
 ) -> TitanSpecConfig:
     """Read, type-check and validate a config. Raises ConfigError with a one-line message."""
-    with _quiet_torchtitan():
+    with quiet_torchtitan():
         cfg = TitanSpecConfig()
     if path:
         if not os.path.isfile(path):

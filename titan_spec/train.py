@@ -53,7 +53,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.trainer import Trainer
 
 from titan_spec import platform
-from titan_spec.config import ConfigError, TitanSpecConfig, load_config
+from titan_spec.config import ConfigError, TitanSpecConfig, load_config, quiet_torchtitan
 from titan_spec.data import CharTokenizer, TaskDataLoader
 from titan_spec.checkpoint import CheckpointCorrupt, VerifiedCheckpointManager
 from titan_spec.draft_training import DraftTraining, under_dump_folder
@@ -227,6 +227,8 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     trainer_cls = SpecTrainer
     if cfg.rl.enable:
         from titan_spec.rl.loop import RLTrainer as trainer_cls
+    with quiet_torchtitan():
+        checkpoint = VerifiedCheckpointManager.from_config(cfg.checkpoint)
     return trainer_cls.Config(
         spec=cfg,
         arch=arch,
@@ -247,7 +249,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         lr_scheduler=cfg.lr_scheduler,
         training=training,
         parallelism=cfg.parallelism,
-        checkpoint=VerifiedCheckpointManager.from_config(cfg.checkpoint),
+        checkpoint=checkpoint,
         activation_checkpoint=ac,
         compile=cfg.compile,
         comm=cfg.comm,
