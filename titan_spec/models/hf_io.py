@@ -15,6 +15,7 @@ import tempfile
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -66,72 +67,19 @@ def _weight_files(path: str) -> list[str]:
     raise HFCheckpointError(f"{path}: no {_SINGLE} and no {_INDEX}; only safetensors checkpoints are read")
 
 
-# Bytes per element of the safetensors dtypes (the format's own names).
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-
-
 def read_safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) from a safetensors file's header, without reading the data.
 
-    The format is an 8-byte little-endian header length N, N bytes of JSON naming each
-    tensor's dtype, shape and [begin, end) byte range in the data that follows; the ranges
-    tile the data exactly. A file that is not one, whose header is not that JSON, whose
-    data is shorter than the ranges (truncated) or longer is an HFCheckpointError naming
-    the file: what ``safetensors.load_file`` would fail on later, with a traceback."""
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise HFCheckpointError(f"{file}: not a safetensors file ({size} bytes, shorter than its 8-byte header length)")
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, _MAX_HEADER):
-            raise HFCheckpointError(
-                f"{file}: not a safetensors file or truncated (header length {n} bytes, the file has {size})"
-            )
-        raw = f.read(n)
+    safetensors' own reader (``safe_open``, memory-mapped) checks the header: its length,
+    its JSON, and that the tensors' byte ranges tile the data exactly, so a truncated file,
+    one with bytes after the last tensor, or a corrupt header is one HFCheckpointError naming
+    the file and safetensors' reason: what ``load_file`` would fail on later, with a traceback."""
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise HFCheckpointError(f"{file}: corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise HFCheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
-    data_bytes = size - 8 - n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise HFCheckpointError(f"{file}: corrupt safetensors header entry for {name!r}") from None
-        if dtype not in _DTYPE_BYTES:
-            raise HFCheckpointError(f"{file}: tensor {name!r} has dtype {dtype!r}; supported: {', '.join(_DTYPE_BYTES)}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * _DTYPE_BYTES[dtype]
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin and end - begin == nbytes):
-            raise HFCheckpointError(f"{file}: corrupt safetensors header: {name!r} has byte range {[begin, end]} "
-                                    f"for {nbytes} bytes of {dtype} {list(shape)}")
-        if end > data_bytes:
-            raise HFCheckpointError(
-                f"{file}: truncated: tensor {name!r} ends at data byte {end} but the file holds {data_bytes}"
-            )
-        out[name] = (dtype, shape, begin, end)
-    # safetensors itself (load_file) also needs the ranges to tile the data exactly.
-    at = 0
-    for name, (_, _, begin, end) in sorted(out.items(), key=lambda kv: kv[1][2:]):
-        if begin != at:
-            raise HFCheckpointError(f"{file}: corrupt safetensors header: {name!r} starts at data byte {begin}, "
-                                    f"not {at} where the tensor before it ends")
-        at = end
-    if at != data_bytes:
-        raise HFCheckpointError(f"{file}: {data_bytes - at} bytes after the last tensor; not a complete safetensors file")
-    return {name: (dtype, shape) for name, (dtype, shape, _, _) in out.items()}
+        with safe_open(file, framework="pt") as f:
+            return {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        reason = str(e).removeprefix("Error while deserializing header: ")
+        raise HFCheckpointError(f"{file}: not a complete safetensors file: {reason}") from None
 
 
 def expected_hf_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
