@@ -125,14 +125,12 @@ class StepGuard:
         return (f"step {step}: the {self.last_reason} is not finite; the {self.name} optimizer step is skipped "
                 f"({self.consecutive} in a row, {self.skipped} in all)")
 
-    def maybe_stop(self, step: int, last_good: str) -> None:
-        """Raise NonFiniteStop when the consecutive skips reach the limit."""
-        if self.consecutive >= self.max_consecutive:
-            raise NonFiniteStop(
-                f"stopped at step {step}: the {self.last_reason} was not finite for {self.consecutive} "
-                f"consecutive steps (training.max_consecutive_skips = {self.max_consecutive}); "
-                f"last good checkpoint: {last_good}"
-            )
+    def stop_message(self, step: int, last_good: str) -> str:
+        """The one line the run stops with at the limit (``last_reason`` is empty on a rank
+        without this model, e.g. the draft's guard on a pipeline stage before the last)."""
+        what = self.last_reason or f"{self.name} loss or gradient norm"
+        return (f"stopped at step {step}: the {what} was not finite for {self.max_consecutive} consecutive steps "
+                f"(training.max_consecutive_skips = {self.max_consecutive}); last good checkpoint: {last_good}")
 
     def log_skip(self, step: int) -> None:
         logger.warning(self.skip_message(step))

@@ -377,22 +377,17 @@ class SpecTrainer(Trainer):
             self.draft_training.step(self.step)
         # Stop on every rank together (under PP the draft lives on the last stage only).
         draft_guard = self.draft_training.guard if self.draft_training is not None else None
+        limit = self.guard.max_consecutive
         flags = torch.tensor([
-            float(self.guard.consecutive >= self.guard.max_consecutive),
-            float(draft_guard is not None and draft_guard.consecutive >= draft_guard.max_consecutive),
+            float(self.guard.consecutive >= limit),
+            float(draft_guard is not None and draft_guard.consecutive >= limit),
         ], device=self.device)  # on the device: NCCL has no CPU tensors
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         flags = flags.cpu()
         if flags.any():
             last_good = self.checkpointer.last_good() if self.checkpointer.enable else "none (checkpoint.enable = false)"
-            for guard, flag in ((self.guard, flags[0]), (draft_guard, flags[1])):
-                if flag and guard is not None:
-                    guard.maybe_stop(self.step, last_good)
-            which = "policy" if flags[0] else "draft"
-            raise NonFiniteStop(
-                f"stopped at step {self.step}: the {which} loss or gradient norm was not finite for "
-                f"{self.config.training.max_consecutive_skips} consecutive steps; last good checkpoint: {last_good}"
-            )
+            guard = self.guard if flags[0] else (draft_guard or StepGuard("draft", limit))
+            raise NonFiniteStop(guard.stop_message(self.step, last_good))
 
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
         """ONE forward of the policy; its detached taps and logits also train the draft."""

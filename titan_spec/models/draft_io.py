@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from titan_spec.models.draft import DraftArch, Eagle3Draft
-from titan_spec.models.hf_io import write_safetensors_dir
+from titan_spec.models.hf_io import read_safetensors_header, write_safetensors_dir
 
 __all__ = [
     "EXPORT_KEYS", "draft_config_json", "save_draft", "read_draft_arch", "load_draft_into", "draft_mismatches",
@@ -112,6 +112,13 @@ def draft_mismatches(found: DraftArch, want: DraftArch) -> list[str]:
     return bad
 
 
+def _weights_file(path: str) -> str:
+    file = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(file):
+        raise ValueError(f"draft directory {path!r} has no model.safetensors")
+    return file
+
+
 def _check_names(path: str, names) -> None:
     # Some SpecForge checkpoints carry the (frozen) embedding; it is the target's, dropped.
     names = {k for k in names if not k.endswith("embed_tokens.weight")}
@@ -123,12 +130,7 @@ def _check_names(path: str, names) -> None:
 def check_draft_weights(path: str, arch: DraftArch) -> None:
     """The draft directory's model.safetensors holds exactly the export tensors of ``arch``
     with their shapes (header only, no data read; a corrupt or truncated file is named)."""
-    from titan_spec.models.hf_io import read_safetensors_header
-
-    file = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(file):
-        raise ValueError(f"draft directory {path!r} has no model.safetensors")
-    found = read_safetensors_header(file)
+    found = read_safetensors_header(_weights_file(path))
     _check_names(path, found)
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in Eagle3Draft(arch).state_dict().items()}
@@ -145,10 +147,7 @@ def load_draft_into(draft: Eagle3Draft, path: str) -> None:
     bad = draft_mismatches(found, draft.arch)
     if bad:
         raise ValueError(f"draft directory {path} does not match the target: {'; '.join(bad)}")
-    file = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(file):
-        raise ValueError(f"draft directory {path!r} has no model.safetensors")
-    sd = load_file(file)
+    sd = load_file(_weights_file(path))
     sd = {k: v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
     _check_names(path, sd)
     own = draft.state_dict()
