@@ -48,11 +48,11 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 
 import titan_spec  # noqa: E402,F401
-from titan_spec.data import CharTokenizer  # noqa: E402
-from titan_spec.models.draft import Eagle3Draft  # noqa: E402
-from titan_spec.rl.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.data.tokenizer import CharTokenizer  # noqa: E402
+from titan_spec.models.draft.eagle3.model import Eagle3Draft  # noqa: E402
+from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
 from titan_spec.config import load_config  # noqa: E402
-from titan_spec.rl.tasks import build_task  # noqa: E402
+from titan_spec.data.tasks import build_task  # noqa: E402
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -113,7 +113,7 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, se
     """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1, on
     prompts other than the benchmark's): the distribution co-training keeps the draft on.
     Returns the new draft state dict."""
-    from titan_spec.models.ttt import ttt_inputs_for_sequences
+    from titan_spec.models.draft.eagle3.ttt import ttt_inputs_for_sequences
 
     rng = random.Random(seed + 7)
     prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(64)]

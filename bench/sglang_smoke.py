@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-from titan_spec.rl.rollout.sglang_client import INSTALL_HINT  # noqa: E402
+from titan_spec.rollout.sglang.client import INSTALL_HINT  # noqa: E402
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     import titan_spec  # noqa: F401
     from rollout import default_task, distill, resolve_models, tokenizer_for
     from titan_spec.config import load_config
-    from titan_spec.rl.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
-    from titan_spec.rl.rollout.sglang_engine import SGLangRolloutEngine
+    from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+    from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
     policy, draft_dir = resolve_models(args)
     tok = tokenizer_for(policy)

@@ -11,9 +11,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 import titan_spec  # noqa: F401
 from titan_spec.models.attention import doc_metadata_from_positions
-from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping
-from titan_spec.models.draft_io import EXPORT_KEYS, load_draft_into, read_draft_arch, save_draft
-from titan_spec.models.ttt import ttt_shifts, ttt_targets
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_vocab_mapping
+from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, load_draft_into, read_draft_arch, save_draft
+from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
 
 ARCH = DraftArch(
     hidden=32, n_heads=4, n_kv_heads=2, head_dim=8, intermediate=48, target_hidden=24, vocab_size=50,

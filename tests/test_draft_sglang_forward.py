@@ -51,9 +51,9 @@ import torch
 from safetensors.torch import load_file
 
 import titan_spec  # noqa: F401
-from titan_spec.models.draft import DraftArch, Eagle3Draft
-from titan_spec.models.draft_io import load_draft_into, save_draft
-from titan_spec.rl.rollout.kv_cache import CachedDraft
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
+from titan_spec.models.draft.eagle3.io import load_draft_into, save_draft
+from titan_spec.rollout.builtin.kv_cache import CachedDraft
 
 # target_hidden != hidden (fc must run), head_dim != hidden / heads and rope_theta != 1e4
 # (both must come from the config); GQA with 2 query heads per kv head.

@@ -15,7 +15,7 @@ import torch
 import titan_spec  # noqa: F401
 from helpers.rl_loop_stub import rollout_step
 from titan_spec.parallelisms.context_parallel import ZigzagLayout, zigzag_shard
-from titan_spec.rl.packing import Document, pack_documents
+from titan_spec.data.packing import Document, pack_documents
 
 
 def _raises_exactly(exc, message):

@@ -62,9 +62,9 @@ def inputs(tmp_path_factory):
     """Valid checkpoints written by the real writers (save_hf, save_draft) and malformed copies."""
     import torch
 
-    from titan_spec.data import CharTokenizer
-    from titan_spec.models.draft import DraftArch, Eagle3Draft
-    from titan_spec.models.draft_io import save_draft
+    from titan_spec.data.tokenizer import CharTokenizer
+    from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
+    from titan_spec.models.draft.eagle3.io import save_draft
     from titan_spec.models.hf_io import save_hf, write_safetensors_dir
     from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
     from safetensors.torch import load_file

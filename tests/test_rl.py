@@ -12,12 +12,12 @@ import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, DraftConfig, RLConfig, load_config
 from titan_spec.draft_training import DraftTraining
 from titan_spec.models.attention import doc_metadata_from_positions
-from titan_spec.models.draft import DraftArch
+from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.rl.loop import co_training_loss, token_logprobs
-from titan_spec.rl.packing import Document, pack_documents
-from titan_spec.rl.rollout import SamplingParams
-from titan_spec.rl.tasks import JsonlTask
+from titan_spec.rl.trainer import co_training_loss, token_logprobs
+from titan_spec.data.packing import Document, pack_documents
+from titan_spec.rollout import SamplingParams
+from titan_spec.data.tasks import JsonlTask
 
 IGNORE = -100
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,7 +186,7 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
 
 
 def _dead_engine(worker):
-    from titan_spec.rl.rollout.torch_engine import TorchRolloutEngine
+    from titan_spec.rollout.builtin.engine import TorchRolloutEngine
 
     e = TorchRolloutEngine(worker._target, worker._draft, worker._engine_cfg)
 

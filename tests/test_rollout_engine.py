@@ -14,11 +14,11 @@ import torch
 
 import titan_spec  # noqa: F401
 from titan_spec.models.attention import doc_metadata_from_positions
-from titan_spec.models.draft import DraftArch, Eagle3Draft
-from titan_spec.models.draft_io import EXPORT_KEYS
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
+from titan_spec.models.draft.eagle3.io import EXPORT_KEYS
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.models.ttt import ttt_inputs_for_sequences
-from titan_spec.rl.rollout import RolloutEngine, SamplingParams, TorchEngineConfig, TorchRolloutEngine
+from titan_spec.models.draft.eagle3.ttt import ttt_inputs_for_sequences
+from titan_spec.rollout import RolloutEngine, SamplingParams, TorchEngineConfig, TorchRolloutEngine
 
 V = 32
 TAPS = (1, 3, 4)
@@ -113,8 +113,8 @@ def check_stats(rollouts, K):
 
 def test_cached_target_and_draft_mirror_the_training_forward_and_ttt():
     """KV-cached target (prefill + a decode step) against the training forward, and the
-    cached draft chain (teacher-forced) against the TTT unroll of models/ttt.py, row by row."""
-    from titan_spec.rl.rollout.kv_cache import CachedDraft, CachedTarget
+    cached draft chain (teacher-forced) against the TTT unroll of models/draft/eagle3/ttt.py, row by row."""
+    from titan_spec.rollout.builtin.kv_cache import CachedDraft, CachedTarget
 
     model, arch = make_target(3)
     draft = make_draft(arch, 4)
@@ -261,7 +261,7 @@ def chi2_groups(groups) -> tuple[float, int]:
 
 
 def policy_probs(model, contexts: list[list[int]], sp: SamplingParams) -> torch.Tensor:
-    from titan_spec.rl.rollout.torch_engine import filtered_probs
+    from titan_spec.rollout.builtin.engine import filtered_probs
 
     return torch.stack([filtered_probs(full_logits(model, c)[-1], sp) for c in contexts])
 

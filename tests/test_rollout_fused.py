@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_spec.models.draft import apply_rotary, rotate_half
-from titan_spec.rl.rollout.fused import FusedLinearWeight, RotaryTable
-from titan_spec.rl.rollout.kv_cache import _rms
+from titan_spec.models.draft.eagle3.model import apply_rotary, rotate_half
+from titan_spec.rollout.builtin.fused import FusedLinearWeight, RotaryTable
+from titan_spec.rollout.builtin.kv_cache import _rms
 
 from numerics import EPS32, assert_gemm_regroup_close
 

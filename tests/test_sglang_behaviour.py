@@ -22,13 +22,13 @@ from sglang_stub import StubSGLang
 from test_sglang_engine import _cfg, _draft, _target, dirs, stubs  # noqa: F401  (fixtures)
 
 from titan_spec.config import ConfigError, load_config
-from titan_spec.models.draft import DraftArch, Eagle3Draft
-from titan_spec.models.draft_io import read_draft_arch, save_draft
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
+from titan_spec.models.draft.eagle3.io import read_draft_arch, save_draft
 from titan_spec.models.target import default_tap_layer_ids
-from titan_spec.rl.rollout import SamplingParams
-from titan_spec.rl.rollout.sglang_client import EngineDied, HttpClient
-from titan_spec.rl.rollout.sglang_engine import SEED_MIX, SEEDS_IGNORED, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang
-from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, policy_to_hf_names, served_tap_ids
+from titan_spec.rollout import SamplingParams
+from titan_spec.rollout.sglang.client import EngineDied, HttpClient
+from titan_spec.rollout.sglang.engine import SEED_MIX, SEEDS_IGNORED, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang
+from titan_spec.rollout.weight_names import check_draft_fits_policy, policy_to_hf_names, served_tap_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -217,7 +217,7 @@ def test_seeds_need_deterministic_inference(dirs, stubs, caplog):  # noqa: F811
     sp = SamplingParams(temperature=1.0, max_new_tokens=2, seed=5)
     engine = _engine(dirs, stubs)
     assert "enable_deterministic_inference" not in engine.server_args
-    with caplog.at_level(logging.WARNING, logger="titan_spec.rl.rollout.sglang_engine"):
+    with caplog.at_level(logging.WARNING, logger="titan_spec.rollout.sglang.engine"):
         engine.generate([[1], [2]], sp)
         engine.generate([[1]], sp)
     warned = [r.getMessage() for r in caplog.records if "sampling_seed" in r.getMessage()]
@@ -227,7 +227,7 @@ def test_seeds_need_deterministic_inference(dirs, stubs, caplog):  # noqa: F811
     caplog.clear()
     det = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=60.0, deterministic=True))
     assert det.server_args["enable_deterministic_inference"] is True
-    with caplog.at_level(logging.WARNING, logger="titan_spec.rl.rollout.sglang_engine"):
+    with caplog.at_level(logging.WARNING, logger="titan_spec.rollout.sglang.engine"):
         det.generate([[1], [2]], sp)
     assert not [r for r in caplog.records if "sampling_seed" in r.getMessage()]
     assert [p["sampling_seed"] for p in dict(stubs[-1].calls)["generate"]["sampling_params"]] == [5 * SEED_MIX, 5 * SEED_MIX + 1]
@@ -260,7 +260,7 @@ def test_unseeded_copies_of_a_prompt_differ_under_deterministic_inference(dirs, 
 
 
 def test_adjacent_rank_seeds_never_share_a_request_seed(dirs, stubs):  # noqa: F811
-    # The RL loop seeds rank r's step with base * 4096 + r (rl/loop.py). Request i of seed s
+    # The RL loop seeds rank r's step with base * 4096 + r (rl/trainer.py). Request i of seed s
     # must not get the seed of request i' of seed s + 1 (seed + i would: s + 1 + 0 == s + 1).
     det = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=60.0, deterministic=True))
     s = 7 * 4096 + 2
@@ -368,9 +368,9 @@ def test_max_running_requests_base_gpu_and_one_server_per_rank(dirs, stubs, monk
 def test_the_loader_module_imports_without_the_rollout_package():
     # What SGLang's scheduler process does with load_format (dynamic_import), on a GPU
     # machine (TITAN_SPEC_DEVICE=cuda: no CPU shims).
-    code = ("import sys; from titan_spec.rl.rollout.sglang_loaders import load_target_weights; "
+    code = ("import sys; from titan_spec.rollout.sglang.loaders import load_target_weights; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('titan_spec', 'torchtitan')))")
     env = {**os.environ, "PYTHONPATH": ROOT, "TITAN_SPEC_DEVICE": "cuda"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == str(["titan_spec", "titan_spec.platform", "titan_spec.rl", "titan_spec.rl.rollout",
-                                      "titan_spec.rl.rollout.sglang_loaders"])
+    assert out.stdout.strip() == str(["titan_spec", "titan_spec.platform", "titan_spec.rollout", "titan_spec.rollout.sglang",
+                                      "titan_spec.rollout.sglang.loaders"])

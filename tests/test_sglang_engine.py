@@ -25,17 +25,17 @@ from sglang_stub import V, StubSGLang
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, load_config
-from titan_spec.models.draft import DraftArch, Eagle3Draft
-from titan_spec.models.draft_io import EXPORT_KEYS, save_draft
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
+from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, save_draft
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.rl.rollout import RolloutEngine, SamplingParams
-from titan_spec.rl.rollout.sglang_client import (
+from titan_spec.rollout import RolloutEngine, SamplingParams
+from titan_spec.rollout.sglang.client import (
     INSTALL_HINT, EngineDied, HttpClient, SGLangError, SGLangStartError, server_cli_args,
 )
-from titan_spec.rl.rollout.sglang_engine import SEED_MIX, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang, sglang_server_args
-from titan_spec.rl.rollout.sglang_loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
-from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
+from titan_spec.rollout.sglang.engine import SEED_MIX, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang, sglang_server_args
+from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
+from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
 
 TAPS = (1, 3, 4)
 

@@ -36,8 +36,8 @@ import math
 import torch
 
 import titan_spec  # noqa: F401
-from titan_spec.rl.rollout.base import SamplingParams
-from titan_spec.rl.rollout.torch_engine import filtered_probs, speculative_accept
+from titan_spec.rollout.base import SamplingParams
+from titan_spec.rollout.builtin.engine import filtered_probs, speculative_accept
 
 # --- the acceptance rule ------------------------------------------------------------------
 

@@ -30,8 +30,8 @@ def test_fsdp_dp2_matches_dp1(tmp_path, train):
 def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, train):
     from safetensors.torch import load_file
 
-    from titan_spec.models.draft import Eagle3Draft
-    from titan_spec.models.draft_io import load_draft_into, read_draft_arch
+    from titan_spec.models.draft.eagle3.model import Eagle3Draft
+    from titan_spec.models.draft.eagle3.io import load_draft_into, read_draft_arch
 
     # A policy to distil from.
     policy = str(tmp_path / "policy")
@@ -70,12 +70,12 @@ def _first_batch_draft_loss(hf: str, draft_dir: str, overrides: tuple[str, ...])
     ``overrides`` (as conftest.run_train passes them): the target loaded from ``hf``, one
     forward, the TTT loss; no trainer, no process group."""
     from titan_spec.config import load_config
-    from titan_spec.data import CharTokenizer
-    from titan_spec.models.draft import Eagle3Draft
-    from titan_spec.models.draft_io import load_draft_into, read_draft_arch
+    from titan_spec.data.tokenizer import CharTokenizer
+    from titan_spec.models.draft.eagle3.model import Eagle3Draft
+    from titan_spec.models.draft.eagle3.io import load_draft_into, read_draft_arch
     from titan_spec.models.hf_io import load_hf_into, read_hf_arch
     from titan_spec.models.registry import build_target_config
-    from titan_spec.models.ttt import ttt_shifts, ttt_targets
+    from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
     from titan_spec.train import to_trainer_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -268,7 +268,7 @@ class SpeculativeConfig:
 class SGLangConfig:
     """[rollout.sglang]: the SGLang engine (GPU; sglang 0.5.23, extra [sglang]). The policy
     comes from model.hf_checkpoint, the EAGLE-3 draft from draft.init_from, K from
-    [speculative]; see titan_spec/rl/rollout/sglang_engine.py."""
+    [speculative]; see titan_spec/rollout/sglang/engine.py."""
 
     mode: Literal["server", "engine"] = "server"
     """'server': launch `python -m sglang.launch_server` and talk HTTP (restarted if it dies);
@@ -365,7 +365,7 @@ class RolloutConfig:
 
     def torch_engine_config(self, speculative: SpeculativeConfig):
         """The built-in engine's settings from the [rollout] and [speculative] sections."""
-        from titan_spec.rl.rollout.torch_engine import TorchEngineConfig
+        from titan_spec.rollout.builtin.engine import TorchEngineConfig
 
         return TorchEngineConfig(
             num_draft_tokens=speculative.num_draft_tokens if speculative.enabled else 0,
@@ -379,7 +379,7 @@ class RolloutConfig:
 class RLConfig:
     enable: bool = False
     """GRPO post-training: every step generates rollouts with the engine, scores them and
-    trains the policy (and, with the draft, the draft) on them (titan_spec/rl/loop.py)."""
+    trains the policy (and, with the draft, the draft) on them (titan_spec/rl/trainer.py)."""
 
     prompts_per_step: int = 16
     """Prompts per step across all data-parallel ranks (split evenly over them)."""
@@ -546,7 +546,7 @@ class TitanSpecConfig:
             if d and os.path.abspath(d) not in made and not os.path.isdir(d):
                 raise ConfigError(f"{key} {d!r} is not a directory", key=key)
         if self.task.name == "jsonl":
-            from titan_spec.rl.tasks import build_task
+            from titan_spec.data.tasks import build_task
 
             try:
                 build_task(self.task)
@@ -590,8 +590,8 @@ class TitanSpecConfig:
                 "draft directory SGLang starts from (train one with --draft.offline true)"
             )
         from titan_spec.models.hf_io import read_hf_arch
-        from titan_spec.rl.rollout.sglang_engine import MANAGED_SERVER_ARGS
-        from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, sglang_tap_misfit
+        from titan_spec.rollout.sglang.engine import MANAGED_SERVER_ARGS
+        from titan_spec.rollout.weight_names import check_draft_fits_policy, sglang_tap_misfit
 
         clash = sorted(set(self.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
         if clash:

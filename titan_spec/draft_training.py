@@ -34,10 +34,10 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from titan_spec import platform
 from titan_spec.config import DraftConfig
 from titan_spec.finite import StepGuard, fault, inject_nan_grad
-from titan_spec.models.draft import DraftArch, Eagle3Draft, build_vocab_mapping
-from titan_spec.models.draft_io import load_draft_into, save_draft
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_vocab_mapping
+from titan_spec.models.draft.eagle3.io import load_draft_into, save_draft
 from titan_spec.models.target import Taps
-from titan_spec.models.ttt import TTTResult, ttt_shifts, ttt_targets
+from titan_spec.models.draft.eagle3.ttt import TTTResult, ttt_shifts, ttt_targets
 from titan_spec.parallelisms.context_parallel import CPMetadata
 from titan_spec.parallelisms.cp_batch import TTTHalo
 

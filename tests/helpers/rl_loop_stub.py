@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import torch
 
 from titan_spec.config import RLConfig
-from titan_spec.rl.loop import RLTrainer
-from titan_spec.rl.rollout.base import Rollout
+from titan_spec.rl.trainer import RLTrainer
+from titan_spec.rollout.base import Rollout
 
 BOS, EOS, PAD = 1, 2, 0
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz? "

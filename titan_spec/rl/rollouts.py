@@ -14,7 +14,7 @@ Engines of one worker:
 The three share ONE target module, so a policy push reaches all of them at once.
 
 With ``rollout.engine = "sglang"`` the main engine is this rank's SGLang server, started from
-``model.hf_checkpoint`` and ``draft.init_from`` (rl/rollout/sglang_engine.py; it restarts
+``model.hf_checkpoint`` and ``draft.init_from`` (rollout/sglang/engine.py; it restarts
 itself and re-pushes both weight sets when the server dies); the baselines are built-in-engine
 measurements and are skipped.
 """
@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtitan.tools.logging import logger
 
 from titan_spec.config import TitanSpecConfig
-from titan_spec.models.draft import Eagle3Draft
+from titan_spec.models.draft.eagle3.model import Eagle3Draft
 from titan_spec.models.registry import build_target_config
-from titan_spec.rl.rollout.base import Rollout, SamplingParams
-from titan_spec.rl.rollout.torch_engine import TorchRolloutEngine
+from titan_spec.rollout.base import Rollout, SamplingParams
+from titan_spec.rollout.builtin.engine import TorchRolloutEngine
 
 __all__ = ["RolloutStats", "RolloutWorker", "full_policy_state"]
 
@@ -80,7 +80,7 @@ class RolloutWorker:
         self.co_train = spec and cfg.draft.co_train
         self.frozen = self.nospec = None
         if cfg.rollout.engine == "sglang":
-            from titan_spec.rl.rollout.sglang_engine import SGLangRolloutEngine
+            from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
             self.main = SGLangRolloutEngine.from_config(cfg)
             self._rebuild = None  # the SGLang engine restarts its server itself

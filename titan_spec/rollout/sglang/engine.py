@@ -51,10 +51,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from titan_spec.models.hf_io import read_hf_arch
-from titan_spec.rl.rollout.base import NamedTensors, Rollout, SamplingParams
-from titan_spec.rl.rollout.sglang_client import EngineDied, InProcessClient, SGLangError, launch_server
-from titan_spec.rl.rollout.sglang_loaders import DRAFT_LOADER, TARGET_LOADER
-from titan_spec.rl.rollout.sglang_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
+from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams
+from titan_spec.rollout.sglang.client import EngineDied, InProcessClient, SGLangError, launch_server
+from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER
+from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
 
 __all__ = [
     "SGLangRolloutEngine", "sglang_server_args", "sampling_to_sglang", "rollout_from_result", "MANAGED_SERVER_ARGS",
@@ -261,7 +261,7 @@ def served_tensors(files: list[str], skip=lambda name: False) -> dict[str, tuple
 
 
 class SGLangRolloutEngine:
-    """Engine protocol (rl/rollout/base.py) over an SGLang server with an EAGLE-3 draft.
+    """Engine protocol (rollout/base.py) over an SGLang server with an EAGLE-3 draft.
 
     ``connect(server_args)`` returns a client (sglang_client.py); by default it launches
     ``python -m sglang.launch_server`` (config mode "server") or builds ``sglang.Engine``

@@ -13,7 +13,7 @@ The embedding is the target's (shared, never trained by the draft) and is passed
 
 A draft step is split in two halves around attention, ``qkv`` and ``finish``, because
 the attention differs by caller: training-time test uses branch attention over a
-packed batch (models/ttt.py), the rollout engine a KV cache.
+packed batch (models/draft/eagle3/ttt.py), the rollout engine a KV cache.
 """
 
 from __future__ import annotations
@@ -159,9 +159,9 @@ class Eagle3Draft(nn.Module):
         return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay: float = 0.8, count_S=None):
-        """The training-time-test loss (models/ttt.py). Going through forward (not a helper
+        """The training-time-test loss (models/draft/eagle3/ttt.py). Going through forward (not a helper
         function) lets FSDP's hooks gather the sharded parameters."""
-        from titan_spec.models.ttt import ttt_unroll
+        from titan_spec.models.draft.eagle3.ttt import ttt_unroll
 
         return ttt_unroll(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay, count_S)
 

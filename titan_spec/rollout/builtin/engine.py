@@ -29,9 +29,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from titan_spec.models.draft import Eagle3Draft
-from titan_spec.rl.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
-from titan_spec.rl.rollout.kv_cache import CachedDraft, CachedTarget
+from titan_spec.models.draft.eagle3.model import Eagle3Draft
+from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
+from titan_spec.rollout.builtin.kv_cache import CachedDraft, CachedTarget
 
 __all__ = ["TorchEngineConfig", "TorchRolloutEngine", "filtered_probs", "speculative_accept"]
 
@@ -126,7 +126,7 @@ class _Request:
 
 
 class TorchRolloutEngine:
-    """Engine protocol (rl/rollout/base.py) over a torchtitan target and an EAGLE-3 draft.
+    """Engine protocol (rollout/base.py) over a torchtitan target and an EAGLE-3 draft.
 
     The engine owns ``target`` and ``draft`` (pass copies if the trainer keeps training
     them; the trainer pushes new weights with update_*_weights). Both are put in eval mode.
@@ -170,7 +170,7 @@ class TorchRolloutEngine:
         max_seq_len: int | None = None, device: str | torch.device = "cpu",
     ) -> "TorchRolloutEngine":
         """An engine over an HF policy directory and a SpecForge/SGLang draft directory."""
-        from titan_spec.models.draft_io import load_draft_into, read_draft_arch
+        from titan_spec.models.draft.eagle3.io import load_draft_into, read_draft_arch
         from titan_spec.models.hf_io import load_hf_into, read_hf_arch
         from titan_spec.models.registry import build_target_config
 

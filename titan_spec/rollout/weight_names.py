@@ -20,11 +20,11 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_spec.models.draft_io import EXPORT_KEYS, read_draft_arch
+from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, read_draft_arch
 from titan_spec.models.hf_io import _adapter, read_hf_arch
 from titan_spec.models.registry import Arch, build_target_config
 from titan_spec.models.target import default_tap_layer_ids
-from titan_spec.rl.rollout.base import NamedTensors, named_tensor_items
+from titan_spec.rollout.base import NamedTensors, named_tensor_items
 
 __all__ = ["policy_to_hf_names", "draft_to_export_names", "check_draft_fits_policy", "sglang_tap_misfit", "served_tap_ids"]
 

@@ -16,7 +16,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from titan_spec.models.draft import DraftArch, Eagle3Draft
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.hf_io import read_safetensors_header, write_safetensors_dir
 
 __all__ = [

@@ -1,8 +1,9 @@
-"""Rollout engines: the protocol (base.py), the built-in PyTorch engine (torch_engine.py) and
-the SGLang engine (sglang_engine.py; import it from there, it is GPU-only at run time).
+"""Rollout engines, RL-agnostic: the protocol (base.py), the built-in PyTorch engine
+(builtin/), the SGLang engine (sglang/; import it from there, it is GPU-only at run time)
+and the weight-name mapping between trainer, HF and draft-export names (weight_names.py).
 
 The names below are imported on first use (PEP 562), not with the package: SGLang's
-scheduler processes import ``titan_spec.rl.rollout.sglang_loaders`` (its custom weight
+scheduler processes import ``titan_spec.rollout.sglang.loaders`` (its custom weight
 loaders) and must not pull in the built-in engine and torchtitan with it
 (tests/test_sglang_behaviour.py checks which modules that import loads).
 """
@@ -13,7 +14,7 @@ __all__ = ["Rollout", "RolloutEngine", "SamplingParams", "TorchEngineConfig", "T
 
 _HOME = {
     "Rollout": "base", "RolloutEngine": "base", "SamplingParams": "base",
-    "TorchEngineConfig": "torch_engine", "TorchRolloutEngine": "torch_engine",
+    "TorchEngineConfig": "builtin.engine", "TorchRolloutEngine": "builtin.engine",
 }
 
 

@@ -27,7 +27,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.models.attention import DocMetadata, doc_metadata_from_positions
 from titan_spec.models.branch_attention import ttt_attention
-from titan_spec.models.draft import Eagle3Draft
+from titan_spec.models.draft.eagle3.model import Eagle3Draft
 
 __all__ = ["TTTResult", "ttt_inputs_for_sequences", "ttt_shifts", "ttt_targets", "ttt_unroll"]
 

@@ -33,13 +33,13 @@ from torchtitan.tools.logging import logger
 
 from titan_spec.draft_training import DraftTraining, initial_draft
 from titan_spec.models.registry import build_target_config
-from titan_spec.models.ttt import TTTResult
+from titan_spec.models.draft.eagle3.ttt import TTTResult
 from titan_spec.rl.grpo import PolicyLossOutput, group_advantages, ppo_clip_loss
-from titan_spec.rl.packing import Document, pack_documents
-from titan_spec.rl.rollout.base import SamplingParams
+from titan_spec.data.packing import Document, pack_documents
+from titan_spec.rollout.base import SamplingParams
 from titan_spec.rl.rollouts import RolloutStats, RolloutWorker, full_policy_state
-from titan_spec.rl.tasks import exact_match_reward
-from titan_spec.train import SpecTrainer
+from titan_spec.data.tasks import exact_match_reward
+from titan_spec.trainer import SpecTrainer
 
 __all__ = ["RLTrainer", "CoTrainingLoss", "co_training_loss", "token_logprobs"]
 

@@ -25,8 +25,8 @@ import torch
 
 __all__ = ["TARGET_LOADER", "DRAFT_LOADER", "is_eagle3_draft", "load_target_weights", "load_draft_weights"]
 
-TARGET_LOADER = "titan_spec.rl.rollout.sglang_loaders.load_target_weights"
-DRAFT_LOADER = "titan_spec.rl.rollout.sglang_loaders.load_draft_weights"
+TARGET_LOADER = "titan_spec.rollout.sglang.loaders.load_target_weights"
+DRAFT_LOADER = "titan_spec.rollout.sglang.loaders.load_draft_weights"
 
 # Draft export names (DESIGN.md). "lm_head.weight" is also a target name: it is told
 # apart by the model that receives it, not by its name.

@@ -1,74 +1,26 @@
-"""Character tokenizer and the packed task dataloader for language-model / SFT steps.
+"""The packed task dataloader for language-model / SFT steps.
 
 Shape legend: B = rows per batch, L = row length (training.seq_len).
 
-Both plug into torchtitan's Trainer through its Configurable contracts
-(``tokenizer.build(tokenizer_path=...)``, ``dataloader.build(dp_rank=..., ...)``).
-The tokenizer is made locally (no hub) and saved with the run, so a checkpoint and
-its exported model always come with the ids they were trained on.
+It plugs into torchtitan's Trainer through its Configurable contract
+(``dataloader.build(dp_rank=..., ...)``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import string
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.components.tokenizer import BaseTokenizer
 
 from titan_spec.config import TaskConfig
-from titan_spec.rl.packing import Document, pack_documents
-from titan_spec.rl.tasks import build_task
+from titan_spec.data.packing import Document, pack_documents
+from titan_spec.data.tokenizer import CharTokenizer
+from titan_spec.data.tasks import build_task
 
-__all__ = ["CharTokenizer", "TaskDataLoader", "sft_document"]
-
-_SPECIALS = ("<pad>", "<bos>", "<eos>")
-# Printable ASCII minus the three whitespace controls nobody writes (\r \x0b \x0c).
-_CHARS = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
-
-
-class CharTokenizer(BaseTokenizer):
-    """One id per printable ASCII character plus <pad>, <bos>, <eos>."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseTokenizer.Config):
-        pass
-
-    def __init__(self, config: Config | None = None, tokenizer_path: str | None = None):
-        super().__init__()
-        vocab = list(_SPECIALS) + list(_CHARS)
-        if tokenizer_path and os.path.isfile(os.path.join(tokenizer_path, "tokenizer.json")):
-            with open(os.path.join(tokenizer_path, "tokenizer.json")) as f:
-                vocab = json.load(f)["vocab"]
-        self.vocab = vocab
-        self.stoi = {s: i for i, s in enumerate(vocab)}
-        self.pad_id, self.bos_id, self.eos_id = (self.stoi[s] for s in _SPECIALS)
-
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        unknown = sorted({c for c in text if c not in self.stoi})
-        if unknown:
-            raise ValueError(f"characters {unknown!r} are not in the tokenizer's vocabulary (printable ASCII)")
-        ids = [self.stoi[c] for c in text]
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
-
-    def decode(self, ids) -> str:
-        return "".join(self.vocab[i] for i in ids if i >= len(_SPECIALS))
-
-    def get_vocab_size(self) -> int:
-        return len(self.vocab)
-
-    def save(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, "tokenizer.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"type": "char", "vocab": self.vocab}, f)
-        os.replace(tmp, os.path.join(folder, "tokenizer.json"))
-
+__all__ = ["TaskDataLoader", "sft_document"]
 
 def sft_document(tok: CharTokenizer, prompt: str, answer: str) -> Document:
     """<bos> prompt answer <eos>, trained on the answer and <eos> only."""
@@ -95,7 +47,7 @@ class TaskDataLoader(BaseDataLoader):
 
         document_multiple: int = 1
         """Every packed document is padded to a multiple of this many tokens (the resolved
-        task.document_multiple; see rl/packing.py)."""
+        task.document_multiple; see data/packing.py)."""
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ one causal-by-position mask serves every case, without any per-row length bookke
     lower positions) and the next call overwrites.
   - speculative verify: the K+1 verified tokens are written at slots c..c+K; after
     acceptance only c..c+a are committed and the rest is overwritten by the next call.
-  - the draft's chain (EAGLE-3 TTT, models/ttt.py): draft step j of row t sits at
+  - the draft's chain (EAGLE-3 TTT, models/draft/eagle3/ttt.py): draft step j of row t sits at
     position t+j and attends to the step-0 ("trunk") keys of positions <= t plus its own
     branch keys k_1..k_j, which are exactly slots t+1..t+j when the branch key of step j
     is written at slot t+j. The next round's trunk rows overwrite those slots.
@@ -42,8 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_spec.models.draft import Eagle3Draft, rotate_half
-from titan_spec.rl.rollout.fused import FusedLinearWeight, RotaryTable
+from titan_spec.models.draft.eagle3.model import Eagle3Draft, rotate_half
+from titan_spec.rollout.builtin.fused import FusedLinearWeight, RotaryTable
 
 __all__ = ["KVCache", "CachedTarget", "CachedDraft", "causal_slot_mask"]
 
@@ -250,7 +250,7 @@ class CachedDraft:
     step(): one chain step of that row, at position t+j with the embedding of draft
         token j; its key lands in slot t+j (the branch slot, see the module docstring).
 
-    The math is the draft's ``qkv`` and ``finish`` (models/draft.py) with q/k/v and
+    The math is the draft's ``qkv`` and ``finish`` (models/draft/eagle3/model.py) with q/k/v and
     gate/up fused and the rotary angles from a table; tests check it against the TTT unroll.
     """
 
@@ -316,7 +316,7 @@ class CachedDraft:
         return qk_BLnH[:, :, :nq], qk_BLnH[:, :, nq:], qkv_BLnH[:, :, nq + nk :]
 
     def _finish(self, h_BH, attn_BNH, w):
-        # models/draft.py Eagle3Draft.finish, gate/up fused.
+        # models/draft/eagle3/model.py Eagle3Draft.finish, gate/up fused.
         d, ml = self.draft, self.draft.midlayer
         r_BH = h_BH + F.linear(attn_BNH.flatten(1), ml.self_attn.o_proj.weight)
         gate_BF, up_BF = F.linear(_rms(r_BH, ml.post_attention_layernorm), w[1]).chunk(2, dim=-1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from titan_spec.models.draft import rotary_cos_sin
+from titan_spec.models.draft.eagle3.model import rotary_cos_sin
 
 __all__ = ["FusedLinearWeight", "RotaryTable"]
 

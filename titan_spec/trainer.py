@@ -1,0 +1,344 @@
+"""The SFT / offline-draft trainer: torchtitan's ``Trainer`` with titan_spec's seams.
+
+``SpecTrainer`` SUBCLASSES torchtitan's ``Trainer`` rather than composing its parts:
+the parent already wires the mesh, FSDP2/compile/AC, optimizers, LR schedule, DCP
+checkpointer, metrics and the train loop exactly as a torchtitan user expects, and
+each capability titan_spec adds hooks in at one of the parent's seams:
+
+- ``__init__``: translate the TOML config (``titan_spec.config``) into torchtitan's
+  ``Trainer.Config`` (``to_trainer_config``), build the tapped target from a flavor or
+  an HF checkpoint, save the tokenizer with the run;
+- ``post_dataloading_process``: attach titan_spec's document-attention metadata;
+- ``_forward_backward_body``: the ONE training forward; with ``[draft] enable`` its
+  detached taps and logits also give the draft's TTT loss (draft_training.py);
+- ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
+  stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
+- ``forward_backward_step`` / ``optimizers.step`` (wrapped): the finiteness guard
+  (titan_spec/finite.py): a step whose policy or draft loss or gradient norm is not finite
+  is skipped for that model and counted; the draft's optimizer steps right after the
+  policy's (its own clipping, guard and schedule);
+- ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
+  sharded over the cp ranks (parallelisms/cp_batch.py);
+- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
+  rank's token count goes under its own key);
+- ``extra_metrics``: the draft's loss and per-step accuracy join the step's metrics;
+- ``checkpoint``: torchtitan's DCP checkpointer with an integrity manifest
+  (titan_spec/checkpoint.py); metrics.jsonl rows are strict JSON (``_log_jsonl``).
+
+One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
+-> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
+loss) -> optimizers.step (+ DraftTraining.step in its post-hook).
+
+One RL step is the same path with rollouts as the data source: titan_spec/rl/trainer.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import titan_spec  # noqa: F401  (CPU shims before torchtitan)
+import torch
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from titan_spec import platform
+from titan_spec.config import TitanSpecConfig
+from titan_spec.draft_training import DraftTraining, under_dump_folder
+from titan_spec.finite import NonFiniteStop, StepGuard, fault, global_grad_norm, inject_nan_grad
+from titan_spec.models.attention import DocCausalAttention
+from titan_spec.models.hf_io import load_hf_into, save_hf
+from titan_spec.parallelisms.cp_batch import shard_batch
+from titan_spec.parallelisms.pipeline import pipeline_forward_backward
+
+__all__ = ["SpecTrainer"]
+
+
+class SpecTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        spec: TitanSpecConfig = field(default_factory=TitanSpecConfig)
+        """The titan_spec config this trainer config was made from (draft, rl, ... sections)."""
+
+        arch: Any = None
+        """The target's resolved architecture (titan_spec.models.registry.Arch)."""
+
+        draft_arch: Any = None
+        """The draft's architecture (titan_spec.models.draft.eagle3.model.DraftArch), None without a draft."""
+
+        def to_dict(self) -> dict[str, Any]:
+            # The parent logs and saves this; the nested titan_spec config is plain data.
+            out = Trainer.Config.to_dict(self)
+            out["spec"] = dataclasses.asdict(self.spec)
+            for name in ("arch", "draft_arch"):
+                value = getattr(self, name)
+                out[name] = dataclasses.asdict(value) if value is not None else None
+            return out
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        spec = config.spec
+        platform.init_like_unsharded(self.model_parts, self.model_config, config.debug.seed)
+        if torch.distributed.get_rank() == 0:
+            self.tokenizer.save(config.dump_folder)
+        self.metrics_processor.log = self._log_jsonl(self.metrics_processor.log)
+        if spec.model.hf_checkpoint:
+            # A resumed run restores its own weights over these in train() (checkpointer.load).
+            for part in self.model_parts:
+                load_hf_into(part, spec.model.hf_checkpoint, config.arch)
+            logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
+        # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
+        on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
+        self.draft_training = self._build_draft_training() if spec.draft.enable and on_draft_stage else None
+        if self.draft_training is not None and self.parallel_dims.pp_enabled:
+            self.pp_schedule.titan_spec_loss.attach_draft(self.draft_training, spec.draft.loss_weight)
+        # torchtitan's train_step calls optimizers.step() right after its clip: the guarded
+        # step applies (or skips) the policy's step, then the draft's (its own clipping,
+        # guard and schedule), inside train_step, so the step's metrics include both.
+        self.guard = StepGuard("policy", config.training.max_consecutive_skips)
+        self._policy_step = self.optimizers.step
+        self.optimizers.step = self._guarded_step
+        self._fb_calls = 0
+        self._step_loss: torch.Tensor | None = None
+        self._pre_clip_norm: torch.Tensor | None = None
+        self._loss_was_finite = True
+        self._cp_sums = torch.zeros(2, dtype=torch.float64)  # CP: this shard's [loss sum, valid tokens]
+        self._metrics_trimmed = False
+
+    def _build_draft_training(self) -> DraftTraining:
+        spec, pd = self.config.spec, self.parallel_dims
+        if spec.draft.offline:
+            # Offline draft training: the policy is a frozen teacher.
+            for part in self.model_parts:
+                part.requires_grad_(False)
+        dp_mesh = pd.get_optional_mesh("fsdp") if pd.dp_shard_enabled or pd.cp_enabled else None
+        counts = None
+        if not spec.draft.init_from:
+            counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, self.config.arch.vocab_size)
+        return DraftTraining(
+            spec.draft,
+            self.config.draft_arch,
+            device=self.device,
+            dp_mesh=dp_mesh,
+            lr_scheduler_cfg=self.config.lr_scheduler,
+            training_steps=self.config.training.steps,
+            token_counts_V=counts,
+            seed=self.config.debug.seed or 0,
+            max_consecutive_skips=self.config.training.max_consecutive_skips,
+        )
+
+    def train_step(self, data_iterator):
+        if not self._metrics_trimmed:
+            # The first step of this process (after any checkpoint load): rows of later
+            # steps come from an interrupted earlier attempt and are written again now.
+            self._trim_metrics(self.step - 1)  # train() has already counted this step
+            self._metrics_trimmed = True
+        if self.draft_training is not None:
+            self.draft_training.zero_grad()
+        self._fb_calls, self._step_loss, self._pre_clip_norm = 0, None, None
+        self._cp_sums.zero_()
+        super().train_step(data_iterator)
+
+    # --- the finiteness guard (titan_spec/finite.py) ----------------------------------------
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        loss = loss.detach()
+        self._step_loss = loss.clone() if self._step_loss is None else self._step_loss + loss
+        if self.parallel_dims.cp_enabled:
+            self._cp_sums[0] += float(loss.sum()) * float(global_valid_tokens)
+        self._fb_calls += 1
+        if self._fb_calls == self.gradient_accumulation_steps:
+            # The gradients of the step are complete: its global pre-clip norm decides, with
+            # the loss, whether the optimizer step is applied (torchtitan's clip comes next).
+            params = [p for m in self.model_parts for p in m.parameters()]
+            if fault("nan_grad_policy", self.step) and torch.distributed.get_rank() == 0:
+                inject_nan_grad(params)
+            self._pre_clip_norm = global_grad_norm(params, self.device, self.parallel_dims.get_optional_mesh("pp"))
+        # A non-finite loss means the step is skipped; torchtitan's own post-step "Loss is not
+        # finite" stop would then end the run although the weights are intact: it sees 0 and
+        # the log the true value (_log_jsonl). torch.where: no host sync per microbatch.
+        return torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss))
+
+    def _guarded_step(self) -> None:
+        """optimizers.step() as torchtitan's train_step calls it, after its clip."""
+        ok = self.guard.check(self._step_loss, self._pre_clip_norm, torch.distributed.group.WORLD)
+        self._loss_was_finite = not self.guard.last_loss_bad
+        if ok:
+            self._policy_step()
+        else:
+            self.guard.log_skip(self.step)
+            self.optimizers.zero_grad(set_to_none=True)
+        if self.draft_training is not None:
+            self.draft_training.step(self.step)
+        # Stop on every rank together (under PP the draft lives on the last stage only).
+        draft_guard = self.draft_training.guard if self.draft_training is not None else None
+        limit = self.guard.max_consecutive
+        flags = torch.tensor([
+            float(self.guard.consecutive >= limit),
+            float(draft_guard is not None and draft_guard.consecutive >= limit),
+        ], device=self.device)  # on the device: NCCL has no CPU tensors
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags = flags.cpu()
+        if flags.any():
+            last_good = self.checkpointer.last_good() if self.checkpointer.enable else "none (checkpoint.enable = false)"
+            guard = self.guard if flags[0] else (draft_guard or StepGuard("draft", limit))
+            raise NonFiniteStop(guard.stop_message(self.step, last_good))
+
+    def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
+        """ONE forward of the policy; its detached taps and logits also train the draft."""
+        if self.draft_training is None:
+            return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
+        spec = self.config.spec
+        frozen = spec.draft.offline
+        with self.train_context():
+            with torch.no_grad() if frozen else contextlib.nullcontext():
+                logits, taps = self.model_parts[0](inputs, **extra_kwargs)
+                policy_loss, _ = self.loss_fn(logits, labels, global_valid_tokens)
+            draft = self.draft_training.loss(
+                logits, taps, extra_kwargs["positions"], labels, extra_kwargs["attention_masks"]
+            )
+            total = spec.draft.loss_weight * draft.loss
+            if not frozen:
+                total = total + policy_loss
+            total.backward()
+        return policy_loss.detach()
+
+    def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+        # Each microbatch's loss on the last stage is policy + lambda * draft (pipeline.py).
+        return pipeline_forward_backward(self, input_dict_mbs, label_mbs, global_valid_tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        # ntokens_seen is this rank's count (summed over ranks when logged), and under context
+        # parallelism the ranks' zigzag shards hold different numbers of real tokens. DCP keeps
+        # ONE copy of a plain value that every rank saves under the same key, so each rank's
+        # count goes under its own key.
+        sd[_ntokens_key()] = sd.pop("ntokens_seen")
+        sd["guard"] = self.guard.state_dict()
+        if self.draft_training is not None:
+            sd["draft"] = self.draft_training.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        state_dict["ntokens_seen"] = state_dict.pop(_ntokens_key())
+        super().load_state_dict(state_dict)
+        self.guard.load_state_dict(state_dict["guard"])
+        if self.draft_training is not None and "draft" in state_dict:
+            self.draft_training.load_state_dict(state_dict["draft"])
+
+    def train(self):
+        super().train()
+        self.export()
+        if torch.distributed.get_rank() == 0:
+            # run_train.sh skips a finished run that a later config requires (job.requires).
+            with open(os.path.join(self.config.dump_folder, "DONE"), "w") as f:
+                f.write(f"{self.step}\n")
+
+    def export(self) -> None:
+        """End-of-run exports: the policy as an HF checkpoint, the draft for SGLang."""
+        job, spec = self.config.spec.job, self.config.spec
+        if job.export_hf:
+            path = under_dump_folder(self.config.dump_folder, job.export_hf)
+            for part in self.model_parts:
+                save_hf(part, path, self.config.arch)
+            logger.info(f"Exported the policy (HF format) to {path}")
+        if self.draft_training is not None and spec.draft.export_dir:
+            path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)
+            self.draft_training.export(path)
+            logger.info(f"Exported the draft (SGLang LlamaForCausalLMEagle3 format) to {path}")
+
+    def _metrics_writer(self) -> bool:
+        # The first rank of the last pipeline stage sees the loss (torchtitan's loss-visible rank).
+        pd = self.parallel_dims
+        return torch.distributed.get_rank() == (pd.world_size // pd.pp) * (pd.pp - 1)
+
+    def _trim_metrics(self, last_step: int) -> None:
+        """Keep the metrics.jsonl rows of steps <= last_step (the steps this run does not
+        redo) and drop a torn last line, so a resumed run writes each step's row once."""
+        path = os.path.join(self.config.dump_folder, "metrics.jsonl")
+        if not self._metrics_writer() or not os.path.exists(path):
+            return
+        kept = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+                if row.get("step", 0) <= last_step:
+                    kept.append(json.dumps(row, allow_nan=False) + "\n")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+    def _log_jsonl(self, log):
+        """Wrap MetricsProcessor.log to also append full-precision metrics to metrics.jsonl:
+        one strict-JSON row per logged step; a non-finite value is written as null and named
+        in the row's ``nonfinite`` list."""
+        path = os.path.join(self.config.dump_folder, "metrics.jsonl")
+
+        def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            extra_metrics = {**(extra_metrics or {}), **self.extra_metrics()}
+            if not self._loss_was_finite:  # the guard saw a non-finite loss; torchtitan was shown 0
+                global_avg_loss = global_max_loss = float("nan")
+            elif self.parallel_dims.cp_enabled:
+                global_max_loss = self._cp_max_loss()
+            log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+            if self._metrics_writer():
+                row = {"step": step, "loss": global_avg_loss, "max_loss": global_max_loss, "grad_norm": grad_norm}
+                row.update({k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))})
+                bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+                row.update({k: None for k in bad})
+                if bad:
+                    row["nonfinite"] = bad
+                with open(path, "a") as f:
+                    f.write(json.dumps(row, allow_nan=False) + "\n")
+
+        return logged
+
+    def _cp_max_loss(self) -> float:
+        """max_loss under context parallelism: the largest mean loss of one data-parallel
+        rank's batch, its CP shards pooled (torchtitan divides each shard's loss by the
+        token count of the whole unsharded batch, which understates it)."""
+        sums = self._cp_sums.to(self.device)
+        dist = torch.distributed
+        dist.all_reduce(sums, group=self.parallel_dims.get_mesh("cp").get_group())
+        mean = (sums[0] / sums[1].clamp(min=1)).reshape(1)
+        if self.parallel_dims.dp_enabled:
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=self.parallel_dims.get_mesh("batch").get_group())
+        return float(mean)
+
+    def extra_metrics(self) -> dict[str, float]:
+        """Metrics of the step besides torchtitan's (collective: every rank calls it)."""
+        if self.draft_training is None:
+            return {"skipped_steps": self.guard.skipped}
+        out = {"skipped_steps": self.guard.skipped, **self.draft_training.metrics()}
+        if self.parallel_dims.pp_enabled:  # taps of the last step, counted by microbatch tag
+            out["pp/taps_delivered"] = self.pp_schedule.titan_spec_loss.channel.received
+        return out
+
+    def post_dataloading_process(self, input_dict, labels):
+        if self.parallel_dims.cp_enabled:
+            # Zigzag-shard for the ring (parallelisms/cp_batch.py), not torch's CP input split.
+            inputs, labels, extra = shard_batch(input_dict, labels, self.parallel_dims.get_mesh("cp"))
+            self.ntokens_seen += extra["attention_masks"].num_real_rows()
+            self._cp_sums[1] += float((labels != IGNORE_INDEX).sum())  # this shard's targets (max_loss)
+            return inputs, labels, extra
+        inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        attn = self.model_config.first_attention
+        if isinstance(attn.inner_attention, DocCausalAttention.Config) and "positions" in extra:
+            extra["attention_masks"] = self.model_parts[0].get_attention_masks(extra["positions"])
+        return inputs, labels, extra
+
+
+def _ntokens_key() -> str:
+    return f"ntokens_seen_rank_{torch.distributed.get_rank()}"
