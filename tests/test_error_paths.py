@@ -54,7 +54,7 @@ def test_zigzag_shard_rejects_a_stream_of_the_wrong_length():
 
 
 def test_rl_loop_names_the_settings_when_a_rollout_does_not_fit_the_sequence_length():
-    """RLTrainer._rollout_batches packs prompt + completion documents into training.seq_len
+    """RLTrainer.pack packs prompt + completion documents into training.seq_len
     rows; one that is too long stops the run with the packing error and what to change."""
     # BOS + 2 prompt characters + a 6-character completion = 9 tokens
     problems = [("qa", "5", ["5", "123456"]), ("qb", "7", ["7", "8"])]

@@ -16,7 +16,10 @@ from titan_spec.draft_training import DraftTraining
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rl.grpo import group_advantages, ppo_clip_loss
+from titan_spec.co_training import CoTrainingLoss
+from titan_spec.rl.records import Minibatch
 from titan_spec.rl.trainer import RLTrainer
+from titan_spec.trainer import SpecTrainer
 from titan_spec.data.packing import Document, pack_documents
 
 
@@ -150,7 +153,7 @@ def test_group_advantages_with_more_groups_than_members_and_distinct_rewards():
     )
 
 
-# The RL loop's own grouping (RLTrainer._rollout_batches, run in-process over scripted
+# The RL loop's own grouping (RLTrainer.generate/score/pack, run in-process over scripted
 # completions): P = 3 prompts, G = 4 completions each, exact-match rewards.
 PROBLEMS = [
     ("qa", "5", ["5", "6", "55", "5"]),  # rewards 1 0 0 1
@@ -200,7 +203,8 @@ def test_rl_loop_groups_each_prompts_completions_and_puts_their_advantage_on_the
 
 
 def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_gradient():
-    """RLTrainer._build_reference and _forward_backward_body, run in-process with kl_beta > 0
+    """RLTrainer._build_reference and policy_loss and SpecTrainer.co_train_forward_backward
+    (what RLTrainer.update runs), in-process with kl_beta > 0
     over a tiny policy that has moved away from its reference (as after some RL steps), and
     compared with an independent computation: the reference is a separate copy of the policy
     as it was (later policy changes do not reach it, it takes no gradient), and the policy's
@@ -240,11 +244,13 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
         model.zero_grad(set_to_none=True)
         dt.zero_grad()
         fake.rl = RLConfig(enable=True, temperature=T, kl_beta=kl_beta)
-        fake.reference, fake.draft_training, fake._rl = reference if kl_beta else None, dt, {}
-        fake._values = {k: b.values_BL[k] for k in ("behaviour_logp", "advantages")}
-        RLTrainer._forward_backward_body(fake, b.input_BL, b.labels_BL, N, extra)
+        fake.reference, fake.co_loss = reference if kl_beta else None, CoTrainingLoss(dt, weight=0.5)
+        mb = Minibatch({"input": b.input_BL, "positions": b.positions_BL}, b.labels_BL,
+                       b.values_BL["behaviour_logp"], b.values_BL["advantages"])
+        policy_loss = RLTrainer.policy_loss(fake, mb, b.input_BL, b.labels_BL, extra)
+        terms = SpecTrainer.co_train_forward_backward(fake, b.input_BL, b.labels_BL, N, extra, policy_loss)
         draft_grads = [p.grad.clone() for p in dt.draft.parameters() if p.grad is not None]
-        return [p.grad.clone() for p in model.parameters()], draft_grads, fake._rl
+        return [p.grad.clone() for p in model.parameters()], draft_grads, terms.policy_stats
 
     with_kl, draft_kl, stats = step(beta)
     without, draft_0, _ = step(0.0)
@@ -269,7 +275,7 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
     ((ppo + beta * k3)[mask].sum() / N).backward()
     expected = [p.grad for p in model.parameters()]
 
-    assert stats["kl_sum"] / stats["policy_tokens"] == pytest.approx(float(k3[mask].mean().detach()), rel=1e-4)
+    assert float(stats.kl) == pytest.approx(float(k3[mask].mean().detach()), rel=1e-4)
     assert float(k3[mask].mean().detach()) > 1e-2  # the policy really moved away from its reference
     kl_part = sum(float((a - c).norm()) for a, c in zip(with_kl, without))
     assert kl_part > 0.1 * sum(float(a.norm()) for a in with_kl), "the KL term adds (almost) no gradient"

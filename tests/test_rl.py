@@ -14,7 +14,8 @@ from titan_spec.draft_training import DraftTraining
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.rl.trainer import co_training_loss, token_logprobs
+from titan_spec.co_training import CoTrainingLoss
+from titan_spec.rl.grpo import PPOPolicyLoss, token_logprobs
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.rollout import SamplingParams
 from titan_spec.data.tasks import JsonlTask
@@ -103,11 +104,11 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
         model.zero_grad(set_to_none=True)
         dt.zero_grad()
         logits, taps = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
-        out = co_training_loss(
-            logits, taps, b.labels_BL, b.values_BL["behaviour_logp"], b.values_BL["advantages"], n_tokens, rl,
-            draft_training=dt, draft_weight=0.5, positions_BL=b.positions_BL, attention_masks=meta,
+        policy = PPOPolicyLoss(b.values_BL["behaviour_logp"], b.values_BL["advantages"], rl)
+        out = CoTrainingLoss(dt, weight=0.5)(
+            policy, logits, taps, b.labels_BL, n_tokens, positions_BL=b.positions_BL, attention_meta=meta,
         )
-        {"total": out.total, "policy": out.policy.loss, "draft": out.draft.loss}[which].backward()
+        {"total": out.total, "policy": out.policy, "draft": out.draft.loss}[which].backward()
         zero = lambda ps: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ps]  # noqa: E731
         return zero(policy_params), zero(draft_params), out
 
@@ -131,7 +132,7 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
         ratio = torch.exp(ref[mask].float() - b.values_BL["behaviour_logp"][mask])
         adv = b.values_BL["advantages"][mask]
         expect = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum() / n_tokens
-    assert out.policy.loss.item() == pytest.approx(expect.item(), rel=1e-4)
+    assert out.policy.item() == pytest.approx(expect.item(), rel=1e-4)
 
 
 def _worker(tmp_path, retries=1):
@@ -296,7 +297,7 @@ def test_one_grpo_step_makes_above_average_completions_likelier():
     before = logps()
     logits, taps = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
     # On-policy: the behaviour log-probs are the model's own.
-    out = co_training_loss(logits, taps, b.labels_BL, before, adv, mask.sum(), rl)
+    out = CoTrainingLoss(None)(PPOPolicyLoss(before, adv, rl), logits, taps, b.labels_BL, mask.sum())
     out.total.backward()
     with torch.no_grad():
         for p in model.parameters():

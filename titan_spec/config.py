@@ -413,6 +413,19 @@ class RLConfig:
     rollout_retries: int = 1
     """A rollout that raises is retried this many times on a rebuilt engine, then the run stops."""
 
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts; every pass takes rl.minibatches optimizer steps, so
+    one RL step takes ppo_epochs x minibatches of them (importance ratios against the
+    behaviour log-probs correct for the policy moving in between)."""
+
+    minibatches: int = 1
+    """Optimizer steps per pass: each rank's completions of the step, in rollout order, are
+    split into this many equal shares (each packed into rows of training.seq_len and
+    normalized by its own global token count). An RL step's batch is decided here and by
+    prompts_per_step x group_size: training.local_batch_size and global_batch_size do not
+    shape it (global_batch_size must stay -1; local_batch_size only sizes the SFT batches
+    counted for a fresh draft's vocabulary)."""
+
     def validate(self) -> None:
         _check(self.prompts_per_step >= 1, "rl.prompts_per_step", self.prompts_per_step, ">= 1")
         _check(self.group_size >= 2, "rl.group_size", self.group_size, ">= 2 (advantages compare a group)")
@@ -423,6 +436,8 @@ class RLConfig:
         _check(self.kl_beta >= 0, "rl.kl_beta", self.kl_beta, ">= 0")
         _check(self.baseline_interval >= 0, "rl.baseline_interval", self.baseline_interval, ">= 0 (0 = never)")
         _check(self.rollout_retries >= 0, "rl.rollout_retries", self.rollout_retries, ">= 0")
+        _check(self.ppo_epochs >= 1, "rl.ppo_epochs", self.ppo_epochs, ">= 1")
+        _check(self.minibatches >= 1, "rl.minibatches", self.minibatches, ">= 1")
 
 
 @dataclass(kw_only=True)
@@ -577,6 +592,18 @@ class TitanSpecConfig:
         if rl.prompts_per_step % max(dp, 1):
             raise ConfigError(
                 f"rl.prompts_per_step = {rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"
+            )
+        local = rl.prompts_per_step // max(dp, 1) * rl.group_size
+        if local % rl.minibatches:
+            raise ConfigError(
+                f"rl.minibatches = {rl.minibatches} must divide each rank's {local} completions of a step "
+                f"(rl.prompts_per_step {rl.prompts_per_step} / {dp} data-parallel ranks x rl.group_size {rl.group_size})"
+            )
+        if self.training.global_batch_size != -1:
+            raise ConfigError(
+                f"training.global_batch_size = {self.training.global_batch_size} with rl.enable = true: an RL step's "
+                "batch is rl.prompts_per_step x rl.group_size completions, split into rl.minibatches optimizer "
+                "steps; leave training.global_batch_size at -1"
             )
 
     def _validate_sglang(self, files: bool = True) -> None:

@@ -7,7 +7,8 @@ SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
                               step (all microbatches, all data-parallel ranks)
     step(k)                   the draft's own clipping, finiteness guard (titan_spec/finite.py:
                               a non-finite draft loss or gradient norm skips the AdamW step),
-                              AdamW step and LR schedule
+                              AdamW step
+    scheduler.step()          its LR schedule, stepped with the policy's
 
 The draft is small and is trained data-parallel with the policy: FSDP2 over the same
 mesh, dp_shard x cp (sum-reduced; the loss is already normalized by the global count).
@@ -147,8 +148,10 @@ class DraftTraining(Stateful):
 
     def step(self, step: int = 0) -> bool:
         """Clip, then apply the AdamW step unless the step's draft loss or its (global)
-        gradient norm is not finite; the LR schedule advances either way. Returns whether
-        the step was applied (the same on every rank of the draft's mesh)."""
+        gradient norm is not finite. Returns whether the step was applied (the same on every
+        rank of the draft's mesh). The LR schedule (``scheduler``) advances separately, with
+        the policy's (SpecTrainer wraps lr_schedulers.step): an RL step may take several
+        optimizer steps on one schedule step."""
         params = [p for p in self.draft.parameters()]
         if fault("nan_grad_draft", step) and (self.dp_mesh is None or self.dp_mesh.get_local_rank() == 0):
             inject_nan_grad(params)
@@ -164,7 +167,6 @@ class DraftTraining(Stateful):
         else:
             self.guard.log_skip(step)
             self.zero_grad()
-        self.scheduler.step()
         return ok
 
     def zero_grad(self) -> None:

@@ -9,14 +9,16 @@ each capability titan_spec adds hooks in at one of the parent's seams:
   ``Trainer.Config`` (``to_trainer_config``), build the tapped target from a flavor or
   an HF checkpoint, save the tokenizer with the run;
 - ``post_dataloading_process``: attach titan_spec's document-attention metadata;
-- ``_forward_backward_body``: the ONE training forward; with ``[draft] enable`` its
-  detached taps and logits also give the draft's TTT loss (draft_training.py);
+- ``_forward_backward_body``: the ONE training forward (``co_train_forward_backward``);
+  with ``[draft] enable`` its detached taps and logits also give the draft's loss, and
+  policy + lambda * draft is backpropagated (titan_spec/co_training.py);
 - ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
   stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
-- ``forward_backward_step`` / ``optimizers.step`` (wrapped): the finiteness guard
-  (titan_spec/finite.py): a step whose policy or draft loss or gradient norm is not finite
-  is skipped for that model and counted; the draft's optimizer steps right after the
-  policy's (its own clipping, guard and schedule);
+- ``forward_backward_step`` / ``optimizers.step`` / ``lr_schedulers.step`` (wrapped): the
+  finiteness guard (titan_spec/finite.py): a step whose policy or draft loss or gradient
+  norm is not finite is skipped for that model and counted; the draft's optimizer steps
+  right after the policy's (its own clipping and guard) and its LR schedule with the
+  policy's;
 - ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
   sharded over the cp ranks (parallelisms/cp_batch.py);
 - ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
@@ -27,9 +29,11 @@ each capability titan_spec adds hooks in at one of the parent's seams:
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
 -> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
-loss) -> optimizers.step (+ DraftTraining.step in its post-hook).
+loss) -> optimizers.step (+ DraftTraining.step in its post-hook) -> lr_schedulers.step.
 
-One RL step is the same path with rollouts as the data source: titan_spec/rl/trainer.py.
+One RL step (titan_spec/rl/trainer.py) has its own ``train_step`` and uses the same
+pieces: ``begin_step``, ``post_dataloading_process``, ``co_train_forward_backward``,
+``account_loss``, the guarded ``optimizers.step`` and the joint ``lr_schedulers.step``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from titan_spec import platform
+from titan_spec.co_training import CoTrainingLoss, LossTerms
 from titan_spec.config import TitanSpecConfig
 from titan_spec.draft_training import DraftTraining, under_dump_folder
 from titan_spec.finite import NonFiniteStop, StepGuard, fault, global_grad_norm, inject_nan_grad
@@ -96,14 +101,18 @@ class SpecTrainer(Trainer):
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
         self.draft_training = self._build_draft_training() if spec.draft.enable and on_draft_stage else None
+        self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=not spec.draft.offline)
         if self.draft_training is not None and self.parallel_dims.pp_enabled:
-            self.pp_schedule.titan_spec_loss.attach_draft(self.draft_training, spec.draft.loss_weight)
+            self.pp_schedule.titan_spec_loss.attach(self.co_loss)
         # torchtitan's train_step calls optimizers.step() right after its clip: the guarded
-        # step applies (or skips) the policy's step, then the draft's (its own clipping,
-        # guard and schedule), inside train_step, so the step's metrics include both.
+        # step applies (or skips) the policy's step, then the draft's (its own clipping and
+        # guard), inside train_step, so the step's metrics include both; the draft's LR
+        # schedule advances with the policy's.
         self.guard = StepGuard("policy", config.training.max_consecutive_skips)
         self._policy_step = self.optimizers.step
         self.optimizers.step = self._guarded_step
+        self._policy_schedule_step = self.lr_schedulers.step
+        self.lr_schedulers.step = self._schedules_step
         self._fb_calls = 0
         self._step_loss: torch.Tensor | None = None
         self._pre_clip_norm: torch.Tensor | None = None
@@ -134,27 +143,41 @@ class SpecTrainer(Trainer):
         )
 
     def train_step(self, data_iterator):
+        self.begin_step()
+        super().train_step(data_iterator)
+
+    def begin_step(self) -> None:
+        """What every step does first (SFT here, RL in its own train_step)."""
         if not self._metrics_trimmed:
             # The first step of this process (after any checkpoint load): rows of later
             # steps come from an interrupted earlier attempt and are written again now.
             self._trim_metrics(self.step - 1)  # train() has already counted this step
             self._metrics_trimmed = True
+        self.begin_update()
+        self._cp_sums.zero_()
+
+    def begin_update(self) -> None:
+        """Before the gradients of one optimizer step accumulate."""
         if self.draft_training is not None:
             self.draft_training.zero_grad()
         self._fb_calls, self._step_loss, self._pre_clip_norm = 0, None, None
-        self._cp_sums.zero_()
-        super().train_step(data_iterator)
 
     # --- the finiteness guard (titan_spec/finite.py) ----------------------------------------
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        return self.account_loss(loss, global_valid_tokens, last=self._fb_calls + 1 == self.gradient_accumulation_steps)
+
+    def account_loss(self, loss: torch.Tensor, global_valid_tokens, *, last: bool) -> torch.Tensor:
+        """The guard's bookkeeping after one forward/backward: the step's loss so far and,
+        after the ``last`` one of an optimizer step, the global pre-clip gradient norm.
+        Returns the loss to log (0 in place of a non-finite one)."""
         loss = loss.detach()
         self._step_loss = loss.clone() if self._step_loss is None else self._step_loss + loss
         if self.parallel_dims.cp_enabled:
             self._cp_sums[0] += float(loss.sum()) * float(global_valid_tokens)
         self._fb_calls += 1
-        if self._fb_calls == self.gradient_accumulation_steps:
+        if last:
             # The gradients of the step are complete: its global pre-clip norm decides, with
             # the loss, whether the optimizer step is applied (torchtitan's clip comes next).
             params = [p for m in self.model_parts for p in m.parameters()]
@@ -191,24 +214,32 @@ class SpecTrainer(Trainer):
             guard = self.guard if flags[0] else (draft_guard or StepGuard("draft", limit))
             raise NonFiniteStop(guard.stop_message(self.step, last_good))
 
+    def _schedules_step(self) -> None:
+        """lr_schedulers.step(): the policy's LR schedule, then the draft's."""
+        self._policy_schedule_step()
+        if self.draft_training is not None:
+            self.draft_training.scheduler.step()
+
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
-        """ONE forward of the policy; its detached taps and logits also train the draft."""
-        if self.draft_training is None:
+        if self.draft_training is None:  # the policy alone: torchtitan's own step
             return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
-        spec = self.config.spec
-        frozen = spec.draft.offline
+        return self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra_kwargs, self.loss_fn).policy.detach()
+
+    def co_train_forward_backward(self, inputs, labels, global_valid_tokens, extra_kwargs, policy_loss) -> LossTerms:
+        """ONE forward of the policy; ``policy_loss`` (co_training.PolicyLoss) from its
+        logits and, with a draft, the draft's loss from its detached taps and logits;
+        policy + lambda * draft is backpropagated. Without a trainable policy (offline draft
+        training) the forward runs without autograd."""
         with self.train_context():
-            with torch.no_grad() if frozen else contextlib.nullcontext():
-                logits, taps = self.model_parts[0](inputs, **extra_kwargs)
-                policy_loss, _ = self.loss_fn(logits, labels, global_valid_tokens)
-            draft = self.draft_training.loss(
-                logits, taps, extra_kwargs["positions"], labels, extra_kwargs["attention_masks"]
+            with contextlib.nullcontext() if self.co_loss.trains_policy else torch.no_grad():
+                out = self.model_parts[0](inputs, **extra_kwargs)
+            logits, taps = out if isinstance(out, tuple) else (out, None)
+            terms = self.co_loss(
+                policy_loss, logits, taps, labels, global_valid_tokens,
+                positions_BL=extra_kwargs.get("positions"), attention_meta=extra_kwargs.get("attention_masks"),
             )
-            total = spec.draft.loss_weight * draft.loss
-            if not frozen:
-                total = total + policy_loss
-            total.backward()
-        return policy_loss.detach()
+            terms.total.backward()
+        return terms
 
     def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
         # Each microbatch's loss on the last stage is policy + lambda * draft (pipeline.py).

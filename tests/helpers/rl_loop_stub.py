@@ -1,7 +1,7 @@
 """Stand-ins for RLTrainer's collaborators, so the REAL RLTrainer methods run in-process on a
-tiny model without torchrun or a torchtitan Trainer: ``rollout_step`` runs one iteration of
-``RLTrainer._rollout_batches`` (prompts -> scripted completions -> rewards -> advantages ->
-packed batch). Only attributes those methods read are provided; a method that starts
+tiny model without torchrun or a torchtitan Trainer: ``rollout_step`` runs phases 2-5 of
+``RLTrainer.train_step`` (``generate``: prompts -> scripted completions; ``score``: rewards;
+group advantages; ``pack``: the packed minibatch). Only attributes those methods read are provided; a method that starts
 reading another one fails here with an AttributeError, not silently."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from titan_spec.config import RLConfig
+from titan_spec.rl.grpo import group_advantages
 from titan_spec.rl.trainer import RLTrainer
 from titan_spec.rollout.base import Rollout
 
@@ -57,8 +58,9 @@ class ScriptedWorker:
 
 
 def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, scale_advantages: bool = True):
-    """One ``RLTrainer._rollout_batches`` iteration over ``problems`` = (prompt, answer,
-    its G completions). Returns (input dict, labels_BL, tokenizer)."""
+    """Phases 2-5 of ``RLTrainer.train_step`` over ``problems`` = (prompt, answer, its G
+    completions), one minibatch. Returns (input dict with the minibatch's "input",
+    "positions", "behaviour_logp" and "advantages", labels_BL, tokenizer)."""
     tok = CharTokenizer()
     G = len(problems[0][2])
     rl = RLConfig(enable=True, prompts_per_step=len(problems), group_size=G, baseline_interval=0,
@@ -74,6 +76,11 @@ def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, 
         config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0)),
                                training=SimpleNamespace(seq_len=seq_len)),
     )
-    fake._warn_if_degenerate = lambda rewards_PG: RLTrainer._warn_if_degenerate(fake, rewards_PG)  # the real one
-    inputs, labels_BL = next(RLTrainer._rollout_batches(fake))
-    return inputs, labels_BL, tok
+    # The real methods, bound to the stand-in.
+    fake._warn_if_degenerate = lambda rewards_PG: RLTrainer._warn_if_degenerate(fake, rewards_PG)
+    fake._policy_version = lambda: RLTrainer._policy_version(fake)
+    batch = RLTrainer.generate(fake, 0.0)
+    rewards_PG = RLTrainer.score(fake, batch)
+    (mb,) = RLTrainer.pack(fake, batch, group_advantages(rewards_PG, rl.scale_advantages))
+    inputs = {**mb.inputs, "behaviour_logp": mb.behaviour_logp_BL, "advantages": mb.advantages_BL}
+    return inputs, mb.labels_BL, tok

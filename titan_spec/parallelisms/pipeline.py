@@ -151,31 +151,40 @@ class TapStage(PipelineStage):
 
 
 class PipelineLoss:
-    """The last stage's loss of one microbatch: policy + lambda * draft (TTT) loss.
+    """The last stage's loss of one microbatch: the trainer's co-training loss
+    (titan_spec/co_training.py, policy + lambda * draft) on the microbatch's logits and the
+    taps the TapChannel brought.
 
-    ``draft`` is attached once the trainer has built it (after the pipeline); without
-    it the loss is the policy's alone (plain LM training under PP)."""
+    The co-training loss is attached once the trainer has built the draft (after the
+    pipeline); until then, and without a draft, the loss is the policy's alone (plain LM
+    training under PP)."""
 
     def __init__(self, loss_fn, channel: TapChannel | None, tap_ids: tuple[int, ...]):
         self.loss_fn, self.channel, self.tap_ids = loss_fn, channel, tap_ids
-        self.draft = None
-        self.weight = 1.0
+        self.co_loss = None
         self.policy_losses: list[torch.Tensor] = []
 
-    def attach_draft(self, draft_training, weight: float) -> None:
-        self.draft, self.weight = draft_training, weight
+    def attach(self, co_loss) -> None:
+        """``co_loss``: a co_training.CoTrainingLoss with a draft."""
+        self.co_loss = co_loss
+
+    @property
+    def draft(self):
+        return self.co_loss.draft if self.co_loss is not None else None
 
     def __call__(self, logits_BLV: torch.Tensor, mb: Microbatch, global_valid_tokens: torch.Tensor):
-        policy, _ = self.loss_fn(logits_BLV, mb.labels_BL, global_valid_tokens)
-        self.policy_losses.append(policy.detach())
-        if self.draft is None:
+        if self.co_loss is None:
+            policy, _ = self.loss_fn(logits_BLV, mb.labels_BL, global_valid_tokens)
+            self.policy_losses.append(policy.detach())
             return policy, None
         got = self.channel.take(mb.index)
         taps = Taps(got[EMBEDS_TAP], tuple(got[k] for k in self.tap_ids))
-        draft = self.draft.loss(
-            logits_BLV, taps, mb.positions_BL, mb.labels_BL, mb.attention_masks, mb.draft_count_S
+        terms = self.co_loss(
+            self.loss_fn, logits_BLV, taps, mb.labels_BL, global_valid_tokens,
+            positions_BL=mb.positions_BL, attention_meta=mb.attention_masks, draft_count_S=mb.draft_count_S,
         )
-        return policy + self.weight * draft.loss, None
+        self.policy_losses.append(terms.policy.detach())
+        return terms.total, None
 
 
 # ---------------------------------------------------------------------------

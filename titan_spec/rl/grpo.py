@@ -1,6 +1,7 @@
 """GRPO: group-relative advantages and the PPO-clip policy loss over packed tokens.
 
-Shape legend: G = completions per prompt, P = prompts, T = packed tokens.
+Shape legend: G = completions per prompt, P = prompts, T = packed tokens, B = packed rows,
+L = row length, V = vocab.
 
 Advantages: each prompt's G rewards are centred on their group mean (and divided by the
 group std, optionally), so a completion is judged against its siblings only.
@@ -18,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torchtitan.components.loss import IGNORE_INDEX
 
-__all__ = ["group_advantages", "PolicyLossOutput", "ppo_clip_loss"]
+__all__ = ["group_advantages", "PolicyLossOutput", "PPOPolicyLoss", "ppo_clip_loss", "token_logprobs"]
 
 
 def group_advantages(rewards_PG: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -42,6 +44,9 @@ class PolicyLossOutput:
     """Fraction of this rank's tokens whose ratio was clipped (detached)."""
     kl: torch.Tensor
     """Mean k3 KL to the reference over this rank's tokens (detached; 0 without one)."""
+    ratio_dev: torch.Tensor
+    """max |ratio - 1| over this rank's tokens (detached): 0 up to rounding when the policy
+    still is the behaviour policy (the first update after a weight push)."""
 
 
 def ppo_clip_loss(
@@ -72,4 +77,36 @@ def ppo_clip_loss(
     with torch.no_grad():
         was_clipped = ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).to(mask.dtype)
         clip_fraction = (was_clipped * mask).sum() / mask.sum().clamp(min=1)
-    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, kl=kl)
+        ratio_dev = ((ratio - 1.0).abs() * mask).max() if mask.numel() else torch.zeros(())
+    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, kl=kl, ratio_dev=ratio_dev)
+
+
+def token_logprobs(logits_BLV: torch.Tensor, labels_BL: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at each label (0 where the label is ignored)."""
+    logits_BLV = logits_BLV.float() / temperature
+    picked_BL = logits_BLV.gather(-1, labels_BL.clamp(min=0)[..., None])[..., 0]
+    return (picked_BL - logits_BLV.logsumexp(-1)).masked_fill(labels_BL == IGNORE_INDEX, 0.0)
+
+
+@dataclass
+class PPOPolicyLoss:
+    """The RL policy loss of one minibatch (a ``co_training.PolicyLoss``): PPO-clip of the
+    policy's log-probs at the rollout temperature against the behaviour log-probs the engine
+    sampled with, the tokens' group advantages, and the optional KL to the reference."""
+
+    behaviour_logp_BL: torch.Tensor
+    advantages_BL: torch.Tensor
+    rl: object
+    """The [rl] section (temperature, clip_low, clip_high, kl_beta)."""
+    ref_logp_BL: torch.Tensor | None = None
+
+    def __call__(self, logits_BLV, labels_BL, global_valid_tokens) -> tuple[torch.Tensor, PolicyLossOutput]:
+        rl = self.rl
+        out = ppo_clip_loss(
+            token_logprobs(logits_BLV, labels_BL, rl.temperature).reshape(-1),
+            self.behaviour_logp_BL.reshape(-1), self.advantages_BL.reshape(-1),
+            (labels_BL != IGNORE_INDEX).reshape(-1), global_valid_tokens,
+            clip_low=rl.clip_low, clip_high=rl.clip_high,
+            ref_logp_T=None if self.ref_logp_BL is None else self.ref_logp_BL.reshape(-1), kl_beta=rl.kl_beta,
+        )
+        return out.loss, out

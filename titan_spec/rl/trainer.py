@@ -1,99 +1,60 @@
-"""The RL step of DESIGN.md: GRPO on the policy and the draft co-trained from ONE forward.
+"""One RL step: GRPO on the policy and the draft co-trained from ONE forward.
 
-``RLTrainer`` is ``SpecTrainer`` with its data source swapped for rollouts; the rest is
-torchtitan's own step, so clipping, the optimizer, the LR schedule, DCP checkpoints and
-metrics behave as in any torchtitan run. One step:
+``RLTrainer.train_step`` is the step, top to bottom:
 
-  _rollout_batches          1 gather the trainer's weights, push them to this rank's engine
-   (torchtitan pulls a         (version = optimizer steps taken)
-    batch from it)          2 this rank's prompts of the step (deterministic in seed and step)
-                            3 G completions per prompt, speculative, with behaviour log-probs
-                            4 rewards -> group advantages -> one packed batch of prompt+completion
-                              documents (labels, behaviour log-probs, advantages on completions)
-  _forward_backward_body    5 ONE forward: PPO-clip loss from the logits; the draft's TTT loss
-                              from the same forward's detached taps and logits; backward of
-                              policy + lambda * draft
-  torchtitan train_step     6 clip, optimizer step (the draft steps in its post-hook), LR step
-  extra_metrics             7 reward, PPO stats, acceptance length, tokens/s, time split and,
-                              at intervals, the frozen-draft and no-speculation baselines
+  1 push       the trainer's full weights to this rank's engine, versioned by the
+               optimizer steps they have seen (rl/rollouts.py)
+  2 generate   this rank's prompts of the step (deterministic in seed, step and rank),
+               G completions each, speculative, with behaviour log-probs; at intervals
+               the same prompts through the frozen draft and without speculation
+  3 score      rewards (exact match)
+  4 advantages group-relative (rl/grpo.py)
+  5 pack       prompt+completion documents into rl.minibatches packed minibatches carrying
+               labels, behaviour log-probs and advantages (data/packing.py)
+  6 update     for each of rl.ppo_epochs x rl.minibatches: ONE forward; PPO-clip loss
+               (importance ratio against the behaviour log-probs) + lambda * the draft's
+               loss from the same forward's detached taps and logits (co_training.py);
+               backward; clip; the guarded optimizer steps of the policy and the draft
+  7 schedule   the LR schedules of both, once per RL step
+  8 metrics    reward, PPO stats, acceptance length, tokens/s, time split (StepRecord)
 
-Shape legend: B = packed rows, L = row length, V = vocab, P = prompts, G = group size.
+How it uses torchtitan: ``Trainer.train`` runs the loop (steps, checkpoints through
+titan_spec/checkpoint.py, profiler, GC) and calls this ``train_step`` once per step; the
+mesh, FSDP2, compile, activation checkpointing, the optimizers and LR schedulers, the
+gradient clipping (``dist_utils.clip_grad_norm_``), the loss reductions and the
+MetricsProcessor are torchtitan's. The data iterator it passes is not used: an RL step
+makes its own batch. What passes between the phases is typed (rl/records.py).
+
+Shape legend: B = packed rows, L = row length, P = prompts, G = group size.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
-from titan_spec.draft_training import DraftTraining, initial_draft
-from titan_spec.models.registry import build_target_config
-from titan_spec.models.draft.eagle3.ttt import TTTResult
-from titan_spec.rl.grpo import PolicyLossOutput, group_advantages, ppo_clip_loss
 from titan_spec.data.packing import Document, pack_documents
-from titan_spec.rollout.base import SamplingParams
-from titan_spec.rl.rollouts import RolloutStats, RolloutWorker, full_policy_state
 from titan_spec.data.tasks import exact_match_reward
+from titan_spec.draft_training import initial_draft
+from titan_spec.models.registry import build_target_config
+from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
+from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
+from titan_spec.rl.report import write_report
+from titan_spec.rl.rollouts import RolloutWorker, full_policy_state
+from titan_spec.rollout.base import SamplingParams
 from titan_spec.trainer import SpecTrainer
 
-__all__ = ["RLTrainer", "CoTrainingLoss", "co_training_loss", "token_logprobs"]
+__all__ = ["RLTrainer"]
 
-_VALUES = ("behaviour_logp", "advantages")
 DEGENERATE_WARN_STEPS = 5
 """Steps in a row in which every group's rewards are identical (all advantages 0, so the
 policy gradient is 0: nothing is learned) before a warning, repeated every as many steps."""
-
-
-def token_logprobs(logits_BLV: torch.Tensor, labels_BL: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) at each label (0 where the label is ignored)."""
-    logits_BLV = logits_BLV.float() / temperature
-    picked_BL = logits_BLV.gather(-1, labels_BL.clamp(min=0)[..., None])[..., 0]
-    return (picked_BL - logits_BLV.logsumexp(-1)).masked_fill(labels_BL == IGNORE_INDEX, 0.0)
-
-
-@dataclass
-class CoTrainingLoss:
-    total: torch.Tensor
-    """policy loss + lambda * draft loss: the one tensor that is backpropagated."""
-    policy: PolicyLossOutput
-    draft: TTTResult | None
-
-
-def co_training_loss(
-    logits_BLV: torch.Tensor,
-    taps,
-    labels_BL: torch.Tensor,
-    behaviour_logp_BL: torch.Tensor,
-    advantages_BL: torch.Tensor,
-    global_tokens: torch.Tensor,
-    rl_cfg,
-    *,
-    draft_training: DraftTraining | None = None,
-    draft_weight: float = 1.0,
-    positions_BL: torch.Tensor | None = None,
-    attention_masks=None,
-    ref_logp_BL: torch.Tensor | None = None,
-) -> CoTrainingLoss:
-    """The RL objective of one forward. The policy loss reads the logits; the draft loss reads
-    the detached taps and detached logits (DraftTraining.loss), so each loss's gradient
-    reaches only its own model."""
-    mask_T = (labels_BL != IGNORE_INDEX).reshape(-1)
-    policy = ppo_clip_loss(
-        token_logprobs(logits_BLV, labels_BL, rl_cfg.temperature).reshape(-1),
-        behaviour_logp_BL.reshape(-1), advantages_BL.reshape(-1), mask_T, global_tokens,
-        clip_low=rl_cfg.clip_low, clip_high=rl_cfg.clip_high,
-        ref_logp_T=None if ref_logp_BL is None else ref_logp_BL.reshape(-1), kl_beta=rl_cfg.kl_beta,
-    )
-    total, draft = policy.loss, None
-    if draft_training is not None:
-        draft = draft_training.loss(logits_BLV, taps, positions_BL, labels_BL, attention_masks)
-        total = total + draft_weight * draft.loss
-    return CoTrainingLoss(total, policy, draft)
 
 
 class RLTrainer(SpecTrainer):
@@ -119,14 +80,154 @@ class RLTrainer(SpecTrainer):
         self.worker.resume_hint = self._resume_hint
         self._degenerate_steps = 0
         self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
-        self._rl: dict[str, Any] = {}
-        self._values: dict[str, torch.Tensor] = {}
+        self.last_step: StepRecord | None = None
+        """The latest step's record (its metrics are logged from it)."""
+
+    def _build_draft_training(self):
+        # A frozen-draft run (draft.co_train = false) serves rollouts with the draft but never trains it.
+        return super()._build_draft_training() if self.config.spec.draft.co_train else None
+
+    def _build_reference(self) -> torch.nn.Module:
+        """A frozen full copy of the initial policy for the KL term (built before any resume)."""
+        with torch.device(self.device):
+            ref = build_target_config(self.config.arch).build()
+        ref.load_state_dict(full_policy_state(self.model_parts))
+        return ref.eval().requires_grad_(False)
 
     def _resume_hint(self) -> str:
         last = self.checkpointer.last_verified
         if last is None:
             return "no verified checkpoint exists yet: a rerun starts from the beginning"
         return f"its last verified checkpoint is {last}: rerun the same command to resume from it"
+
+    # --- the step ------------------------------------------------------------------------
+
+    def train_step(self, data_iterator) -> None:
+        """ONE RL step (torchtitan's train() calls it once per step; ``data_iterator`` is not
+        used: the step makes its own batch)."""
+        del data_iterator
+        rl = self.rl
+        self.begin_step()
+        lr_metrics = self.lr_schedulers.get_metrics()  # the LRs this step trains with
+        t0 = time.perf_counter()
+        batch = self.generate(self.push_weights())
+        rewards_PG = self.score(batch)
+        advantages_PG = group_advantages(rewards_PG, rl.scale_advantages)
+        minibatches = self.pack(batch, advantages_PG)
+        record = StepRecord(batch, rewards_PG, rollout_done=time.perf_counter())
+        # torchtitan's throughput account (its batch generator keeps it for a data
+        # iterator): the rollouts are this step's data loading.
+        self.metrics_processor.data_loading_times.append(record.rollout_done - t0)
+        self.metrics_processor.ntokens_since_last_log += sum(mb.labels_BL.numel() for mb in minibatches)
+        for _ in range(rl.ppo_epochs):
+            for mb in minibatches:
+                record.updates.append(self.update(mb))
+        self.lr_schedulers.step()  # the policy's and the draft's schedules, once per RL step
+        record.train_s = time.perf_counter() - record.rollout_done
+        self.last_step = record
+        if self.metrics_processor.should_log(self.step):
+            self.log_step(record, lr_metrics)
+
+    def push_weights(self) -> float:
+        """1: the trainer's full weights into this rank's engine (collective under FSDP),
+        versioned; returns the seconds it took."""
+        t0 = time.perf_counter()
+        policy_state = full_policy_state(self.model_parts)
+        draft_state = self.draft_training.full_state_dict() if self.draft_training is not None else None
+        self.worker.push(policy_state, draft_state, self._policy_version())
+        del policy_state, draft_state
+        return time.perf_counter() - t0
+
+    def _policy_version(self) -> int:
+        """Optimizer steps the weights have seen before this step: (step - 1) RL steps of
+        rl.ppo_epochs x rl.minibatches updates each."""
+        return (self.step - 1) * self.rl.ppo_epochs * self.rl.minibatches
+
+    def generate(self, push_s: float) -> RolloutBatch:
+        """2: this rank's prompts of the step, G completions each (and the baselines)."""
+        tok, rl = self.tokenizer, self.rl
+        step_index = self.dataloader.batch_index
+        problems = self.dataloader.next_problems(rl.prompts_per_step)
+        prompts = [tok.encode(p.prompt, add_bos=True) for p in problems for _ in range(rl.group_size)]
+        sampling = SamplingParams(
+            temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, stop_token_ids=(tok.eos_id,),
+            seed=(self.config.spec.task.seed * 1_000_003 + step_index) * 4096 + self.dataloader.dp_rank,
+        )
+        rollouts, stats = self.worker.generate(prompts, sampling)
+        baselines = {}
+        if rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0):
+            baselines = self.worker.baselines(prompts, sampling)
+        return RolloutBatch(problems, rollouts, stats, baselines, self._policy_version(), push_s)
+
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """3: rewards_PG of the batch's completions."""
+        G, tok = self.rl.group_size, self.tokenizer
+        rewards = [exact_match_reward(tok.decode(r.output_ids), batch.problems[i // G].answer)
+                   for i, r in enumerate(batch.rollouts)]
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(batch.problems), G)
+        self._warn_if_degenerate(rewards_PG)
+        return rewards_PG
+
+    def pack(self, batch: RolloutBatch, advantages_PG: torch.Tensor) -> list[Minibatch]:
+        """5: prompt+completion documents, in rollout order, split into rl.minibatches equal
+        shares, each packed into rows of training.seq_len."""
+        adv = advantages_PG.reshape(-1).tolist()
+        docs = [
+            Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids),
+                     values={"behaviour_logp": r.logprobs, "advantages": [a] * len(r.output_ids)})
+            for r, a in zip(batch.rollouts, adv)
+        ]
+        n = len(docs) // self.rl.minibatches  # config validation: it divides
+        out = []
+        for i in range(self.rl.minibatches):
+            try:
+                packed, _ = pack_documents(docs[i * n:(i + 1) * n], None, self.config.training.seq_len, self.tokenizer.pad_id)
+            except ValueError as e:
+                raise ValueError(f"{e}: raise training.seq_len or lower rl.max_new_tokens") from None
+            out.append(Minibatch(
+                {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
+                packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
+            ))
+        return out
+
+    def update(self, mb: Minibatch) -> UpdateStats:
+        """6: one forward/backward of a minibatch and the optimizer steps of both models."""
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        self.begin_update()
+        dev = self.device
+        local_valid_tokens = (mb.labels_BL != IGNORE_INDEX).sum()
+        global_valid_tokens = local_valid_tokens.to(dev)
+        if self.parallel_dims.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, self.parallel_dims.get_mesh("batch"))
+        inputs, labels, extra = self.post_dataloading_process(
+            {k: v.to(dev) for k, v in mb.inputs.items()}, mb.labels_BL.to(dev)
+        )
+        policy_loss = self.policy_loss(mb, inputs, labels, extra)
+        terms = self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra, policy_loss)
+        loss = self.account_loss(terms.policy, global_valid_tokens, last=True)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
+        n = float((labels != IGNORE_INDEX).sum())
+        stats = terms.policy_stats
+        return UpdateStats(
+            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
+            grad_norm=grad_norm, policy_tokens=n, clip_fraction=float(stats.clip_fraction), kl=float(stats.kl),
+            ratio_dev=float(stats.ratio_dev),
+        )
+
+    def policy_loss(self, mb: Minibatch, inputs, labels_BL, extra_kwargs) -> PPOPolicyLoss:
+        """The minibatch's PPO-clip loss; with rl.kl_beta > 0 it carries the frozen
+        reference's log-probs of the same tokens (one no-grad forward)."""
+        ref_logp_BL = None
+        if self.reference is not None:
+            with self.train_context(), torch.no_grad():
+                ref_logp_BL = token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, self.rl.temperature)
+        dev = labels_BL.device
+        return PPOPolicyLoss(mb.behaviour_logp_BL.to(dev), mb.advantages_BL.to(dev), self.rl, ref_logp_BL)
 
     def _warn_if_degenerate(self, rewards_PG: torch.Tensor) -> None:
         """A logged warning when no group on any rank has two different rewards for
@@ -143,153 +244,92 @@ class RLTrainer(SpecTrainer):
                 "the task may be too hard or too easy for the policy, or the policy has collapsed"
             )
 
-    def _build_draft_training(self):
-        # A frozen-draft run (draft.co_train = false) serves rollouts with the draft but never trains it.
-        return super()._build_draft_training() if self.config.spec.draft.co_train else None
+    # --- 8: metrics ------------------------------------------------------------------------
 
-    def _build_reference(self) -> torch.nn.Module:
-        """A frozen full copy of the initial policy for the KL term (built before any resume)."""
-        with torch.device(self.device):
-            ref = build_target_config(self.config.arch).build()
-        ref.load_state_dict(full_policy_state(self.model_parts))
-        return ref.eval().requires_grad_(False)
-
-    # --- 1-4: rollouts as the data source ---------------------------------------------------
-
-    def batch_generator(self, data_iterable):
-        # torchtitan's generator does the token and data-time accounting around ours.
-        return super().batch_generator(self._rollout_batches())
-
-    def _rollout_batches(self):
-        tok, rl = self.tokenizer, self.rl
-        while True:
-            t0 = time.perf_counter()
-            version = self.step - 1  # optimizer steps taken before this step
-            policy_state = full_policy_state(self.model_parts)
-            draft_state = self.draft_training.full_state_dict() if self.draft_training is not None else None
-            self.worker.push(policy_state, draft_state, version)
-            del policy_state, draft_state
-            t_push = time.perf_counter()
-
-            step_index = self.dataloader.batch_index
-            problems = self.dataloader.next_problems(rl.prompts_per_step)
-            prompts = [tok.encode(p.prompt, add_bos=True) for p in problems for _ in range(rl.group_size)]
-            sampling = SamplingParams(
-                temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, stop_token_ids=(tok.eos_id,),
-                seed=(self.config.spec.task.seed * 1_000_003 + step_index) * 4096 + self.dataloader.dp_rank,
-            )
-            rollouts, stats = self.worker.generate(prompts, sampling)
-            baselines = {}
-            if rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0):
-                baselines = self.worker.baselines(prompts, sampling)
-
-            rewards = [exact_match_reward(tok.decode(r.output_ids), problems[i // rl.group_size].answer)
-                       for i, r in enumerate(rollouts)]
-            rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(problems), rl.group_size)
-            self._warn_if_degenerate(rewards_PG)
-            adv = group_advantages(rewards_PG, rl.scale_advantages).reshape(-1).tolist()
-            docs = [
-                Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids),
-                         values={"behaviour_logp": r.logprobs, "advantages": [a] * len(r.output_ids)})
-                for r, a in zip(rollouts, adv)
-            ]
-            try:
-                packed, _ = pack_documents(docs, None, self.config.training.seq_len, tok.pad_id)
-            except ValueError as e:
-                raise ValueError(f"{e}: raise training.seq_len or lower rl.max_new_tokens") from None
-            self._rl = {
-                "reward_sum": float(rewards_PG.sum()), "completions": len(rollouts), "rollout": stats,
-                "baselines": baselines, "push_s": t_push - t0,
-                "batch_ready": time.perf_counter(), "policy_version": version,
-                "stopped": sum(r.finish_reason == "stop" for r in rollouts),
-            }
-            yield {
-                "input": packed.input_BL, "positions": packed.positions_BL,
-                **{k: packed.values_BL[k] for k in _VALUES},
-            }, packed.labels_BL
-
-    def post_dataloading_process(self, input_dict, labels):
-        # Behaviour log-probs and advantages are loss inputs, not model kwargs.
-        self._values = {k: input_dict.pop(k) for k in _VALUES}
-        return super().post_dataloading_process(input_dict, labels)
-
-    # --- 5: one forward, two losses ---------------------------------------------------------
-
-    def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
-        spec = self.config.spec
-        with self.train_context():
-            out = self.model_parts[0](inputs, **extra_kwargs)
-            logits, taps = out if isinstance(out, tuple) else (out, None)
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self.reference(inputs, **extra_kwargs), labels, self.rl.temperature)
-            loss = co_training_loss(
-                logits, taps, labels, self._values["behaviour_logp"], self._values["advantages"],
-                global_valid_tokens, self.rl, draft_training=self.draft_training,
-                draft_weight=spec.draft.loss_weight, positions_BL=extra_kwargs.get("positions"),
-                attention_masks=extra_kwargs.get("attention_masks"), ref_logp_BL=ref_logp,
-            )
-            loss.total.backward()
-        # Token-weighted, so the logged means are over all ranks' completion tokens.
-        n = float((labels != IGNORE_INDEX).sum())
-        self._rl.update(policy_tokens=n, clip_sum=n * float(loss.policy.clip_fraction), kl_sum=n * float(loss.policy.kl))
-        return loss.policy.loss.detach()
-
-    # --- 7: metrics -------------------------------------------------------------------------
+    def log_step(self, record: StepRecord, lr_metrics: dict) -> None:
+        """torchtitan's step log (loss, max loss, grad norm, tokens seen, LRs), averaged over
+        the step's updates; extra_metrics adds the RL metrics of ``record``."""
+        pd = self.parallel_dims
+        losses, max_losses = [], []
+        for u in record.updates:
+            if pd.dp_cp_enabled:
+                mesh = pd.get_optional_mesh("loss")
+                # Each rank's loss is its sum / the global token count: the global mean is
+                # the sum over ranks; the largest rank mean rescales by its own count.
+                losses.append(dist_utils.dist_sum(u.loss, mesh))
+                max_losses.append(dist_utils.dist_max(u.loss * u.global_valid_tokens / u.local_valid_tokens.to(u.loss.device), mesh))
+            else:
+                losses.append(float(u.loss.item()))
+                max_losses.append(losses[-1])
+        ntokens = self.ntokens_seen
+        if pd.dp_cp_enabled:
+            ntokens = dist_utils.dist_sum(torch.tensor(ntokens, dtype=torch.int64, device=self.device),
+                                          pd.get_optional_mesh("loss"))
+        grad_norm = sum(float(u.grad_norm.item()) for u in record.updates) / len(record.updates)
+        self.metrics_processor.log(
+            self.step, sum(losses) / len(losses), max(max_losses), grad_norm,
+            extra_metrics={"n_tokens_seen": ntokens, **lr_metrics},
+        )
 
     def extra_metrics(self) -> dict[str, float]:
         out = super().extra_metrics()
-        s = self._rl
-        if not s:
+        record = self.last_step
+        if record is None:
             return out
-        train_s = time.perf_counter() - s["batch_ready"]
-        stats: RolloutStats = s["rollout"]
-        names = ("frozen", "nospec")
-        sums = [s["reward_sum"], s["completions"], s["stopped"], stats.tokens, stats.verify_steps,
-                s.get("policy_tokens", 0.0), s.get("clip_sum", 0.0), s.get("kl_sum", 0.0)]
+        b, names = record.batch, ("frozen", "nospec")
+        stats = b.stats
+        # Summed over the data-parallel ranks (token-weighted PPO stats: means over all
+        # ranks' completion tokens) ...
+        sums = {
+            "reward": float(record.rewards_PG.sum()), "completions": len(b.rollouts),
+            "stopped": sum(r.finish_reason == "stop" for r in b.rollouts),
+            "tokens": stats.tokens, "verify": stats.verify_steps,
+            "policy_tokens": sum(u.policy_tokens for u in record.updates),
+            "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
+            "kl": sum(u.policy_tokens * u.kl for u in record.updates),
+        }
         for n in names:
-            b = s["baselines"].get(n)
-            sums += [b.tokens, b.verify_steps] if b is not None else [0, 0]
-        maxes = [stats.seconds, s["push_s"], train_s] + [
-            s["baselines"][n].seconds if n in s["baselines"] else 0.0 for n in names
-        ]
-        sums_t, maxes_t = torch.tensor(sums, dtype=torch.float64), torch.tensor(maxes, dtype=torch.float64)
-        if self.parallel_dims.dp_enabled:
-            group = self.parallel_dims.get_mesh("batch").get_group()
-            dist.all_reduce(sums_t, group=group)
-            dist.all_reduce(maxes_t, op=dist.ReduceOp.MAX, group=group)
-        (reward, n, stopped, tokens, verify, policy_tokens, clip_sum, kl_sum, f_tok, f_ver, n_tok, n_ver) = sums_t.tolist()
-        rollout_s, push_s, train_s, f_s, n_s = maxes_t.tolist()
+            base = b.baselines.get(n)
+            sums[f"{n}_tokens"], sums[f"{n}_verify"] = (base.tokens, base.verify_steps) if base is not None else (0, 0)
+        # ... and the slowest rank's seconds.
+        maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s,
+                 **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names}}
+        sums, maxes = self._reduce(sums, dist.ReduceOp.SUM), self._reduce(maxes, dist.ReduceOp.MAX)
+        tokens, ppo_tokens = sums["tokens"], max(sums["policy_tokens"], 1.0)
         out.update({
-            "rl/reward": reward / n,
-            "rl/stop_fraction": stopped / n,
-            "rl/clip_fraction": clip_sum / max(policy_tokens, 1.0),
-            "rl/kl": kl_sum / max(policy_tokens, 1.0),
-            "rl/policy_version": s["policy_version"],
+            "rl/reward": sums["reward"] / sums["completions"],
+            "rl/stop_fraction": sums["stopped"] / sums["completions"],
+            "rl/clip_fraction": sums["clip"] / ppo_tokens,
+            "rl/kl": sums["kl"] / ppo_tokens,
+            "rl/policy_version": b.policy_version,
             "rollout/tokens": tokens,
-            "rollout/accept_len": tokens / max(verify, 1),
-            "rollout/tokens_per_s": tokens / max(rollout_s, 1e-9),
-            "time/push_s": push_s,
-            "time/rollout_s": rollout_s,
-            "time/train_s": train_s,
-            "time/step_s": push_s + rollout_s + train_s,
+            "rollout/accept_len": tokens / max(sums["verify"], 1),
+            "rollout/tokens_per_s": tokens / max(maxes["rollout"], 1e-9),
+            "time/push_s": maxes["push"],
+            "time/rollout_s": maxes["rollout"],
+            "time/train_s": maxes["train"],
+            "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
         })
-        if s["baselines"]:
-            if "frozen" in s["baselines"]:
-                out["rollout/accept_len_frozen"] = f_tok / max(f_ver, 1)
-                out["rollout/tokens_per_s_frozen"] = f_tok / max(f_s, 1e-9)
-            if "nospec" in s["baselines"]:
-                out["rollout/tokens_per_s_nospec"] = n_tok / max(n_s, 1e-9)
-                out["time/rollout_s_nospec"] = n_s
-        self._rl = {}
+        if len(record.updates) > 1:
+            out["rl/updates"] = len(record.updates)
+        if "frozen" in b.baselines:
+            out["rollout/accept_len_frozen"] = sums["frozen_tokens"] / max(sums["frozen_verify"], 1)
+            out["rollout/tokens_per_s_frozen"] = sums["frozen_tokens"] / max(maxes["frozen"], 1e-9)
+        if "nospec" in b.baselines:
+            out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
+            out["time/rollout_s_nospec"] = maxes["nospec"]
         return out
+
+    def _reduce(self, values: dict[str, float], op) -> dict[str, float]:
+        """``values`` reduced over the data-parallel ranks (float64, one collective)."""
+        t = torch.tensor(list(values.values()), dtype=torch.float64)
+        if self.parallel_dims.dp_enabled:
+            dist.all_reduce(t, op=op, group=self.parallel_dims.get_mesh("batch").get_group())
+        return dict(zip(values, t.tolist()))
 
     def train(self):
         super().train()
         self.worker.close()
         if dist.get_rank() == 0:
-            from titan_spec.rl.report import write_report
-
             summary = write_report(self.config.dump_folder)
             logger.info(f"RL summary\n{summary}")

@@ -1,0 +1,58 @@
+"""Two RL steps of a REAL RLTrainer (built as `python -m titan_spec.train` builds it), driven
+step by step, printing one JSON line with what each step did (tests/test_rl_updates.py):
+
+    python -m torch.distributed.run --nproc_per_node=1 tests/helpers/rl_updates.py JSON
+
+JSON: {"sft": [...], "rl": [...]}, titan_spec CLI arguments (--config included) of a warm-start
+run trained first (to its end, exported) and of the RL run built on it. Per RL step: the importance-ratio
+deviation max |pi / pi_behaviour - 1| of each update, in order; the optimizer steps the
+policy's and the draft's AdamW have taken after it (their per-parameter "step" state); the
+policy version the step's rollouts were generated with (what the engine was pushed).
+"""
+
+import json
+import sys
+
+import titan_spec  # noqa: F401  (CPU shims before torchtitan)
+import torch
+from torchtitan.tools.logging import init_logger
+
+from titan_spec.config import load_config
+from titan_spec.train import to_trainer_config, train_and_close
+
+
+def _adam_steps(optimizer) -> list[float]:
+    return sorted({float(s["step"]) for s in optimizer.state.values() if "step" in s})
+
+
+def _load(argv: list[str]):
+    i = argv.index("--config")
+    return load_config(argv[i + 1], argv[:i] + argv[i + 2:])
+
+
+def main() -> None:
+    init_logger()
+    runs = json.loads(sys.argv[1])
+    assert train_and_close(to_trainer_config(_load(runs["sft"]))) == 0
+    trainer = to_trainer_config(_load(runs["rl"])).build()
+    steps = []
+    try:
+        for _ in range(2):
+            trainer.step += 1  # what torchtitan's train() does before each train_step
+            trainer.train_step(None)
+            record = trainer.last_step
+            steps.append({
+                "ratio_dev": [u.ratio_dev for u in record.updates],
+                "policy_adam_steps": _adam_steps(trainer.optimizers.optimizers[0]),
+                "draft_adam_steps": _adam_steps(trainer.draft_training.optimizer),
+                "policy_version": record.batch.policy_version,
+                "engine_version": trainer.worker.main.policy_version,
+            })
+    finally:
+        trainer.close()
+        torch.distributed.destroy_process_group()
+    print("rl_updates: " + json.dumps(steps), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""What passes between the phases of one RL step (titan_spec/rl/trainer.py), as typed records.
+
+Shape legend: P = prompts of this rank, G = group size, B = packed rows, L = row length.
+
+    push -> generate -> RolloutBatch -> score -> advantages -> pack -> [Minibatch]
+         -> update (per minibatch and PPO epoch) -> UpdateStats -> StepRecord -> metrics
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_spec.data.tasks import Problem
+from titan_spec.rl.rollouts import RolloutStats
+from titan_spec.rollout.base import Rollout
+
+__all__ = ["RolloutBatch", "Minibatch", "UpdateStats", "StepRecord"]
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts on this rank: P problems x G completions, prompt-major."""
+
+    problems: list[Problem]
+    rollouts: list[Rollout]
+    """len P * G; rollout i answers problems[i // G]."""
+    stats: RolloutStats
+    """What the main engine's generate call cost and yielded."""
+    baselines: dict[str, RolloutStats]
+    """The same prompts through the frozen draft ("frozen") and without speculation
+    ("nospec"), at rl.baseline_interval steps; empty otherwise."""
+    policy_version: int
+    """Optimizer steps the generating weights had seen (the version pushed)."""
+    push_s: float
+    """Seconds the weight push took."""
+
+
+@dataclass
+class Minibatch:
+    """One optimizer step's share of the packed rollouts (rl.minibatches per step)."""
+
+    inputs: dict[str, torch.Tensor]
+    """Model inputs: "input" token ids and "positions" (document-relative), [B, L]."""
+    labels_BL: torch.Tensor
+    """Next-token labels on completion tokens, IGNORE_INDEX elsewhere."""
+    behaviour_logp_BL: torch.Tensor
+    """Log-prob of each label token under the policy that sampled it (the engine's)."""
+    advantages_BL: torch.Tensor
+    """The group advantage of the token's completion."""
+
+
+@dataclass
+class UpdateStats:
+    """One forward/backward + optimizer step of the policy (and the draft)."""
+
+    loss: torch.Tensor
+    """The policy loss this rank contributed (sum / global tokens), finite or replaced by 0."""
+    local_valid_tokens: torch.Tensor
+    global_valid_tokens: torch.Tensor
+    grad_norm: torch.Tensor
+    """The policy's pre-clip global gradient norm (torchtitan's clip_grad_norm_)."""
+    policy_tokens: float
+    """This rank's completion tokens in the minibatch."""
+    clip_fraction: float
+    kl: float
+    ratio_dev: float
+    """max |pi / pi_behaviour - 1| over this rank's tokens (see grpo.PolicyLossOutput)."""
+
+
+@dataclass
+class StepRecord:
+    """One RL step on this rank: the rollouts, every update, the time split."""
+
+    batch: RolloutBatch
+    rewards_PG: torch.Tensor
+    updates: list[UpdateStats] = field(default_factory=list)
+    rollout_done: float = 0.0
+    """perf_counter() when the batch was packed (the training phase starts)."""
+    train_s: float = 0.0
+    """Seconds of all updates of the step."""
