@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
-from titan_spec.models import attention as attn_mod
+from titan_spec.models import attention_blocks
 from titan_spec.models.attention import (
     DocCausalAttention,
     DocMetadata,
     doc_attention,
     doc_metadata_from_positions,
-    merge_partials,
 )
+from titan_spec.models.attention_blocks import document_blocks, merge_partials
 from titan_spec.models.branch_attention import branch_part, ttt_attention
 
 ATOL = 1e-5
@@ -210,8 +210,8 @@ def test_doc_attn_bwd_uses_given_merged_out_and_lse(backend, heads):
             dout, q, k, v, out_m, lse_m, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
         )
     else:
-        dq, dk, dv = attn_mod._math_bwd(
-            dout, q, k, v, out_m, lse_m, list(cu_host), scale
+        dq, dk, dv = attention_blocks._math_bwd(
+            dout, q, k, v, out_m, lse_m, document_blocks(cu_host), scale
         )
     _close(dq, dq_ref, "dq")
     _close(dk, dk_ref, "dk")
@@ -231,7 +231,7 @@ def test_math_fallback_forward_matches_dense():
     T, scale = cu_host[-1], 0.35
     gen = torch.Generator().manual_seed(3)
     q, k, v = _rand(T, N, H, gen=gen), _rand(T, K, H, gen=gen), _rand(T, K, H, gen=gen)
-    out, lse = attn_mod._math_fwd(q, k, v, list(cu_host), scale)
+    out, lse = attention_blocks._math_fwd(q, k, v, document_blocks(cu_host), scale)
     ref_out, ref_lse = dense_attention(q, k, v, dense_mask_TS(cu_host, 0), scale)
     _close(out, ref_out, "out")
     _close(lse, ref_lse, "lse")
