@@ -77,24 +77,26 @@ def _allgather_attention():
     import torch
     import torch.distributed as dist
 
-    from titan_spec.models.attention import merge_partials
+    from titan_spec.models.attention_blocks import blocks_bwd, blocks_fwd, merge_partials
     from titan_spec.models.branch_attention import branch_backward, branch_part
-    from titan_spec.parallelisms import context_parallel as cpm
 
     def blocks(layout, rank):
         # Local query chunk i of a document vs the gathered, padded document:
-        # keys of earlier chunks unmasked, its own chunk causal. Two block lists
-        # because a block list may not repeat query rows.
-        full, causal = [], []
+        # keys of earlier chunks unmasked, its own chunk causal. Three block
+        # lists because a block list may not repeat query or key rows, nor mix
+        # causal and unmasked blocks (models/attention_blocks.py).
+        full = ([], [])  # per local chunk: both see the document's first keys
+        causal = []
         cu_l, g = layout.local_cu_seqlens, 0
         for a, c in zip(cu_l[:-1], layout.chunk_lens):
             for j, chunk in enumerate((rank, 2 * layout.cp - 1 - rank)):
                 qs = a + j * c
-                if chunk:
-                    full.append((qs, qs + c, g, g + chunk * c, False))
-                causal.append((qs, qs + c, g + chunk * c, g + (chunk + 1) * c, True))
+                if chunk and c:
+                    full[j].append((qs, qs + c, g, g + chunk * c, False))
+                if c:
+                    causal.append((qs, qs + c, g + chunk * c, g + (chunk + 1) * c, True))
             g += 2 * layout.cp * c
-        return full, causal
+        return (*full, causal)
 
     def gather_order(layout):
         # Gathered rows come rank-major; reorder them into padded document order.
@@ -115,11 +117,9 @@ def _allgather_attention():
             dist.all_gather(parts, torch.cat([k0, v0], 1), group=group)
             kv = torch.cat(parts)[order]
             k, v = kv[:, : k0.shape[1]], kv[:, k0.shape[1]:]
-            full, causal = blocks(layout, rank)
-            pf = cpm._blocks_fwd(q, k, v, full, scale)
-            pc = cpm._blocks_fwd(q, k, v, causal, scale)
-            pb = branch_part(q, kb, vb, scale)
-            out, lse = merge_partials([pf[0], pc[0], pb[0]], [pf[1], pc[1], pb[1]])
+            parts = [blocks_fwd(q, k, v, bl, scale) for bl in blocks(layout, rank)]
+            parts.append(branch_part(q, kb, vb, scale))
+            out, lse = merge_partials([o for o, _ in parts], [lse for _, lse in parts])
             ctx.save_for_backward(q, k, v, kb, vb, out, lse, order)
             ctx.layout, ctx.group, ctx.scale = layout, group, scale
             ctx.kv_heads = k0.shape[1]
@@ -129,11 +129,10 @@ def _allgather_attention():
         def backward(ctx, dout):
             q, k, v, kb, vb, out, lse, order = ctx.saved_tensors
             rank = dist.get_rank(ctx.group)
-            full, causal = blocks(ctx.layout, rank)
             dq, dkb, dvb = branch_backward(dout, q, kb, vb, out, lse, ctx.scale)
             dkv = torch.zeros(k.shape[0], 2 * ctx.kv_heads, k.shape[2])
-            for bl in (full, causal):
-                dq_i, dk_i, dv_i = cpm._blocks_bwd(dout, q, k, v, out, lse, bl, ctx.scale)
+            for bl in blocks(ctx.layout, rank):
+                dq_i, dk_i, dv_i = blocks_bwd(dout, q, k, v, out, lse, bl, ctx.scale)
                 dq = dq + dq_i
                 dkv += torch.cat([dk_i, dv_i], 1)
             # Back to rank-major order, then every rank keeps the sum of its rows.

@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
-from titan_spec.models import attention as attn_mod
+from titan_spec.models import attention_blocks
 from titan_spec.models.attention import (
     DocCausalAttention,
     DocMetadata,
     doc_attention,
     doc_metadata_from_positions,
-    merge_partials,
 )
+from titan_spec.models.attention_blocks import document_blocks, merge_partials
 from titan_spec.models.branch_attention import branch_part, ttt_attention
 
 ATOL = 1e-5
@@ -210,8 +210,8 @@ def test_doc_attn_bwd_uses_given_merged_out_and_lse(backend, heads):
             dout, q, k, v, out_m, lse_m, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
         )
     else:
-        dq, dk, dv = attn_mod._math_bwd(
-            dout, q, k, v, out_m, lse_m, list(cu_host), scale
+        dq, dk, dv = attention_blocks._math_bwd(
+            dout, q, k, v, out_m, lse_m, document_blocks(cu_host), scale
         )
     _close(dq, dq_ref, "dq")
     _close(dk, dk_ref, "dk")
@@ -231,10 +231,79 @@ def test_math_fallback_forward_matches_dense():
     T, scale = cu_host[-1], 0.35
     gen = torch.Generator().manual_seed(3)
     q, k, v = _rand(T, N, H, gen=gen), _rand(T, K, H, gen=gen), _rand(T, K, H, gen=gen)
-    out, lse = attn_mod._math_fwd(q, k, v, list(cu_host), scale)
+    out, lse = attention_blocks._math_fwd(q, k, v, document_blocks(cu_host), scale)
     ref_out, ref_lse = dense_attention(q, k, v, dense_mask_TS(cu_host, 0), scale)
     _close(out, ref_out, "out")
     _close(lse, ref_lse, "lse")
+
+
+# ---------------------------------------------------------------------------
+# The block kernel on blocks that are not documents (the ring's shapes)
+# ---------------------------------------------------------------------------
+
+# (q_start, q_end, k_start, k_end, causal) over 14 query rows and 11 key rows:
+# query rows 3-4 and keys 0-1 are in no block, key ranges are offset from the
+# query ranges, and unmasked blocks have L != M.
+BLOCK_LISTS = {
+    "unmasked": [(0, 3, 2, 7, False), (5, 9, 7, 8, False), (9, 14, 8, 11, False)],
+    "causal_shifted": [(0, 4, 3, 7, True), (6, 9, 8, 11, True)],
+}
+
+
+def _blocks_mask(blocks, q_rows, k_rows):
+    mask_RS = torch.zeros(q_rows, k_rows, dtype=torch.bool)
+    for qs, qe, ks, ke, causal in blocks:
+        for i in range(qs, qe):
+            for j in range(ks, ke):
+                mask_RS[i, j] = not causal or j - ks <= i - qs
+    return mask_RS
+
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+@pytest.mark.parametrize("name", sorted(BLOCK_LISTS))
+def test_block_kernel_matches_dense_on_offset_blocks(backend, name):
+    blocks, (N, K, H), scale = BLOCK_LISTS[name], (4, 2, 8), 0.4
+    gen = torch.Generator().manual_seed(21)
+    q, dout = _rand(14, N, H, gen=gen), _rand(14, N, H, gen=gen)
+    k, v = _rand(11, K, H, gen=gen), _rand(11, K, H, gen=gen)
+    fwd = getattr(attention_blocks, f"_{backend}_fwd")
+    bwd = getattr(attention_blocks, f"_{backend}_bwd")
+    out, lse = fwd(q, k, v, blocks, scale)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, blocks, scale)
+
+    mask_RS = _blocks_mask(blocks, 14, 11)
+    rows = mask_RS.any(1)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dense_attention(ref_in[0][rows], ref_in[1], ref_in[2], mask_RS[rows], scale)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad((ref_out * dout[rows].double()).sum(), ref_in)
+    _close(out[rows], ref_out, "out")
+    _close(lse[:, rows], ref_lse, "lse")
+    # A row in no block has no key: out 0, lse -inf, no gradient.
+    assert torch.all(out[~rows] == 0) and torch.all(torch.isneginf(lse[:, ~rows]))
+    _close(dq, ref_dq, "dq")
+    _close(dk, ref_dk, "dk")
+    _close(dv, ref_dv, "dv")
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [(0, 4, 0, 4, False), (2, 6, 4, 8, False)],  # a query row in two blocks
+        [(0, 4, 0, 4, False), (4, 8, 2, 6, False)],  # a key row in two blocks
+        [(4, 8, 4, 8, False), (0, 4, 0, 4, False)],  # out of order
+        [(0, 4, 0, 4, True), (4, 8, 4, 8, False)],  # two causal flags
+        [(0, 4, 0, 3, True)],  # causal but not square
+        [(0, 4, 4, 4, False)],  # empty
+        [(6, 10, 0, 4, False)],  # past the last row
+    ],
+)
+def test_block_kernel_rejects_blocks_outside_its_contract(blocks):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _rand(8, 2, 8, gen=gen), _rand(8, 2, 8, gen=gen), _rand(8, 2, 8, gen=gen)
+    with pytest.raises(ValueError, match="attention block"):
+        attention_blocks.blocks_fwd(q, k, v, blocks, 0.3)
+    with pytest.raises(ValueError, match="attention block"):
+        attention_blocks.blocks_bwd(q, q, k, v, q, q[:, :, 0].t(), blocks, 0.3)
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from titan_spec.models.attention import DocMetadata, merge_partials
+from titan_spec.models.attention import DocMetadata
+from titan_spec.models.attention_blocks import merge_partials
 
 __all__ = [
     "branch_backward",

@@ -32,14 +32,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
-from titan_spec.models.attention import DocMetadata, _fa_varlen_bwd, _fa_varlen_fwd, merge_partials
+from titan_spec.models.attention import DocMetadata
+from titan_spec.models.attention_blocks import Block, blocks_bwd, blocks_fwd, document_blocks, merge_partials
 from titan_spec.models.branch_attention import branch_backward, branch_part
 
 __all__ = [
@@ -152,186 +152,24 @@ def zigzag_unshard(x_R: torch.Tensor, layout: ZigzagLayout, group: dist.ProcessG
 # ---------------------------------------------------------------------------
 
 
-def ring_blocks(local_cu, rank: int, src: int) -> list[tuple[int, int, int, int, bool]]:
+def ring_blocks(local_cu, rank: int, src: int) -> list[Block]:
     """(q_start, q_end, k_start, k_end, causal) blocks of local queries against
-    the kv shard of rank ``src`` (rows in the shared local layout)."""
+    the kv shard of rank ``src`` (rows in the shared local layout), the blocks
+    models/attention_blocks.py's kernel computes for that ring step."""
+    if src == rank:
+        # The rank's own shard: its two chunks of every document are in order,
+        # so this is plain local document attention.
+        return document_blocks(local_cu)
     blocks = []
     for a, e in zip(local_cu[:-1], local_cu[1:]):
         c = (e - a) // 2
         if c == 0:
             continue
-        if src == rank:
-            blocks.append((a, e, a, e, True))
-        elif src < rank:
+        if src < rank:
             blocks.append((a, e, a, a + c, False))
         else:
             blocks.append((a + c, e, a, e, False))
     return blocks
-
-
-def _repeat_kv(x_RKH: torch.Tensor, num_heads: int) -> torch.Tensor:
-    K = x_RKH.shape[1]
-    return x_RKH if K == num_heads else x_RKH.repeat_interleave(num_heads // K, 1)
-
-
-def _fold_gqa(dx_RNH: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    R, N, H = dx_RNH.shape
-    if N == num_kv_heads:
-        return dx_RNH
-    return dx_RNH.float().view(R, num_kv_heads, N // num_kv_heads, H).sum(2).to(dx_RNH.dtype)
-
-
-def _1NLH(x_RNH: torch.Tensor, s: int, e: int) -> torch.Tensor:
-    return x_RNH[s:e].transpose(0, 1).unsqueeze(0)
-
-
-# Kernels over a list of blocks. CPU: the aten flash kernels per block (they
-# take Lq != Lk, return lse and consume a given (out, lse) in backward; the
-# attention tests check that). CUDA fp16/bf16: one FA2 varlen call per ring
-# step over all blocks (cu_seqlens_q != cu_seqlens_k), flash_attn's when
-# installed, else the FA2 build inside the torch CUDA wheel, exactly as
-# models/attention.py does for the local case; written against those APIs but
-# UNTESTED (no GPU here). Anything else: fp32 math per block.
-
-
-def _math_block_scores(q_LNH, k_MNH, causal, scale):
-    s_NLM = torch.einsum("lnh,mnh->nlm", q_LNH.float(), k_MNH.float()) * scale
-    if causal:
-        L = q_LNH.shape[0]
-        future_LM = torch.ones(L, L, dtype=torch.bool, device=q_LNH.device).triu(1)
-        s_NLM = s_NLM.masked_fill(future_LM, -math.inf)
-    return s_NLM
-
-
-def _varlen_plan(blocks, device):
-    # Rows of the blocks gathered into contiguous varlen batches. Blocks of one
-    # step never share query rows or key rows, so scatter-back is a plain copy.
-    q_idx = torch.cat([torch.arange(qs, qe) for qs, qe, _, _, _ in blocks]).to(device)
-    k_idx = torch.cat([torch.arange(ks, ke) for _, _, ks, ke, _ in blocks]).to(device)
-    cu_q = [0]
-    cu_k = [0]
-    for qs, qe, ks, ke, _ in blocks:
-        cu_q.append(cu_q[-1] + qe - qs)
-        cu_k.append(cu_k[-1] + ke - ks)
-    max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
-    max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
-    as_cu = lambda cu: torch.tensor(cu, dtype=torch.int32, device=device)
-    return q_idx, k_idx, as_cu(cu_q), as_cu(cu_k), max_q, max_k, blocks[0][4]
-
-
-def _use_cuda_flash(q_RNH: torch.Tensor) -> bool:
-    return q_RNH.is_cuda and q_RNH.dtype in (torch.float16, torch.bfloat16)
-
-
-def _cuda_blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
-    R, N, _ = q_RNH.shape
-    out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
-    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
-    if not blocks:
-        return out_RNH, lse_NR
-    q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(blocks, q_RNH.device)
-    q, k, v = q_RNH[q_idx].contiguous(), k_RKH[k_idx].contiguous(), v_RKH[k_idx].contiguous()
-    if _fa_varlen_fwd is not None and q.shape[-1] % 8 == 0:
-        out, lse, _, _ = _fa_varlen_fwd(
-            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
-        )
-    else:
-        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
-        )
-    out_RNH[q_idx] = out
-    lse_NR[:, q_idx] = lse.float()
-    return out_RNH, lse_NR
-
-
-def _cuda_blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
-    dq_RNH, dk_RKH, dv_RKH = (torch.zeros_like(x) for x in (q_RNH, k_RKH, v_RKH))
-    if not blocks:
-        return dq_RNH, dk_RKH, dv_RKH
-    q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(blocks, q_RNH.device)
-    dtype = q_RNH.dtype
-    q, k, v = q_RNH[q_idx].contiguous(), k_RKH[k_idx].contiguous(), v_RKH[k_idx].contiguous()
-    dout = dout_RNH[q_idx].to(dtype).contiguous()
-    out = out_RNH[q_idx].to(dtype).contiguous()
-    lse = lse_NR[:, q_idx].float().contiguous()
-    if _fa_varlen_bwd is not None and q.shape[-1] % 8 == 0:
-        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-        _fa_varlen_bwd(  # writes dq, dk, dv in place
-            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-            dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0,
-            alibi_slopes=None, deterministic=False,
-        )
-    else:
-        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
-        unused = torch.empty(0, device=q.device)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
-            scale=scale,
-        )
-    dq_RNH[q_idx] = dq
-    dk_RKH[k_idx] = dk
-    dv_RKH[k_idx] = dv
-    return dq_RNH, dk_RKH, dv_RKH
-
-
-def _blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
-    if _use_cuda_flash(q_RNH):
-        return _cuda_blocks_fwd(q_RNH, k_RKH, v_RKH, blocks, scale)
-    R, N, _ = q_RNH.shape
-    k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
-    out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
-    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
-    for qs, qe, ks, ke, causal in blocks:
-        if q_RNH.device.type == "cpu":
-            o_1NLH, lse_1NL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                _1NLH(q_RNH, qs, qe), _1NLH(k_RNH, ks, ke), _1NLH(v_RNH, ks, ke),
-                0.0, causal, scale=scale,
-            )
-            out_RNH[qs:qe] = o_1NLH[0].transpose(0, 1)
-            lse_NR[:, qs:qe] = lse_1NL[0]
-        else:
-            s_NLM = _math_block_scores(q_RNH[qs:qe], k_RNH[ks:ke], causal, scale)
-            lse_NL = torch.logsumexp(s_NLM, -1)
-            p_NLM = torch.exp(s_NLM - lse_NL.unsqueeze(-1))
-            out_RNH[qs:qe] = torch.einsum("nlm,mnh->lnh", p_NLM, v_RNH[ks:ke].float()).to(out_RNH.dtype)
-            lse_NR[:, qs:qe] = lse_NL
-    return out_RNH, lse_NR
-
-
-def _blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
-    if _use_cuda_flash(q_RNH):
-        return _cuda_blocks_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale)
-    R, N, _ = q_RNH.shape
-    K = k_RKH.shape[1]
-    k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
-    dq_RNH, dk_RNH, dv_RNH = (torch.zeros_like(x) for x in (q_RNH, k_RNH, v_RNH))
-    dout_RNH, out_RNH = dout_RNH.to(q_RNH.dtype), out_RNH.to(q_RNH.dtype)
-    lse_NR = lse_NR.to(torch.float64 if q_RNH.dtype == torch.float64 else torch.float32)
-    for qs, qe, ks, ke, causal in blocks:
-        if q_RNH.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _1NLH(dout_RNH, qs, qe), _1NLH(q_RNH, qs, qe),
-                _1NLH(k_RNH, ks, ke), _1NLH(v_RNH, ks, ke),
-                _1NLH(out_RNH, qs, qe), lse_NR[:, qs:qe].unsqueeze(0),
-                0.0, causal, scale=scale,
-            )
-            dq, dk, dv = (x[0].transpose(0, 1) for x in (dq, dk, dv))
-        else:
-            s_NLM = _math_block_scores(q_RNH[qs:qe], k_RNH[ks:ke], causal, scale)
-            p_NLM = torch.exp(s_NLM - lse_NR[:, qs:qe].float().unsqueeze(-1))
-            do_LNH = dout_RNH[qs:qe].float()
-            delta_NL = (do_LNH * out_RNH[qs:qe].float()).sum(-1).t()
-            dp_NLM = torch.einsum("lnh,mnh->nlm", do_LNH, v_RNH[ks:ke].float())
-            ds_NLM = p_NLM * (dp_NLM - delta_NL.unsqueeze(-1)) * scale
-            dq = torch.einsum("nlm,mnh->lnh", ds_NLM, k_RNH[ks:ke].float())
-            dk = torch.einsum("nlm,lnh->mnh", ds_NLM, q_RNH[qs:qe].float())
-            dv = torch.einsum("nlm,lnh->mnh", p_NLM, do_LNH)
-        # Blocks of one step never share query or key rows, so += is only for safety.
-        dq_RNH[qs:qe] += dq.to(dq_RNH.dtype)
-        dk_RNH[ks:ke] += dk.to(dk_RNH.dtype)
-        dv_RNH[ks:ke] += dv.to(dv_RNH.dtype)
-    return dq_RNH, _fold_gqa(dk_RNH, K), _fold_gqa(dv_RNH, K)
 
 
 # ---------------------------------------------------------------------------
@@ -406,7 +244,7 @@ def ring_attn_fwd(
             kv_next, works = ring.shift(kv, _KV_TAG)
         k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
         src = (ring.rank - i) % ring.size
-        out_RNH, lse_NR = _blocks_fwd(q_RNH, k_RKH, v_RKH, ring_blocks(cu, ring.rank, src), scale)
+        out_RNH, lse_NR = blocks_fwd(q_RNH, k_RKH, v_RKH, ring_blocks(cu, ring.rank, src), scale)
         # Merge as we go: memory stays at one partial, whatever cp is.
         if outs:
             out_RNH, lse_NR = merge_partials([outs[0], out_RNH], [lses[0], lse_NR])
@@ -456,7 +294,7 @@ def ring_attn_bwd(
             kv_next, kv_works = ring.shift(kv, _KV_TAG)
         k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
         src = (ring.rank - i) % ring.size
-        dq, dk, dv = _blocks_bwd(
+        dq, dk, dv = blocks_bwd(
             dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, ring_blocks(cu, ring.rank, src), scale
         )
         dq_RNH += dq.float()
