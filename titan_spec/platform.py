@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["DEVICE_TYPE", "on_cpu", "apply_cpu_shims", "force_sum_reduction"]
 
@@ -113,8 +114,6 @@ def init_like_unsharded(model_parts: list[torch.nn.Module], model_config, seed: 
         return
     import torch.distributed as dist
 
-    from titan_spec.models.hf_io import load_full_state_dict
-
     if seed is None:
         s = torch.randint(0, 2**31 - 1, (1,))
         if dist.is_initialized():
@@ -128,3 +127,23 @@ def init_like_unsharded(model_parts: list[torch.nn.Module], model_config, seed: 
     for part in model_parts:
         # A pipeline stage holds a subset of the layers: load the keys it owns.
         load_full_state_dict(part, {k: full_sd[k] for k in part.state_dict()})
+
+
+def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Load full (unsharded) tensors into a model whose params may be FSDP DTensors (the
+    CPU init above needs it; models/hf_io.py loads HF checkpoints with it)."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not match the target (missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+            f"unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''})"
+        )
+    out = {}
+    for key, ref in own.items():
+        value = sd[key].to(dtype=ref.dtype)
+        if isinstance(ref, DTensor):
+            # FSDP-sharded parameter: every rank holds the full tensor, keeps its own shard.
+            value = distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements)
+        out[key] = value
+    model.load_state_dict(out, strict=True)

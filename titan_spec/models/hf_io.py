@@ -17,12 +17,13 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from titan_spec.platform import load_full_state_dict
 from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_config, build_target_config
 
 __all__ = [
-    "read_hf_arch", "read_hf_state_dict", "load_hf_into", "load_full_state_dict", "save_hf",
+    "read_hf_arch", "read_hf_state_dict", "load_hf_into", "save_hf",
     "write_safetensors_dir", "HFCheckpointError", "read_safetensors_header", "check_hf_weights",
     "expected_hf_shapes",
 ]
@@ -146,25 +147,6 @@ def load_hf_into(model: nn.Module, path: str, arch: Arch) -> None:
         load_full_state_dict(model, sd)
     except ValueError as e:
         raise HFCheckpointError(f"{path}: {e}") from None
-
-
-def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """Load full (unsharded) tensors into a model whose params may be FSDP DTensors."""
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-    if missing or unexpected:
-        raise ValueError(
-            f"weights do not match the target (missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
-            f"unexpected {unexpected[:4]}{'...' if len(unexpected) > 4 else ''})"
-        )
-    out = {}
-    for key, ref in own.items():
-        value = sd[key].to(dtype=ref.dtype)
-        if isinstance(ref, DTensor):
-            # FSDP-sharded parameter: every rank holds the full tensor, keeps its own shard.
-            value = distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements)
-        out[key] = value
-    model.load_state_dict(out, strict=True)
 
 
 def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.float32) -> None:

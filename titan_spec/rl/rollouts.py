@@ -37,6 +37,7 @@ from titan_spec.models.draft.eagle3.model import Eagle3Draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.builtin.engine import TorchRolloutEngine
+from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
 __all__ = ["RolloutStats", "RolloutWorker", "full_policy_state"]
 
@@ -80,8 +81,6 @@ class RolloutWorker:
         self.co_train = spec and cfg.draft.co_train
         self.frozen = self.nospec = None
         if cfg.rollout.engine == "sglang":
-            from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
-
             self.main = SGLangRolloutEngine.from_config(cfg)
             self._rebuild = None  # the SGLang engine restarts its server itself
             return
@@ -104,10 +103,6 @@ class RolloutWorker:
 
     def _build_main(self) -> TorchRolloutEngine:
         return TorchRolloutEngine(self._target, self._draft, self._engine_cfg)
-
-    @property
-    def policy_version(self) -> int:
-        return self.main.policy_version
 
     def push(self, policy_state: dict[str, torch.Tensor], draft_state: dict[str, torch.Tensor] | None, version: int):
         """New weights for the next rollouts (full tensors, trainer names / draft export names)."""
