@@ -95,7 +95,7 @@ class SpecTrainer(Trainer):
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
-        self.draft_training = self._build_draft_training() if spec.draft.enable and on_draft_stage else None
+        self.draft_training = self._build_draft_training() if spec.mode.trains_draft and on_draft_stage else None
         if self.draft_training is not None and self.parallel_dims.pp_enabled:
             self.pp_schedule.titan_spec_loss.attach_draft(self.draft_training, spec.draft.loss_weight)
         # torchtitan's train_step calls optimizers.step() right after its clip: the guarded
@@ -113,7 +113,7 @@ class SpecTrainer(Trainer):
 
     def _build_draft_training(self) -> DraftTraining:
         spec, pd = self.config.spec, self.parallel_dims
-        if spec.draft.offline:
+        if spec.mode.trains == "draft":
             # Offline draft training: the policy is a frozen teacher.
             for part in self.model_parts:
                 part.requires_grad_(False)
@@ -196,7 +196,7 @@ class SpecTrainer(Trainer):
         if self.draft_training is None:
             return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
         spec = self.config.spec
-        frozen = spec.draft.offline
+        frozen = spec.mode.trains == "draft"
         with self.train_context():
             with torch.no_grad() if frozen else contextlib.nullcontext():
                 logits, taps = self.model_parts[0](inputs, **extra_kwargs)
