@@ -166,8 +166,6 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
             f" x cp {p.context_parallel_degree} = {others * shard}, but {world_size} processes run"
             " (set NGPU, or the degrees, so they multiply to it)"
         )
-    # The mode's contradictions (mode.py), before the checks that depend on the mode.
-    mode = cfg.mode
     cp = p.context_parallel_degree
     if cp > 1:
         # Every document is padded to a multiple of 2*cp; a budget that is one keeps
@@ -180,7 +178,9 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                 f"must be a multiple of 2 * context_parallel_degree = {2 * cp} (or 0 = automatic), so every "
                 "CP shard of a microbatch has the pipeline's static length"
             )
-        if mode.trains == "rl":
+        # rl.enable alone makes the mode train 'rl' (mode.py); read as the key here because the
+        # mode's contradictions are checked last, in the order the checks always ran.
+        if cfg.rl.enable:
             raise ConfigError("parallelism.context_parallel_degree > 1 with rl.enable = true is not "
                               "supported yet (the RL loop does not shard its batches); use cp = 1")
     m = document_multiple(cfg)
@@ -191,7 +191,8 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                 f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
                 "parallel (FSDP), pipeline parallel and context parallel now"
             )
-    if mode.trains == "rl":
+    # The run mode (mode.py): its contradictions, then what RL needs of the rest.
+    if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)
 
 
