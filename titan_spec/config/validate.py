@@ -127,8 +127,9 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
     """Every section's checks, then the checks that span sections. world_size None: read
     WORLD_SIZE (default 1)."""
     for f in dataclasses.fields(cfg):
-        if type(getattr(cfg, f.name)) in SECTION_CHECKS:
-            SECTION_CHECKS[type(getattr(cfg, f.name))](getattr(cfg, f.name))
+        section = getattr(cfg, f.name)
+        if type(section) in SECTION_CHECKS:
+            SECTION_CHECKS[type(section)](section)
     t, p = cfg.training, cfg.parallelism
     check(t.steps >= 1, "training.steps", t.steps, ">= 1")
     check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
