@@ -7,6 +7,7 @@ import pytest
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, load_config, parse_overrides
+from titan_spec.rollout.builtin.engine import TorchEngineConfig
 
 DEFAULT = "train_configs/debug_cpu_sft.toml"  # the default RL run reads its outputs
 
@@ -21,10 +22,10 @@ def test_default_config_loads_and_overrides_apply():
 
 def test_engine_config_from_sections():
     cfg = load_config(DEFAULT, ["--speculative.num_draft_tokens", "3", "--rollout.max_batch_size", "8"])
-    e = cfg.rollout.torch_engine_config(cfg.speculative)
+    e = TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative)
     assert (e.num_draft_tokens, e.max_batch_size) == (3, 8)
     cfg = load_config(DEFAULT, ["--speculative.enabled", "false"])
-    assert cfg.rollout.torch_engine_config(cfg.speculative).num_draft_tokens == 0
+    assert TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative).num_draft_tokens == 0
 
 
 def test_parse_overrides_types():

@@ -250,6 +250,20 @@ def test_valid_inputs_pass_the_same_checks(tmp_path, capsys, inputs):
     assert tree(tmp_path) == before
 
 
+def test_sglang_checks_wait_for_inputs_the_chain_writes(tmp_path, capsys, inputs):
+    """The SGLang engine's input check (rollout/sglang/engine.py check_config) reads the
+    policy and draft directories only where they exist now: in the chain they are what the
+    SFT and draft runs will export (checked against their promise instead), so the RL run
+    plans fine; with existing directories the same check reads them and refuses a misfit."""
+    confs = fresh_checkout(tmp_path)
+    rc, out, err = plan_in_process(capsys, confs, RL, ["--rollout.engine", "sglang"])
+    assert rc == 0, err
+    assert [os.path.basename(p) for p in out.split()] == [SFT, DRAFT, RL]
+    rc, out, err = plan_in_process(capsys, confs, RL, ["--rollout.engine", "sglang", "--model.hf_checkpoint",
+                                                       inputs["hf"], "--draft.init_from", inputs["draft_wide"]])
+    assert rc == 2 and err.count("\n") == 1 and "does not fit the policy" in err, err
+
+
 def _env():
     return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 

@@ -19,6 +19,7 @@ from titan_spec.rl.grpo import PPOPolicyLoss, token_logprobs
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.rollout import SamplingParams
 from titan_spec.data.tasks import JsonlTask
+from titan_spec.train import load_checked
 
 IGNORE = -100
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -215,8 +216,8 @@ def test_jsonl_task_reports_malformed_lines_and_rejects_or_skips(tmp_path):
     assert "gsm.jsonl:5: missing field 'question'" in task.errors[2]
     # Through the config: one line before any run starts.
     with pytest.raises(ConfigError, match=r"task.path: .*lines 2, 3, 5.*task.on_malformed = 'skip'"):
-        load_config(None, ["--task.name", "jsonl", "--task.path", str(path)])
-    cfg = load_config(None, ["--task.name", "jsonl", "--task.path", str(path), "--task.on_malformed", "skip"])
+        load_checked(None, ["--task.name", "jsonl", "--task.path", str(path)])
+    cfg = load_checked(None, ["--task.name", "jsonl", "--task.path", str(path), "--task.on_malformed", "skip"])
     assert cfg.task.on_malformed == "skip"
 
 

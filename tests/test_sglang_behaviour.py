@@ -22,6 +22,7 @@ from sglang_stub import StubSGLang
 from test_sglang_engine import _cfg, _draft, _target, dirs, stubs  # noqa: F401  (fixtures)
 
 from titan_spec.config import ConfigError, load_config
+from titan_spec.train import load_checked
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.io import read_draft_arch, save_draft
 from titan_spec.models.target import default_tap_layer_ids
@@ -177,10 +178,10 @@ def test_last_layer_tap_is_a_config_error_with_sglang(dirs, tmp_path):  # noqa: 
     for extra in (["--draft.init_from", str(tmp_path / "last")],
                   ["--draft.init_from", dirs.draft, "--draft.tap_layer_ids", f"[1, 3, {L - 1}]"]):
         with pytest.raises(ConfigError, match="cannot be served by SGLang") as e:
-            load_config(None, base + extra)
+            load_checked(None, base + extra)
         assert "\n" not in str(e.value)
-    load_config(None, base + ["--draft.init_from", dirs.draft, "--draft.tap_layer_ids", f"[1, 3, {L - 2}]"])
-    load_config(None, ["--model.hf_checkpoint", dirs.policy, "--draft.tap_layer_ids", f"[1, 3, {L - 1}]"])  # built-in engine
+    load_checked(None, base + ["--draft.init_from", dirs.draft, "--draft.tap_layer_ids", f"[1, 3, {L - 2}]"])
+    load_checked(None, ["--model.hf_checkpoint", dirs.policy, "--draft.tap_layer_ids", f"[1, 3, {L - 1}]"])  # built-in engine
 
 
 # --- 6. counts as SGLang reports them -------------------------------------------------------
@@ -233,7 +234,7 @@ def test_seeds_need_deterministic_inference(dirs, stubs, caplog):  # noqa: F811
     assert [p["sampling_seed"] for p in dict(stubs[-1].calls)["generate"]["sampling_params"]] == [5 * SEED_MIX, 5 * SEED_MIX + 1]
     # The warning names what SGLang 0.5.23's deterministic mode costs (server_args/args.py
     # and its attention-backend check), and the config field says the same.
-    from titan_spec.config import __file__ as config_file
+    from titan_spec.config.schema import __file__ as config_file
 
     text = open(config_file).read()
     doc = text[text.index("deterministic: bool", text.index("class SGLangConfig")):][:600]
@@ -285,7 +286,7 @@ def test_specforge_draft_without_eagle_config_serves_with_default_taps(dirs, stu
     (d / "config.json").write_text(json.dumps(cfg))
     assert default_tap_layer_ids(dirs.arch.n_layers) == tuple(dirs.d.arch.tap_layer_ids)
     check_draft_fits_policy(dirs.policy, str(d))
-    ok = load_config(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from", str(d)])
+    ok = load_checked(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from", str(d)])
     assert ok.draft.init_from == str(d)
     assert served_tap_ids(json.loads((d / "config.json").read_text()), dirs.arch.n_layers) == default_tap_layer_ids(dirs.arch.n_layers)
     engine = _engine(dirs, stubs, draft=str(d))
@@ -330,7 +331,7 @@ def test_sglang_serves_only_eagle_config_tap_ids(dirs, tmp_path):  # noqa: F811
             check_draft_fits_policy(dirs.policy, d)
         assert "\n" not in str(e.value)
         with pytest.raises(ConfigError, match=msg):
-            load_config(None, base + [d])
+            load_checked(None, base + [d])
     # The built-in engine's reading of the same directory is unchanged (eagle_config first).
     assert read_draft_arch(refusals[1][0]).tap_layer_ids == tuple(dirs.d.arch.tap_layer_ids)
 
@@ -357,7 +358,7 @@ def test_max_running_requests_base_gpu_and_one_server_per_rank(dirs, stubs, monk
     assert "\n" not in str(e.value)
     # The server_args example names SGLang's field, not the CLI alias.
     from titan_spec.config import SGLangConfig
-    from titan_spec.config import __file__ as config_file
+    from titan_spec.config.schema import __file__ as config_file
 
     text = open(config_file).read()
     doc = text[text.index("server_args: dict[str, Any]", text.index("class SGLangConfig")):][:400]

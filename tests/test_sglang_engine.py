@@ -36,6 +36,7 @@ from titan_spec.rollout.sglang.client import (
 from titan_spec.rollout.sglang.engine import SEED_MIX, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang, sglang_server_args
 from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
+from titan_spec.train import load_checked
 
 TAPS = (1, 3, 4)
 
@@ -456,11 +457,11 @@ def test_bad_draft_directories_and_config(dirs, tmp_path):
     ]
     for over, msg in cases:
         with pytest.raises(ConfigError, match=msg) as e:
-            load_config(None, base + over)
+            load_checked(None, base + over)
         assert "\n" not in str(e.value)
-    ok = load_config(None, base + ["--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft])
+    ok = load_checked(None, base + ["--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft])
     assert ok.rollout.engine == "sglang"
-    assert load_config(None, base + ["--model.hf_checkpoint", dirs.policy, "--speculative.enabled", "false"])
+    assert load_checked(None, base + ["--model.hf_checkpoint", dirs.policy, "--speculative.enabled", "false"])
 
 
 def test_missing_sglang_and_start_failures_are_one_line(dirs, tmp_path):

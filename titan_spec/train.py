@@ -27,8 +27,11 @@ from torchtitan.tools.logging import init_logger
 
 from titan_spec import platform
 from titan_spec.checkpoint import CheckpointCorrupt, VerifiedCheckpointManager
-from titan_spec.config import ConfigError, TitanSpecConfig, load_config, quiet_torchtitan
+from titan_spec.config import (
+    ConfigError, TitanSpecConfig, check_paths, document_multiple, load_config, locate, quiet_torchtitan,
+)
 from titan_spec.data.loader import TaskDataLoader
+from titan_spec.data.tasks import check_task_file
 from titan_spec.data.tokenizer import CharTokenizer
 from titan_spec.draft_training import under_dump_folder
 from titan_spec.finite import NonFiniteStop
@@ -40,9 +43,13 @@ from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_i
 from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_spec
 from titan_spec.rl.trainer import RLTrainer
+from titan_spec.rollout.sglang.engine import check_config as check_sglang_config
 from titan_spec.trainer import SpecTrainer
 
-__all__ = ["to_trainer_config", "resolve_arch", "validate_run", "plan_runs", "main", "train_and_close"]
+__all__ = [
+    "to_trainer_config", "resolve_arch", "check_inputs", "load_checked", "validate_run", "plan_runs", "main",
+    "train_and_close",
+]
 
 
 @dataclass(frozen=True)
@@ -163,8 +170,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     arch = resolve_arch(cfg, tok.get_vocab_size(), made)
     # Taps are read only when the draft trains from them; the LM step returns logits.
     draft_arch = draft_arch_for(cfg, arch, made)  # validates tap ids and draft vocab even when unused
-    trains_draft = cfg.draft.enable and (cfg.draft.co_train or not cfg.rl.enable)
-    taps = draft_arch.tap_layer_ids if trains_draft else ()
+    taps = draft_arch.tap_layer_ids if cfg.mode.trains_draft else ()
     if cfg.training.seq_len > arch.max_seq_len:
         raise ConfigError(
             f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}",
@@ -198,13 +204,13 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     if platform.on_cpu():
         # CUDA graphs capture device work; there is none on CPU.
         training.disable_cuda_graphs = True
-    trainer_cls = RLTrainer if cfg.rl.enable else SpecTrainer
+    trainer_cls = RLTrainer if cfg.mode.trains == "rl" else SpecTrainer
     with quiet_torchtitan():
         checkpoint = VerifiedCheckpointManager.from_config(cfg.checkpoint)
     return trainer_cls.Config(
         spec=cfg,
         arch=arch,
-        draft_arch=draft_arch if cfg.draft.enable else None,
+        draft_arch=draft_arch if cfg.mode.has_draft else None,
         model_spec=spec,
         hf_assets_path=cfg.model.hf_checkpoint or cfg.job.dump_folder,
         dump_folder=cfg.job.dump_folder,
@@ -212,7 +218,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         metrics=cfg.metrics,
         tokenizer=CharTokenizer.Config(),
         dataloader=TaskDataLoader.Config(
-            task=cfg.task, step_rows=cfg.training.local_batch_size, document_multiple=cfg.document_multiple()
+            task=cfg.task, step_rows=cfg.training.local_batch_size, document_multiple=document_multiple(cfg)
         ),
         optimizer=OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=o.name, optimizer_kwargs=kwargs)],
@@ -230,6 +236,31 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     )
 
 
+def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> None:
+    """The inputs a config names, before anything is built: its directories exist
+    (config.check_paths), its task file reads (data.tasks.check_task_file), the SGLang
+    engine can start from them (rollout.sglang.engine.check_config). ``made``: directories
+    an earlier run of the chain writes (not there yet; see ``Made``). Raises ConfigError,
+    not yet located (``validate_run``, ``load_checked`` say where the value came from)."""
+    made = made or {}
+    check_paths(cfg, made)
+    check_task_file(cfg.task)
+    written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
+    check_sglang_config(cfg, files=not written)
+
+
+def load_checked(path: str | None, overrides: list[str] | None = None, world_size: int | None = None) -> TitanSpecConfig:
+    """``load_config`` plus ``check_inputs``: a config whose every input has been checked,
+    with errors located like load_config's (the config package alone cannot read a task
+    file or an SGLang draft: it imports no other titan_spec module)."""
+    cfg = load_config(path, overrides, world_size, check_paths=False)
+    try:
+        check_inputs(cfg)
+    except ConfigError as e:
+        raise locate(cfg, e) from None
+    return cfg
+
+
 def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
     """Everything checkable before a run starts, for a loaded config: its input files
     (HF safetensors headers, the draft directory, the task file) and its architecture
@@ -237,10 +268,10 @@ def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "
     an earlier run of the chain writes, checked against what it will write. Errors name
     where the value at fault came from (the TOML file or the command line)."""
     try:
-        cfg.check_paths(made or {})
+        check_inputs(cfg, made)
         return to_trainer_config(cfg, made)
     except ValueError as e:  # ConfigError, and the registry's ValueErrors (an unknown flavor)
-        raise cfg.locate(e if isinstance(e, ConfigError) else ConfigError(str(e))) from None
+        raise locate(cfg, e if isinstance(e, ConfigError) else ConfigError(str(e))) from None
 
 
 def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
@@ -278,7 +309,7 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
             inside = next((run for dump, run in pending if (os.path.abspath(d) + os.sep).startswith(dump)), None)
             if d and inside and os.path.abspath(d) not in made:
                 writes = [k for k, m in made.items() if m.run == inside]
-                raise cfg.locate(ConfigError(
+                raise locate(cfg, ConfigError(
                     f"{key} {d!r} is inside the dump folder of {inside}, which runs first but writes no "
                     f"checkpoint there; it writes {writes or 'no export (set its job.export_hf / draft.export_dir)'}",
                     key=key,

@@ -100,8 +100,8 @@ class SpecTrainer(Trainer):
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
-        self.draft_training = self._build_draft_training() if spec.draft.enable and on_draft_stage else None
-        self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=not spec.draft.offline)
+        self.draft_training = self._build_draft_training() if spec.mode.trains_draft and on_draft_stage else None
+        self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=spec.mode.trains != "draft")
         if self.draft_training is not None and self.parallel_dims.pp_enabled:
             self.pp_schedule.titan_spec_loss.attach(self.co_loss)
         # torchtitan's train_step calls optimizers.step() right after its clip: the guarded
@@ -122,7 +122,7 @@ class SpecTrainer(Trainer):
 
     def _build_draft_training(self) -> DraftTraining:
         spec, pd = self.config.spec, self.parallel_dims
-        if spec.draft.offline:
+        if spec.mode.trains == "draft":
             # Offline draft training: the policy is a frozen teacher.
             for part in self.model_parts:
                 part.requires_grad_(False)

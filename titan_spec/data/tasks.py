@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
 
-__all__ = ["Problem", "ArithmeticTask", "JsonlTask", "build_task", "exact_match_reward"]
+from titan_spec.config import ConfigError, TaskConfig
+
+__all__ = ["Problem", "ArithmeticTask", "JsonlTask", "build_task", "check_task_file", "exact_match_reward"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,17 @@ def build_task(task_cfg):
             task_cfg.wrong_answer_rate,
         )
     return JsonlTask(task_cfg.path, task_cfg.on_malformed)
+
+
+def check_task_file(task_cfg: TaskConfig) -> None:
+    """A [task] that reads a JSONL file (name = 'jsonl') can read it: one ConfigError line
+    (key task.path) naming the file and its malformed lines, before any run starts."""
+    if task_cfg.name != "jsonl":
+        return
+    try:
+        build_task(task_cfg)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"task.path: {e}", key="task.path") from None
 
 
 def exact_match_reward(completion: str, answer: str) -> float:

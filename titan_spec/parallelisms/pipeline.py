@@ -48,6 +48,7 @@ from torchtitan.distributed.pipeline_parallel import (
     _split_module,
 )
 
+from titan_spec.config import ConfigError
 from titan_spec.models.target import EMBEDS_TAP, Taps
 from titan_spec.parallelisms.tap_channel import TapChannel, TapLayout
 
@@ -308,8 +309,6 @@ def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_t
 def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
     """Everything about PP that the config alone decides, as one-line ConfigErrors raised
     before any process starts (``python -m titan_spec.train --check`` runs this)."""
-    from titan_spec.config import ConfigError
-
     p = cfg.parallelism
     try:
         check_schedule(p, cfg.training.local_batch_size)

@@ -36,7 +36,7 @@ from titan_spec.config import TitanSpecConfig
 from titan_spec.models.draft.eagle3.model import Eagle3Draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import Rollout, SamplingParams
-from titan_spec.rollout.builtin.engine import TorchRolloutEngine
+from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
 from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
 __all__ = ["RolloutStats", "RolloutWorker", "full_policy_state"]
@@ -77,8 +77,8 @@ class RolloutWorker:
         # What a rerun would do, for the stop message; the trainer sets it (only it knows
         # whether a verified checkpoint exists).
         self.resume_hint: Callable[[], str] = lambda: "whether a checkpoint exists to resume from is unknown here"
-        spec = cfg.speculative.enabled and draft is not None
-        self.co_train = spec and cfg.draft.co_train
+        spec = cfg.mode.speculates
+        self.co_train = cfg.mode.trains_draft
         self.frozen = self.nospec = None
         if cfg.rollout.engine == "sglang":
             self.main = SGLangRolloutEngine.from_config(cfg)
@@ -90,14 +90,14 @@ class RolloutWorker:
         target.init_weights(buffer_device=None)  # overwritten by the first push
         self._target = target
         self._draft = copy.deepcopy(draft).to(device) if spec else None
-        self._engine_cfg = cfg.rollout.torch_engine_config(cfg.speculative)
+        self._engine_cfg = TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative)
         self.main = self._build_main()
         self._rebuild = self._build_main
         quiet = dataclasses.replace(self._engine_cfg, progress=False)
         baselines = spec and cfg.rl.baseline_interval > 0
         self.frozen = (
             TorchRolloutEngine(target, copy.deepcopy(draft).to(device), quiet)
-            if baselines and cfg.draft.co_train else None
+            if baselines and self.co_train else None
         )
         self.nospec = TorchRolloutEngine(target, None, dataclasses.replace(quiet, num_draft_tokens=0)) if baselines else None
 

@@ -69,7 +69,7 @@ class RLTrainer(SpecTrainer):
         spec = config.spec
         self.rl = spec.rl
         draft = None
-        if spec.draft.enable:
+        if spec.mode.has_draft:
             # The draft as it was before RL: the rollout engines start from it and the
             # frozen-draft baseline keeps it (rebuilt identically on resume).
             counts = None
@@ -82,10 +82,6 @@ class RLTrainer(SpecTrainer):
         self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
         self.last_step: StepRecord | None = None
         """The latest step's record (its metrics are logged from it)."""
-
-    def _build_draft_training(self):
-        # A frozen-draft run (draft.co_train = false) serves rollouts with the draft but never trains it.
-        return super()._build_draft_training() if self.config.spec.draft.co_train else None
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen full copy of the initial policy for the KL term (built before any resume)."""

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from titan_spec.config import RolloutConfig, SpeculativeConfig
 from titan_spec.models.draft.eagle3.model import Eagle3Draft
 from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
 from titan_spec.rollout.builtin.kv_cache import CachedDraft, CachedTarget
@@ -51,6 +52,17 @@ class TorchEngineConfig:
     """torch.compile backend ("aot_eager" traces without codegen: for tests)."""
     progress: bool = False
     """Show a tqdm bar per batch (tokens/s and the running acceptance length)."""
+
+    @classmethod
+    def from_sections(cls, rollout: RolloutConfig, speculative: SpeculativeConfig) -> "TorchEngineConfig":
+        """The built-in engine's settings from the [rollout] and [speculative] sections
+        (K = 0 when speculative.enabled is off)."""
+        return cls(
+            num_draft_tokens=speculative.num_draft_tokens if speculative.enabled else 0,
+            max_batch_size=rollout.max_batch_size,
+            compile=rollout.compile,
+            progress=rollout.progress,
+        )
 
 
 def filtered_probs(logits_NV: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

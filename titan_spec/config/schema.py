@@ -1,0 +1,386 @@
+"""The config's schema: one dataclass per TOML section, one docstring per key. Plain data:
+the checks are in validate.py, the reading of TOML and the command line in loader.py.
+
+One TOML file is one ``TitanSpecConfig``: each top-level table is a section and each
+section is a dataclass. Where torchtitan's own config dataclass fits a section as is
+(training, parallelism, checkpoint, compile, metrics, lr_scheduler, comm, debug,
+profiler) it is used directly; titan_spec's own sections (job, model, optimizer,
+activation_checkpoint, task, draft, speculative, rollout, rl) are defined here and are
+translated to torchtitan's Trainer.Config by ``titan_spec.train``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig
+from torchtitan.config import TrainingConfig as _TorchtitanTrainingConfig
+from torchtitan.tools.profiler import Profiler
+
+from titan_spec.config.mode import RunMode, run_mode
+
+__all__ = [
+    "TrainingConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
+    "DraftConfig", "SpeculativeConfig", "SGLangConfig", "RolloutConfig", "RLConfig", "TitanSpecConfig",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig(_TorchtitanTrainingConfig):
+    """torchtitan's [training] section plus titan_spec's own keys."""
+
+    max_consecutive_skips: int = 3
+    """A step whose policy or draft loss or gradient norm is not finite is skipped (no
+    optimizer step, counted as skipped_steps / draft/skipped_steps); after this many skips
+    in a row the run stops, naming the step, the loss and the last good checkpoint."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    dump_folder: str = "./outputs"
+    """Where logs, TensorBoard files, checkpoints, the tokenizer and plots go."""
+
+    export_hf: str = ""
+    """Write the trained policy as an HF checkpoint here at the end, relative to dump_folder ('' = no export)."""
+
+    description: str = ""
+    """Free text, logged at start."""
+
+    requires: list[str] = field(default_factory=list)
+    """Configs (TOML paths, relative to this file) whose runs must finish before this one, in
+    order: run_train.sh runs each once (a run is finished when its dump folder holds DONE).
+    The embedded default uses it for SFT -> offline draft -> RL."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: Literal["qwen3", "llama3"] = "qwen3"
+    """Model family of the policy/target."""
+
+    flavor: str = "tiny"
+    """Named size (qwen3: tiny, small, tiny16, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
+    hf_checkpoint is set (the checkpoint's config.json defines the architecture)."""
+
+    hf_checkpoint: str = ""
+    """Directory of an HF checkpoint (config.json + *.safetensors [+ index]) to start from."""
+
+    vocab_from_tokenizer: bool = True
+    """Size the embedding to the task tokenizer (flavors only; an HF checkpoint keeps its vocab)."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    """Optimizer of the policy."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """torch.optim implementation ('fused' needs a GPU)."""
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Per-block activation checkpointing (torchtitan's FullAC / SelectiveAC)."""
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    name: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer after '####')."""
+
+    path: str = ""
+    """The JSONL file when name = 'jsonl'."""
+
+    on_malformed: Literal["reject", "skip"] = "reject"
+    """A JSONL line that is not a question with a '####' answer: 'reject' stops before the run
+    starts (naming the lines), 'skip' drops those lines with a warning naming them."""
+
+    max_operand: int = 99
+    """Largest operand of the generated problems (difficulty)."""
+
+    num_operands: int = 2
+    """Operands per generated problem."""
+
+    operators: str = "+-"
+    """Operators the generated problems use (subset of '+-*')."""
+
+    show_work: bool = False
+    """Arithmetic completions restate the expression before the result ("3+4?" -> "3+4=7")."""
+
+    seed: int = 1234
+    """Seed of the problem generator."""
+
+    wrong_answer_rate: float = 0.0
+    """Fraction of SFT demonstrations of the arithmetic task whose result is off by 1 or 2
+    (noisy demonstrations, as real SFT data has; the RL reward always checks the true
+    result, so RL has something to fix)."""
+
+    document_multiple: int = 0
+    """Pad every packed SFT document to a multiple of this many tokens (pad tokens continue
+    its positions and are never targets, so the losses of its real tokens are unchanged).
+    0 = automatic: 2 x parallelism.context_parallel_degree under pipeline x context
+    parallelism (each CP rank's share of a microbatch then has the static length
+    microbatch rows x seq_len / cp the pipeline stages are built with), else 1."""
+
+
+@dataclass(kw_only=True)
+class DraftConfig:
+    enable: bool = False
+    """Build the EAGLE-3 draft and train it from the policy's training forward."""
+
+    offline: bool = False
+    """Offline draft training: the target is frozen and only the draft trains on its taps and
+    logits (the usual warm start of a draft before RL)."""
+
+    tap_layer_ids: list[int] = field(default_factory=list)
+    """Target layers whose outputs feed the draft (three distinct ids); empty = (1, L//2-1, L-4)."""
+
+    draft_vocab_size: int = 0
+    """Draft vocabulary: the most frequent target tokens of the training data; 0 = the whole target vocab."""
+
+    vocab_count_batches: int = 16
+    """Batches of training data counted to pick the draft vocabulary."""
+
+    ttt_steps: int = 7
+    """Training-time-test unroll length T."""
+
+    loss_decay: float = 0.8
+    """Weight of TTT step j is loss_decay**j."""
+
+    loss_weight: float = 1.0
+    """lambda in total = policy loss + lambda * draft loss."""
+
+    lr: float = 3e-3
+    """Learning rate of the draft's own AdamW (warmup and decay follow [lr_scheduler])."""
+
+    max_norm: float = 1.0
+    """Gradient clipping of the draft, separate from the policy's."""
+
+    init_from: str = ""
+    """A SpecForge/SGLang draft directory to start from (checked against the target)."""
+
+    export_dir: str = "draft"
+    """Where the SGLang-loadable draft is written at the end, relative to job.dump_folder ('' = no export)."""
+
+    co_train: bool = True
+    """In RL: train the draft from every step's policy forward and push it to the rollout
+    engine (off = the frozen-draft baseline: the draft serves rollouts unchanged)."""
+
+
+@dataclass(kw_only=True)
+class SpeculativeConfig:
+    enabled: bool = True
+    """Speculative decoding in rollouts (off = plain decoding, the no-spec baseline)."""
+
+    num_draft_tokens: int = 4
+    """K: draft tokens proposed (chain) and verified in one target forward per round."""
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    """[rollout.sglang]: the SGLang engine (GPU; sglang 0.5.23, extra [sglang]). The policy
+    comes from model.hf_checkpoint, the EAGLE-3 draft from draft.init_from, K from
+    [speculative]; see titan_spec/rollout/sglang/engine.py."""
+
+    mode: Literal["server", "engine"] = "server"
+    """'server': launch `python -m sglang.launch_server` and talk HTTP (restarted if it dies);
+    'engine': sglang.Engine in the trainer's process (a crash there kills the trainer)."""
+
+    host: str = "127.0.0.1"
+    """Server host."""
+
+    port: int = 0
+    """Server port; 0 = a free port."""
+
+    tp_size: int = 1
+    """Tensor parallel GPUs of the server. One server runs per trainer rank, on that rank's
+    GPU (docs/rollout_engine.md), so > 1 only in a single-process run."""
+
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Serving dtype; pushed weights are cast to it."""
+
+    mem_fraction_static: float = 0.7
+    """Fraction of GPU memory for weights and KV cache."""
+
+    eagle_topk: int = 1
+    """Draft branches per step (1 = a chain of speculative.num_draft_tokens tokens)."""
+
+    num_verify_tokens: int = 0
+    """Tokens verified per step (SGLang's speculative_num_draft_tokens); 0 = num_draft_tokens + 1."""
+
+    enable_draft_weights_cpu_backup: bool = True
+    """SGLang keeps a CPU copy of the draft across memory release/resume."""
+
+    enable_memory_saver: bool = False
+    """Allow release/resume of the server's GPU memory (colocated training)."""
+
+    start_timeout_s: float = 900.0
+    """Seconds the server may take to load and answer /health_generate."""
+
+    request_timeout_s: float = 1800.0
+    """A request unanswered this long counts as a hung server (restarted)."""
+
+    max_restarts: int = 2
+    """Restarts in a row before a rollout call fails."""
+
+    max_running_requests: int = 0
+    """Requests SGLang runs at once; 0 = one RL step's requests (rl.prompts_per_step x
+    rl.group_size). Always sent: unset, SGLang resets it to 48 under speculation."""
+
+    deterministic: bool = False
+    """Start SGLang with enable_deterministic_inference, so that SamplingParams.seed makes
+    rollouts reproducible (without it SGLang ignores sampling_seed and a warning says so).
+    SGLang 0.5.23 then forces batch-invariant ops and the pytorch sampler (slower decoding),
+    allows attention backend ascend, fa3, fa4, flashinfer, intel_xpu or triton only, and with
+    flashinfer the radix cache is disabled. Unseeded calls get a fresh random seed each."""
+
+    log_dir: str = ""
+    """Where the server's log goes ('' = the system temp dir)."""
+
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Further sglang ServerArgs fields, passed as is (e.g. {cuda_graph_max_bs_decode = 64}; SGLang's
+    field names, not its CLI aliases: --cuda-graph-max-bs is only a CLI alias of that field)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: Literal["torch", "sglang"] = "torch"
+    """Rollout engine."""
+
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """The SGLang engine's settings (used when engine = 'sglang')."""
+
+    max_batch_size: int = 0
+    """Requests the built-in engine decodes together (larger calls are split); 0 = all at once."""
+
+    compile: bool = False
+    """torch.compile the built-in engine's target and draft steps (minutes of compile on CPU)."""
+
+    progress: bool = True
+    """A progress bar with tokens/s and the running acceptance length during generation."""
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    enable: bool = False
+    """GRPO post-training: every step generates rollouts with the engine, scores them and
+    trains the policy (and, with the draft, the draft) on them (titan_spec/rl/trainer.py)."""
+
+    prompts_per_step: int = 16
+    """Prompts per step across all data-parallel ranks (split evenly over them)."""
+
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are relative to the prompt's group."""
+
+    max_new_tokens: int = 32
+    """Completion budget per rollout."""
+
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; the policy loss uses log-probs at this temperature."""
+
+    clip_low: float = 0.2
+    """PPO ratio clip below: ratio >= 1 - clip_low."""
+
+    clip_high: float = 0.2
+    """PPO ratio clip above: ratio <= 1 + clip_high."""
+
+    scale_advantages: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); off = centring only (Dr. GRPO)."""
+
+    kl_beta: float = 0.0
+    """Weight of the k3 KL to the initial policy (a frozen copy is kept when > 0)."""
+
+    baseline_interval: int = 10
+    """Every this many steps (and at the first), generate the step's prompts again with the
+    frozen initial draft and without speculation, for the co-trained/frozen/no-spec comparison;
+    0 = never."""
+
+    rollout_retries: int = 1
+    """A rollout that raises is retried this many times on a rebuilt engine, then the run stops."""
+
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts; every pass takes rl.minibatches optimizer steps, so
+    one RL step takes ppo_epochs x minibatches of them (importance ratios against the
+    behaviour log-probs correct for the policy moving in between)."""
+
+    minibatches: int = 1
+    """Optimizer steps per pass: each rank's completions of the step, in rollout order, are
+    split into this many equal shares (each packed into rows of training.seq_len and
+    normalized by its own global token count). An RL step's batch is decided here and by
+    prompts_per_step x group_size: training.local_batch_size and global_batch_size do not
+    shape it (global_batch_size must stay -1; local_batch_size only sizes the SFT batches
+    counted for a fresh draft's vocabulary)."""
+
+
+@dataclass(kw_only=True)
+class TitanSpecConfig:
+    """The whole config: one field per TOML section."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    """[job]: where the run writes, what it exports, which runs come first."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """[model]: the policy/target."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """[task]: the problems (generated arithmetic or a JSONL file)."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """[training]: torchtitan's, plus max_consecutive_skips."""
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """[parallelism]: torchtitan's (FSDP, pipeline and context parallel degrees)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """[optimizer]: the policy's optimizer."""
+    lr_scheduler: LRSchedulersContainer.Config = field(default_factory=LRSchedulersContainer.Config)
+    """[lr_scheduler]: torchtitan's (the draft's schedule follows it too)."""
+    checkpoint: CheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+    """[checkpoint]: torchtitan's (saved through titan_spec's verified checkpointer)."""
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    """[activation_checkpoint]: per-block activation checkpointing."""
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """[compile]: torchtitan's."""
+    metrics: MetricsProcessor.Config = field(default_factory=MetricsProcessor.Config)
+    """[metrics]: torchtitan's."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """[comm]: torchtitan's."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """[debug]: torchtitan's (debug.seed seeds the run)."""
+    profiler: Profiler.Config = field(default_factory=Profiler.Config)
+    """[profiler]: torchtitan's."""
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    """[draft]: the EAGLE-3 draft."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """[speculative]: speculative decoding in rollouts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """[rollout]: the rollout engine."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """[rl]: GRPO post-training."""
+
+    source: str = field(default="<defaults>", metadata={"internal": True})
+    """The TOML file the config was read from (not a TOML key)."""
+    origins: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    """Where each set key's value came from: dotted key -> the TOML path or 'command line'."""
+
+    @property
+    def mode(self) -> RunMode:
+        """The run's mode (config/mode.py), derived from the five keys that select it each time
+        it is read (so an edited config answers for its current keys); a ConfigError where
+        they contradict each other (a loaded config has passed that check)."""
+        return run_mode(rl=self.rl.enable, draft=self.draft.enable, offline=self.draft.offline,
+                        co_train=self.draft.co_train, speculative=self.speculative.enabled)

@@ -1,0 +1,245 @@
+"""The config's own checks: each section's ranges (``SECTION_CHECKS``), then the checks that
+span sections (``validate``: the run mode, parallel degrees against the world size, RL's
+batch split), and that the directories it names exist (``check_paths``).
+
+Every error is one ``ConfigError`` line naming the key and what is allowed; ``load_config``
+(loader.py) prefixes where the value came from. Checks that need another part of
+titan_spec (the task file's contents, the SGLang engine's inputs, architectures) live next
+to what they check, and ``titan_spec.train.validate_run`` runs them: this package imports
+no titan_spec module outside itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from titan_spec.config.errors import ConfigError
+from titan_spec.config.schema import (
+    DraftConfig, JobConfig, OptimizerConfig, RLConfig, RolloutConfig, SGLangConfig, SpeculativeConfig, TaskConfig,
+    TitanSpecConfig,
+)
+
+__all__ = ["check", "validate", "check_paths", "document_multiple", "SECTION_CHECKS"]
+
+
+def check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """The range check: ``KEY = VALUE is not allowed; it must be ALLOWED`` unless ok."""
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} is not allowed; it must be {allowed}", key=key)
+
+
+# ---------------------------------------------------------------------------
+# One section at a time
+# ---------------------------------------------------------------------------
+
+
+def _job(c: JobConfig) -> None:
+    # '' would put tb/, checkpoints and DONE into the current directory (the repository).
+    check(bool(c.dump_folder.strip()), "job.dump_folder", c.dump_folder, "a non-empty path")
+
+
+def _optimizer(c: OptimizerConfig) -> None:
+    check(c.lr > 0, "optimizer.lr", c.lr, "a positive number")
+    check(c.weight_decay >= 0, "optimizer.weight_decay", c.weight_decay, ">= 0")
+    check(0 <= c.beta1 < 1, "optimizer.beta1", c.beta1, "in [0, 1)")
+    check(0 <= c.beta2 < 1, "optimizer.beta2", c.beta2, "in [0, 1)")
+    check(c.eps > 0, "optimizer.eps", c.eps, "a positive number")
+
+
+def _task(c: TaskConfig) -> None:
+    check(c.document_multiple >= 0, "task.document_multiple", c.document_multiple, ">= 0")
+    check(c.max_operand >= 1, "task.max_operand", c.max_operand, ">= 1")
+    check(c.num_operands >= 2, "task.num_operands", c.num_operands, ">= 2")
+    check(
+        bool(c.operators) and set(c.operators) <= set("+-*"),
+        "task.operators", c.operators, "a non-empty subset of '+-*'",
+    )
+    check(0 <= c.wrong_answer_rate < 1, "task.wrong_answer_rate", c.wrong_answer_rate, "in [0, 1)")
+    if c.name == "jsonl" and not c.path.strip():
+        raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file", key="task.path")
+
+
+def _draft(c: DraftConfig) -> None:
+    check(c.ttt_steps >= 1, "draft.ttt_steps", c.ttt_steps, ">= 1")
+    check(0 < c.loss_decay <= 1, "draft.loss_decay", c.loss_decay, "in (0, 1]")
+    check(c.loss_weight > 0, "draft.loss_weight", c.loss_weight, "> 0")
+    check(c.lr > 0, "draft.lr", c.lr, "a positive number")
+    check(c.max_norm > 0, "draft.max_norm", c.max_norm, "> 0")
+    check(c.draft_vocab_size >= 0, "draft.draft_vocab_size", c.draft_vocab_size, ">= 0 (0 = target vocab)")
+    check(c.vocab_count_batches >= 1, "draft.vocab_count_batches", c.vocab_count_batches, ">= 1")
+    if c.tap_layer_ids and (len(c.tap_layer_ids) != 3 or len(set(c.tap_layer_ids)) != 3):
+        raise ConfigError(f"draft.tap_layer_ids = {c.tap_layer_ids} must be three distinct layer ids")
+
+
+def _speculative(c: SpeculativeConfig) -> None:
+    check(c.num_draft_tokens >= 1, "speculative.num_draft_tokens", c.num_draft_tokens,
+          ">= 1 (turn speculation off with speculative.enabled = false)")
+
+
+def _sglang(c: SGLangConfig) -> None:
+    check(0 <= c.port < 65536, "rollout.sglang.port", c.port, "0 (free port) or a port number")
+    check(c.tp_size >= 1, "rollout.sglang.tp_size", c.tp_size, ">= 1")
+    check(0 < c.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static", c.mem_fraction_static, "in (0, 1)")
+    check(c.eagle_topk >= 1, "rollout.sglang.eagle_topk", c.eagle_topk, ">= 1")
+    check(c.num_verify_tokens >= 0, "rollout.sglang.num_verify_tokens", c.num_verify_tokens, ">= 0 (0 = num_draft_tokens + 1)")
+    check(c.start_timeout_s > 0, "rollout.sglang.start_timeout_s", c.start_timeout_s, "> 0")
+    check(c.request_timeout_s > 0, "rollout.sglang.request_timeout_s", c.request_timeout_s, "> 0")
+    check(c.max_restarts >= 0, "rollout.sglang.max_restarts", c.max_restarts, ">= 0")
+    check(c.max_running_requests >= 0, "rollout.sglang.max_running_requests", c.max_running_requests,
+          ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
+
+
+def _rollout(c: RolloutConfig) -> None:
+    check(c.max_batch_size >= 0, "rollout.max_batch_size", c.max_batch_size, ">= 0 (0 = no limit)")
+    _sglang(c.sglang)
+
+
+def _rl(c: RLConfig) -> None:
+    check(c.prompts_per_step >= 1, "rl.prompts_per_step", c.prompts_per_step, ">= 1")
+    check(c.group_size >= 2, "rl.group_size", c.group_size, ">= 2 (advantages compare a group)")
+    check(c.max_new_tokens >= 1, "rl.max_new_tokens", c.max_new_tokens, ">= 1")
+    check(c.temperature > 0, "rl.temperature", c.temperature, "> 0 (RL samples its rollouts)")
+    check(0 <= c.clip_low < 1, "rl.clip_low", c.clip_low, "in [0, 1)")
+    check(c.clip_high >= 0, "rl.clip_high", c.clip_high, ">= 0")
+    check(c.kl_beta >= 0, "rl.kl_beta", c.kl_beta, ">= 0")
+    check(c.baseline_interval >= 0, "rl.baseline_interval", c.baseline_interval, ">= 0 (0 = never)")
+    check(c.rollout_retries >= 0, "rl.rollout_retries", c.rollout_retries, ">= 0")
+    check(c.ppo_epochs >= 1, "rl.ppo_epochs", c.ppo_epochs, ">= 1")
+    check(c.minibatches >= 1, "rl.minibatches", c.minibatches, ">= 1")
+
+
+SECTION_CHECKS: dict[type, Callable[[Any], None]] = {
+    JobConfig: _job, OptimizerConfig: _optimizer, TaskConfig: _task, DraftConfig: _draft,
+    SpeculativeConfig: _speculative, RolloutConfig: _rollout, RLConfig: _rl,
+}
+"""Each titan_spec section's own checks (torchtitan's sections have none here); ``validate``
+runs them in the order of TitanSpecConfig's fields."""
+
+
+# ---------------------------------------------------------------------------
+# Across sections
+# ---------------------------------------------------------------------------
+
+
+def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
+    """Every section's checks, then the checks that span sections. world_size None: read
+    WORLD_SIZE (default 1)."""
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if type(section) in SECTION_CHECKS:
+            SECTION_CHECKS[type(section)](section)
+    t, p = cfg.training, cfg.parallelism
+    check(t.steps >= 1, "training.steps", t.steps, ">= 1")
+    check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
+    check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, ">= 1")
+    check(t.max_norm > 0, "training.max_norm", t.max_norm, "> 0")
+    check(t.max_consecutive_skips >= 1, "training.max_consecutive_skips", t.max_consecutive_skips, ">= 1")
+    check(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, ">= 1")
+    check(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, ">= 1")
+    if cfg.checkpoint.enable:
+        check(bool(cfg.checkpoint.folder.strip()), "checkpoint.folder", cfg.checkpoint.folder,
+              "a non-empty path (relative to job.dump_folder)")
+    for name in (
+        "data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+        "context_parallel_degree", "expert_parallel_degree",
+    ):
+        check(getattr(p, name) >= 1, f"parallelism.{name}", getattr(p, name), ">= 1")
+    shard = p.data_parallel_shard_degree
+    check(shard == -1 or shard >= 1, "parallelism.data_parallel_shard_degree", shard, "-1 (fill) or >= 1")
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    others = (
+        p.data_parallel_replicate_degree * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree * p.context_parallel_degree
+    )
+    if shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"parallel degrees do not fit the world size: replicate*tp*pp*cp = {others} does not "
+                f"divide the {world_size} processes (set NGPU, or the degrees, so they multiply to it)"
+            )
+    elif others * shard != world_size:
+        raise ConfigError(
+            f"parallel degrees do not multiply to the world size: dp_replicate {p.data_parallel_replicate_degree}"
+            f" x dp_shard {shard} x tp {p.tensor_parallel_degree} x pp {p.pipeline_parallel_degree}"
+            f" x cp {p.context_parallel_degree} = {others * shard}, but {world_size} processes run"
+            " (set NGPU, or the degrees, so they multiply to it)"
+        )
+    cp = p.context_parallel_degree
+    if cp > 1:
+        # Every document is padded to a multiple of 2*cp; a budget that is one keeps
+        # padded positions inside the row (and the rotary table).
+        check(t.seq_len % (2 * cp) == 0, "training.seq_len", t.seq_len,
+              f"a multiple of 2 * parallelism.context_parallel_degree = {2 * cp} (zigzag split)")
+        if p.pipeline_parallel_degree > 1 and document_multiple(cfg) % (2 * cp):
+            raise ConfigError(
+                f"task.document_multiple = {cfg.task.document_multiple} under pipeline x context parallelism "
+                f"must be a multiple of 2 * context_parallel_degree = {2 * cp} (or 0 = automatic), so every "
+                "CP shard of a microbatch has the pipeline's static length"
+            )
+        # rl.enable alone makes the mode train 'rl' (mode.py); read as the key here because the
+        # mode's contradictions are checked last, in the order the checks always ran.
+        if cfg.rl.enable:
+            raise ConfigError("parallelism.context_parallel_degree > 1 with rl.enable = true is not "
+                              "supported yet (the RL loop does not shard its batches); use cp = 1")
+    m = document_multiple(cfg)
+    check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
+    for name in ("tensor_parallel_degree", "expert_parallel_degree"):
+        if getattr(p, name) > 1:
+            raise ConfigError(
+                f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
+                "parallel (FSDP), pipeline parallel and context parallel now"
+            )
+    # The run mode (mode.py): its contradictions, then what RL needs of the rest.
+    if cfg.mode.trains == "rl":
+        _validate_rl(cfg, world_size)
+
+
+def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
+    if cfg.rollout.engine == "sglang" and world_size > 1 and cfg.rollout.sglang.tp_size > 1:
+        raise ConfigError(
+            f"rollout.sglang.tp_size = {cfg.rollout.sglang.tp_size} with {world_size} trainer processes: "
+            "one SGLang server runs per rank on that rank's GPU, so tp_size must be 1 (docs/rollout_engine.md)"
+        )
+    dp = world_size // max(cfg.parallelism.context_parallel_degree * cfg.parallelism.pipeline_parallel_degree, 1)
+    if cfg.rl.prompts_per_step % max(dp, 1):
+        raise ConfigError(
+            f"rl.prompts_per_step = {cfg.rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"
+        )
+    rl = cfg.rl
+    local = rl.prompts_per_step // max(dp, 1) * rl.group_size
+    if local % rl.minibatches:
+        raise ConfigError(
+            f"rl.minibatches = {rl.minibatches} must divide each rank's {local} completions of a step "
+            f"(rl.prompts_per_step {rl.prompts_per_step} / {dp} data-parallel ranks x rl.group_size {rl.group_size})"
+        )
+    if cfg.training.global_batch_size != -1:
+        raise ConfigError(
+            f"training.global_batch_size = {cfg.training.global_batch_size} with rl.enable = true: an RL step's "
+            "batch is rl.prompts_per_step x rl.group_size completions, split into rl.minibatches optimizer "
+            "steps; leave training.global_batch_size at -1"
+        )
+
+
+def document_multiple(cfg: TitanSpecConfig) -> int:
+    """task.document_multiple resolved (0 = automatic, see its docstring)."""
+    if cfg.task.document_multiple:
+        return cfg.task.document_multiple
+    p = cfg.parallelism
+    both = p.pipeline_parallel_degree > 1 and p.context_parallel_degree > 1
+    return 2 * p.context_parallel_degree if both else 1
+
+
+def check_paths(cfg: TitanSpecConfig, made: typing.Container[str] = ()) -> None:
+    """The directories the config names exist. ``made``: absolute paths of directories that
+    an earlier run of the job.requires chain writes (``titan_spec.train.plan_runs`` checks
+    what they will hold against this run instead). What is inside them, and the task file,
+    are checked by ``titan_spec.train.check_inputs``."""
+    for key in ("model.hf_checkpoint", "draft.init_from"):
+        d = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        if d and os.path.abspath(d) not in made and not os.path.isdir(d):
+            raise ConfigError(f"{key} {d!r} is not a directory", key=key)
