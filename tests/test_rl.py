@@ -230,6 +230,11 @@ def test_jsonl_task_reports_malformed_lines_and_rejects_or_skips(tmp_path):
         (["--draft.enable", "true", "--rl.prompts_per_step", "3"], "multiple of the 2 data-parallel ranks"),
         (["--draft.enable", "true", "--rl.group_size", "1"], "rl.group_size"),
         (["--draft.enable", "true", "--rl.temperature", "0"], "rl.temperature"),
+        (["--draft.enable", "true", "--rl.prompts_per_step", "6", "--rl.group_size", "3", "--rl.minibatches", "2"],
+         "rl.minibatches = 2 must divide each rank's 9 completions of a step"),
+        (["--draft.enable", "true", "--rl.ppo_epochs", "0"], "rl.ppo_epochs"),
+        (["--draft.enable", "true", "--training.global_batch_size", "16"],
+         "training.global_batch_size = 16 with rl.enable = true"),
     ],
 )
 def test_rl_config_errors(args, needle):
