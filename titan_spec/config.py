@@ -41,6 +41,8 @@ from torchtitan.config import TrainingConfig as _TorchtitanTrainingConfig
 from torchtitan.tools.logging import logger as tt_logger
 from torchtitan.tools.profiler import Profiler
 
+from titan_spec.draft_kinds import DRAFT_KINDS, tap_ids_problem
+
 __all__ = ["ConfigError", "TitanSpecConfig", "load_config", "parse_overrides"]
 
 
@@ -201,6 +203,11 @@ class DraftConfig:
     enable: bool = False
     """Build the EAGLE-3 draft and train it from the policy's training forward."""
 
+    kind: str = "eagle3"
+    """The draft's kind (titan_spec/models/draft/, docs/draft_kinds.md): its model, loss, taps
+    and directory format. "eagle3": SpecForge/SGLang's EAGLE-3 draft (one decoder layer over
+    three target taps, trained with training-time test)."""
+
     offline: bool = False
     """Offline draft training: the target is frozen and only the draft trains on its taps and
     logits (the usual warm start of a draft before RL)."""
@@ -247,8 +254,10 @@ class DraftConfig:
         _check(self.max_norm > 0, "draft.max_norm", self.max_norm, "> 0")
         _check(self.draft_vocab_size >= 0, "draft.draft_vocab_size", self.draft_vocab_size, ">= 0 (0 = target vocab)")
         _check(self.vocab_count_batches >= 1, "draft.vocab_count_batches", self.vocab_count_batches, ">= 1")
-        if self.tap_layer_ids and (len(self.tap_layer_ids) != 3 or len(set(self.tap_layer_ids)) != 3):
-            raise ConfigError(f"draft.tap_layer_ids = {self.tap_layer_ids} must be three distinct layer ids")
+        _check(self.kind in DRAFT_KINDS, "draft.kind", self.kind, f"one of {', '.join(map(repr, DRAFT_KINDS))}")
+        why = self.tap_layer_ids and tap_ids_problem(self.tap_layer_ids, count=DRAFT_KINDS[self.kind])
+        if why:
+            raise ConfigError(why)
 
 
 @dataclass(kw_only=True)

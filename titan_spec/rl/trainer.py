@@ -33,7 +33,7 @@ from torchtitan.tools.logging import logger
 
 from titan_spec.draft_training import DraftTraining, initial_draft
 from titan_spec.models.registry import build_target_config
-from titan_spec.models.draft.eagle3.ttt import TTTResult
+from titan_spec.models.draft import DraftLossResult
 from titan_spec.rl.grpo import PolicyLossOutput, group_advantages, ppo_clip_loss
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.rollout.base import SamplingParams
@@ -61,7 +61,7 @@ class CoTrainingLoss:
     total: torch.Tensor
     """policy loss + lambda * draft loss: the one tensor that is backpropagated."""
     policy: PolicyLossOutput
-    draft: TTTResult | None
+    draft: DraftLossResult | None
 
 
 def co_training_loss(
