@@ -46,6 +46,7 @@ def test_unknown_draft_kind_is_one_line_listing_the_allowed_kinds():
 
 def test_registry_and_config_name_the_same_kinds():
     assert set(KINDS) == set(DRAFT_KINDS)
+    assert all(KINDS[name].name == name for name in DRAFT_KINDS)
 
 
 # --- a second kind, driven by the trainer's DraftTraining ---------------------------------

@@ -1,14 +1,18 @@
 """The draft kinds: ``draft_kind(cfg.draft.kind)`` is the models/draft/base.DraftKind that the
 trainer, the parallelisms and the engines go through (docs/draft_kinds.md: adding one).
 
-``KINDS`` holds one instance per kind; titan_spec.draft_kinds.DRAFT_KINDS (what config.py
-allows, with each kind's tap count) names the same kinds (a test checks both ways).
+``KINDS`` holds one instance per kind: for every name in titan_spec.draft_kinds.DRAFT_KINDS
+(what config.py allows, with each kind's tap count) the ``KIND`` of its folder's kind.py,
+``titan_spec/models/draft/<name>/kind.py``. So a new kind is its folder plus its DRAFT_KINDS
+entry, and the registry and the config cannot disagree.
 """
 
 from __future__ import annotations
 
+import importlib
+
+from titan_spec.draft_kinds import DRAFT_KINDS
 from titan_spec.models.draft.base import DraftKind, DraftLossResult
-from titan_spec.models.draft.eagle3.kind import Eagle3Kind
 
 __all__ = ["KINDS", "DraftKind", "DraftLossResult", "draft_kind", "kind_of", "register_kind"]
 
@@ -37,4 +41,5 @@ def kind_of(arch) -> DraftKind:
     return draft_kind(arch.kind)
 
 
-register_kind(Eagle3Kind())
+for _name in DRAFT_KINDS:  # eagle3: titan_spec.models.draft.eagle3.kind
+    register_kind(importlib.import_module(f"{__name__}.{_name}.kind").KIND)

@@ -3,20 +3,23 @@
 Shape legend: B = batch rows, L = row length, T = B*L packed tokens, V = target vocab,
 S = training steps of the draft's loss (EAGLE-3: TTT steps).
 
-A draft kind (``draft.kind``, registered in models/draft/__init__.py) is one ``DraftKind``.
+A draft kind (``draft.kind``, registered in models/draft/__init__.py; adding one:
+docs/draft_kinds.md) is one ``DraftKind``.
 Who uses what (read from the callers):
 
-    train.py draft_arch_for     read_arch, arch_from_target (its checks), mismatches, check_weights
+    train.py draft_arch_for     default_tap_layer_ids, read_arch, arch_from_target (its checks),
+                                mismatches, check_weights
     draft_training.py           initial (build + init), normalizer_counts, loss, build + save (export),
                                 load_into (draft.init_from)
     pipeline.py PipelineLoss    DraftTraining.loss only (taps from the TapChannel, the microbatch's
                                 positions / labels / attention metadata, the step's normalizer)
-    cp_batch / CP               nothing: the loss takes a CPMetadata as its attention metadata and
+    context parallelism         nothing: the loss takes a CPMetadata as its attention metadata and
                                 gathers whatever rows it reads across shards itself
     rollout/builtin/engine.py   read_arch + build + load_into (from_pretrained), arch.tap_layer_ids,
                                 arch.misfits, the cached proposer (rollout/builtin/kv_cache.PROPOSERS),
                                 model.draft_to_target_ids / d2t (speculative acceptance)
     rl/rollouts.py              arch.tap_layer_ids (which taps the engine's target computes)
+    tap ids, everywhere         titan_spec.draft_kinds.tap_ids_problem with the kind's tap count
 
 The arch a kind returns is a frozen dataclass with at least ``tap_layer_ids`` (the target
 layers the draft reads, in the order it reads them), ``vocab_size`` and ``draft_vocab_size``,
