@@ -22,7 +22,7 @@ from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_v
 from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
 from titan_spec.models.target import default_tap_layer_ids
 
-__all__ = ["Eagle3Kind"]
+__all__ = ["KIND", "Eagle3Kind"]
 
 
 def _is_cp_shard(meta) -> bool:
@@ -105,3 +105,7 @@ class Eagle3Kind(DraftKind):
 
     def load_into(self, model: Eagle3Draft, path: str) -> None:
         load_draft_into(model, path)
+
+
+KIND = Eagle3Kind()
+"""What models/draft/__init__.py registers under "eagle3"."""
