@@ -250,3 +250,22 @@ def test_models_draft_imports_form_no_cycle_and_none_is_function_local():
         visit(n)
     assert "titan_spec.models.draft.eagle3.ttt" in graph["titan_spec.models.draft.eagle3.model"]
 
+
+
+def test_builtin_engine_names_a_draft_kind_it_cannot_serve():
+    from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
+    from titan_spec.rollout.builtin.engine import TorchRolloutEngine
+
+    arch = with_vocab(flavor_arch("qwen3", "tiny"), 40)
+    target = build_target_config(arch, max_seq_len=64).build()
+    target.init_weights(buffer_device=None)
+
+    class Arch(_FakeArch):
+        def misfits(self, target_vocab, target_dim):
+            return []
+
+    draft = _FakeDraft(Arch(dim=arch.dim, vocab_size=40, draft_vocab_size=40))
+    draft.register_buffer("d2t", torch.zeros(40, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"no cached proposer for draft kind 'fake' \(it has 'eagle3'") as e:
+        TorchRolloutEngine(target, draft)
+    assert "\n" not in str(e.value)

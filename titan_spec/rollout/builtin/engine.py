@@ -157,6 +157,9 @@ class TorchRolloutEngine:
         if draft is not None:
             self._check_draft_fits(draft)
             self.draft = draft.to(self.device).eval()
+            if draft.arch.kind not in PROPOSERS:
+                raise ValueError(f"the built-in engine has no cached proposer for draft kind {draft.arch.kind!r} "
+                                 f"(it has {', '.join(map(repr, PROPOSERS))}; rollout/builtin/kv_cache.PROPOSERS)")
             self._draft = PROPOSERS[draft.arch.kind](self.draft, self._target.embed)
         self.policy_version = 0
         self.draft_version = 0
