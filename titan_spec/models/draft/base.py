@@ -31,14 +31,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn as nn
 
 from titan_spec.config import DraftConfig
 
-__all__ = ["DraftKind", "DraftLossResult"]
+__all__ = ["CachedProposer", "DraftKind", "DraftLossResult"]
 
 
 @dataclass
@@ -56,6 +56,28 @@ class DraftLossResult:
 
     def accuracy(self) -> list[float]:
         return (self.correct_S / self.count_S.clamp(min=1)).tolist()
+
+
+class CachedProposer(Protocol):
+    """What the built-in engine (rollout/builtin/engine.py ``_propose``) drives to draft K tokens
+    per round; built as ``PROPOSERS[arch.kind](draft, embed)`` (rollout/builtin/kv_cache.py,
+    where the KV cache lives). EAGLE-3's is kv_cache.CachedDraft."""
+
+    cache: Any
+    """The batch's KV cache (``keep(rows_B)`` drops finished rows; None between batches)."""
+
+    def new_cache(self, batch: int, slots: int) -> None: ...
+
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """The draft's current (fused) weights for one batch."""
+
+    def extend(self, taps_BLCD, tokens_BL, start_B, n_B, n_slots=None, weights=None):
+        """The newly committed positions -> (hidden_BH, logits_BVd) of each row's last one."""
+
+    def step(self, h_BH, tokens_B, pos_B, n_slots=None, weights=None):
+        """One chain step -> (hidden_BH, logits_BVd)."""
+
+    def compile(self, backend: str = "inductor") -> None: ...
 
 
 class DraftKind(ABC):

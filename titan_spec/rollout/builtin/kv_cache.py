@@ -339,8 +339,6 @@ class CachedDraft:
 
 
 PROPOSERS: dict[str, type] = {"eagle3": CachedDraft}
-"""Draft kind (the arch's ``kind``, models/draft/) -> the cached proposer the engine drives:
-``Proposer(draft, embed)`` with ``new_cache(batch, slots)``, ``weights()``, ``extend(taps_BLCD,
-tokens_BL, start_B, n_B, n_slots, weights)`` and ``step(h_BH, tokens_B, pos_B, n_slots, weights)``
-(both -> (hidden, logits over the draft vocab)), ``compile(backend)`` and a ``cache`` with
-``keep(rows_B)``. The KV cache is the rollout floor's, so the table lives here, not in models/."""
+"""Draft kind (the arch's ``kind``, models/draft/) -> the cached proposer the engine drives,
+``Proposer(draft, embed)``: a models/draft/base.CachedProposer. The KV cache is the rollout
+floor's, so the table lives here, not in models/."""
