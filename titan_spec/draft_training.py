@@ -2,7 +2,8 @@
 
 SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
 
-    loss(taps, logits, ...)   TTT loss from the policy forward's detached taps and logits,
+    loss(taps, logits, ...)   the draft kind's loss (EAGLE-3: TTT) from the policy forward's
+                              detached taps and logits,
                               normalized by normalizer(): the trainable rows of the whole
                               step (all microbatches, all data-parallel ranks)
     step(k)                   the draft's own clipping, finiteness guard (titan_spec/finite.py:
@@ -35,29 +36,21 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from titan_spec import platform
 from titan_spec.config import DraftConfig
 from titan_spec.finite import StepGuard, fault, inject_nan_grad
-from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_vocab_mapping
-from titan_spec.models.draft.eagle3.io import load_draft_into, save_draft
+from titan_spec.models.draft import DraftLossResult, draft_kind
 from titan_spec.models.target import Taps
-from titan_spec.models.draft.eagle3.ttt import TTTResult, ttt_shifts, ttt_targets
-from titan_spec.parallelisms.context_parallel import CPMetadata
-from titan_spec.parallelisms.cp_batch import TTTHalo
 
 __all__ = ["DraftTraining", "initial_draft", "under_dump_folder"]
 
 
-def initial_draft(cfg: DraftConfig, arch: DraftArch, token_counts_V: torch.Tensor | None, seed: int) -> Eagle3Draft:
-    """The draft before training, unsharded: ``draft.init_from``, else a seeded random init
-    with the vocabulary mapping of the most frequent target tokens. Deterministic, so a
-    resumed run rebuilds the same starting draft (the RL frozen-draft baseline uses it)."""
-    with torch.random.fork_rng(devices=[]):
-        # Same init on every rank, independent of the policy's RNG stream.
-        torch.manual_seed(seed + 1)
-        draft = Eagle3Draft(arch)
-        draft.reset_parameters()
-    if token_counts_V is not None and arch.draft_vocab_size < arch.vocab_size:
-        draft.set_vocab_mapping(*build_vocab_mapping(token_counts_V, arch.draft_vocab_size))
+def initial_draft(cfg: DraftConfig, arch, token_counts_V: torch.Tensor | None, seed: int) -> torch.nn.Module:
+    """The draft (of kind ``cfg.kind``) before training, unsharded: ``draft.init_from``, else a
+    seeded random init (EAGLE-3: with the vocabulary mapping of the most frequent target
+    tokens). Deterministic, so a resumed run rebuilds the same starting draft (the RL
+    frozen-draft baseline uses it)."""
+    kind = draft_kind(cfg.kind)
+    draft = kind.initial(arch, token_counts_V, seed)
     if cfg.init_from:
-        load_draft_into(draft, cfg.init_from)
+        kind.load_into(draft, cfg.init_from)
     return draft
 
 
@@ -65,7 +58,7 @@ class DraftTraining(Stateful):
     def __init__(
         self,
         cfg: DraftConfig,
-        arch: DraftArch,
+        arch,
         *,
         device: torch.device,
         dp_mesh,
@@ -76,6 +69,7 @@ class DraftTraining(Stateful):
         max_consecutive_skips: int = 3,
     ):
         self.cfg = cfg
+        self.kind = draft_kind(cfg.kind)
         draft = initial_draft(cfg, arch, token_counts_V, seed)
         draft.to(device)
         self.dp_mesh = dp_mesh
@@ -96,14 +90,15 @@ class DraftTraining(Stateful):
     # --- per step ----------------------------------------------------------------------
 
     def normalizer(self, positions_BL: list[torch.Tensor], labels_BL: list[torch.Tensor], metas: list) -> torch.Tensor:
-        """count_S: rows each TTT step can train on, summed over the given microbatches and
+        """count_S: rows each loss step can train on, summed over the given microbatches and
         the data-parallel ranks. Like torchtitan's global_valid_tokens it is fixed before the
         forward (positions and labels only, not the target's argmax), so splitting a batch
         into pipeline microbatches leaves the loss and its gradients unchanged. Under context
-        parallelism (a microbatch's meta is a CPMetadata) the rank's shard is counted with its
-        cross-shard rows (TTTHalo) and the sum runs over dp x cp."""
+        parallelism (a microbatch's meta is a CPMetadata) the draft kind counts the rank's
+        shard with the rows it reads from other shards, and the sum runs over dp x cp."""
         return self._global_count(sum(
-            _count_S(self._shifts(p, l, meta)) for p, l, meta in zip(positions_BL, labels_BL, metas, strict=True)
+            self.kind.normalizer_counts(p, l, meta, self.cfg)
+            for p, l, meta in zip(positions_BL, labels_BL, metas, strict=True)
         ))
 
     def _global_count(self, count_S: torch.Tensor) -> torch.Tensor:
@@ -111,35 +106,11 @@ class DraftTraining(Stateful):
             dist.all_reduce(count_S, group=self.dp_mesh.get_group())
         return count_S
 
-    def _shifts(self, positions_BL, labels_BL, meta):
-        if isinstance(meta, CPMetadata):
-            halo = TTTHalo(meta, self.cfg.ttt_steps, labels_BL.device)
-            return halo.shifts(halo.extend(labels_BL.reshape(-1)))
-        return ttt_shifts(positions_BL.reshape(-1), labels_BL.reshape(-1), self.cfg.ttt_steps)
-
-    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta, count_S=None) -> TTTResult:
-        """The TTT loss of one (micro)batch, normalized by ``count_S`` (default: this batch's
-        ``normalizer``)."""
-        draft = self.draft
-        T = positions_BL.numel()
-        logits_TV = logits_BLV.detach().reshape(T, -1)
-        positions_T, labels_T = positions_BL.reshape(T), labels_BL.reshape(T)
-        embeds_TH = taps.embeds_BLD.detach().reshape(T, -1)
-        shifts = None
-        if isinstance(meta, CPMetadata):
-            # Rows t+1+j may live on another CP rank: index [local; halo] rows instead.
-            halo = TTTHalo(meta, self.cfg.ttt_steps, logits_TV.device)
-            logits_TV, labels_T, embeds_TH = (halo.extend(x) for x in (logits_TV, labels_T, embeds_TH))
-            shifts = halo.shifts(labels_T)
-        targets = ttt_targets(draft, positions_T, labels_T, logits_TV, self.cfg.ttt_steps, shifts)
-        if count_S is None:  # this batch alone (the shifts of the CP halo are already built)
-            count_S = self._global_count(_count_S(
-                shifts if shifts is not None else ttt_shifts(positions_T, labels_T, self.cfg.ttt_steps)
-            ))
-        hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
-        result = draft(
-            hidden, embeds_TH, positions_T, meta, targets,
-            self.cfg.loss_decay, count_S,
+    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta, count_S=None) -> DraftLossResult:
+        """The draft kind's loss of one (micro)batch, normalized by ``count_S`` (default: this
+        batch's ``normalizer``); ``meta`` may be a CPMetadata (the kind handles the shards)."""
+        result = self.kind.loss(
+            self.draft, logits_BLV, taps, positions_BL, labels_BL, meta, self.cfg, count_S, self._global_count
         )
         self._accumulate(result)
         loss = result.loss.detach()
@@ -175,13 +146,13 @@ class DraftTraining(Stateful):
 
     # --- metrics -----------------------------------------------------------------------
 
-    def _accumulate(self, r: TTTResult) -> None:
+    def _accumulate(self, r: DraftLossResult) -> None:
         for name, value in (("loss_sum", r.loss_sum_S), ("count", r.count_S), ("correct", r.correct_S)):
             v = value.detach().to(torch.float64)
             self._acc[name] = self._acc[name] + v if name in self._acc else v
 
     def metrics(self) -> dict[str, float]:
-        """Mean draft loss, accuracy and scored positions per TTT step since the last call (all ranks)."""
+        """Mean draft loss, accuracy and scored positions per loss (TTT) step since the last call (all ranks)."""
         if not self._acc:
             return {}
         stacked = torch.stack([self._acc["loss_sum"], self._acc["count"], self._acc["correct"]])
@@ -222,7 +193,7 @@ class DraftTraining(Stateful):
         return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True))
 
     def export(self, path: str) -> None:
-        """Write the SGLang-loadable draft directory (collective under FSDP; one rank writes)."""
+        """Write the draft directory (EAGLE-3: SGLang-loadable; collective under FSDP; one rank writes)."""
         # Gathered on every rank (cpu_offload would keep it on global rank 0 only, which
         # under PP holds no draft); the draft is small.
         full = {k: v.cpu() for k, v in self.full_state_dict().items()}
@@ -230,13 +201,9 @@ class DraftTraining(Stateful):
         # on the last stage, not on global rank 0).
         if self.dp_mesh is not None and self.dp_mesh.get_local_rank() != 0:
             return
-        copy = Eagle3Draft(self.draft.arch)
+        copy = self.kind.build(self.draft.arch)
         copy.load_state_dict(full)
-        save_draft(copy, path)
-
-
-def _count_S(shifts) -> torch.Tensor:
-    return torch.stack([valid.sum() for _, valid in shifts])
+        self.kind.save(copy, path)
 
 
 def under_dump_folder(dump_folder: str, export_dir: str) -> str:

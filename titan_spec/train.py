@@ -35,11 +35,10 @@ from titan_spec.data.tasks import check_task_file
 from titan_spec.data.tokenizer import CharTokenizer
 from titan_spec.draft_training import under_dump_folder
 from titan_spec.finite import NonFiniteStop
-from titan_spec.models.draft.eagle3.io import check_draft_weights, draft_mismatches, read_draft_arch
-from titan_spec.models.draft.eagle3.model import DraftArch
+from titan_spec.config.draft_kinds import tap_ids_problem
+from titan_spec.models.draft import DraftKind, draft_kind
 from titan_spec.models.hf_io import check_hf_weights, read_hf_arch
 from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, with_vocab
-from titan_spec.models.target import default_tap_layer_ids, validate_tap_layer_ids
 from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_spec
 from titan_spec.rl.trainer import RLTrainer
@@ -63,7 +62,7 @@ class Made:
     hf: Any = None
     """Arch of the policy it exports there (job.export_hf), or None."""
     draft: Any = None
-    """DraftArch of the draft it exports there (draft.export_dir), or None."""
+    """Arch of the draft it exports there (draft.export_dir; its draft kind's arch), or None."""
 
 
 def _made(made: dict[str, Made] | None, path: str) -> Made | None:
@@ -102,19 +101,21 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
     return with_vocab(arch, vocab_size) if cfg.model.vocab_from_tokenizer else arch
 
 
-def tap_ids_for(cfg: TitanSpecConfig, n_layers: int) -> tuple[int, ...]:
-    ids = tuple(cfg.draft.tap_layer_ids) or default_tap_layer_ids(n_layers)
-    try:
-        validate_tap_layer_ids(ids, n_layers)
-    except ValueError as e:
-        raise ConfigError(f"draft.tap_layer_ids: {e}") from None
+def tap_ids_for(cfg: TitanSpecConfig, n_layers: int, kind: DraftKind | None = None) -> tuple[int, ...]:
+    """The configured tap ids, else the draft kind's default for an n_layers target, checked."""
+    kind = kind or draft_kind(cfg.draft.kind)
+    ids = tuple(cfg.draft.tap_layer_ids) or kind.default_tap_layer_ids(n_layers)
+    why = tap_ids_problem(ids, n_layers)
+    if why:
+        raise ConfigError(f"draft.tap_layer_ids: {why}")
     return ids
 
 
-def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = None) -> DraftArch:
-    """The draft for this target; a ``draft.init_from`` directory supplies the draft vocabulary
-    size and tap ids that the config leaves unset (0 / empty), and must fit the result
-    (dimensions, vocabularies, tap ids, its safetensors' names and shapes)."""
+def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = None):
+    """The draft (of kind ``draft.kind``) for this target; a ``draft.init_from`` directory
+    supplies the draft vocabulary size and tap ids that the config leaves unset (0 / empty),
+    and must fit the result (dimensions, vocabularies, tap ids, its safetensors' names and shapes)."""
+    kind = draft_kind(cfg.draft.kind)
     vocab, taps = cfg.draft.draft_vocab_size, tuple(cfg.draft.tap_layer_ids)
     path, promise, found = cfg.draft.init_from, _made(made, cfg.draft.init_from), None
     if promise is not None:
@@ -124,29 +125,27 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
         found = promise.draft
     elif path and os.path.isdir(path):
         try:
-            found = read_draft_arch(path)
+            found = kind.read_arch(path)
         except ValueError as e:
             raise ConfigError(f"draft.init_from: {e}", key="draft.init_from") from None
     if found is not None:
         vocab, taps = vocab or found.draft_vocab_size, taps or found.tap_layer_ids
-    if taps:
-        try:
-            validate_tap_layer_ids(taps, arch.n_layers)
-        except ValueError as e:
-            raise ConfigError(f"draft.tap_layer_ids: {e}", key="draft.tap_layer_ids") from None
-    d = DraftArch.from_target(arch, taps or tap_ids_for(cfg, arch.n_layers), vocab)
+    why = taps and tap_ids_problem(taps, arch.n_layers)
+    if why:
+        raise ConfigError(f"draft.tap_layer_ids: {why}", key="draft.tap_layer_ids")
+    taps = taps or tap_ids_for(cfg, arch.n_layers, kind)
     try:
-        d.validate()
+        d = kind.arch_from_target(arch, taps, vocab)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if found is not None:
-        bad = draft_mismatches(found, d)
+        bad = kind.mismatches(found, d)
         if bad:
             raise ConfigError(f"draft.init_from {path!r} does not fit the target and the [draft] config: "
                               f"{'; '.join(bad)}", key="draft.init_from")
         if promise is None:
             try:
-                check_draft_weights(path, d)
+                kind.check_weights(path, d)
             except ValueError as e:
                 raise ConfigError(f"draft.init_from: {e}", key="draft.init_from") from None
     return d

@@ -75,7 +75,7 @@ class SpecTrainer(Trainer):
         """The target's resolved architecture (titan_spec.models.registry.Arch)."""
 
         draft_arch: Any = None
-        """The draft's architecture (titan_spec.models.draft.eagle3.model.DraftArch), None without a draft."""
+        """The draft's architecture (its draft kind's arch, titan_spec.models.draft), None without a draft."""
 
         def to_dict(self) -> dict[str, Any]:
             # The parent logs and saves this; the nested titan_spec config is plain data.

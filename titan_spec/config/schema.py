@@ -147,6 +147,11 @@ class DraftConfig:
     enable: bool = False
     """Build the EAGLE-3 draft and train it from the policy's training forward."""
 
+    kind: str = "eagle3"
+    """The draft's kind (titan_spec/models/draft/, docs/draft_kinds.md): its model, loss, taps
+    and directory format. "eagle3": SpecForge/SGLang's EAGLE-3 draft (one decoder layer over
+    three target taps, trained with training-time test)."""
+
     offline: bool = False
     """Offline draft training: the target is frozen and only the draft trains on its taps and
     logits (the usual warm start of a draft before RL)."""

@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.config.errors import ConfigError
 from titan_spec.config.schema import (
     DraftConfig, JobConfig, OptimizerConfig, RLConfig, RolloutConfig, SGLangConfig, SpeculativeConfig, TaskConfig,
@@ -71,8 +72,10 @@ def _draft(c: DraftConfig) -> None:
     check(c.max_norm > 0, "draft.max_norm", c.max_norm, "> 0")
     check(c.draft_vocab_size >= 0, "draft.draft_vocab_size", c.draft_vocab_size, ">= 0 (0 = target vocab)")
     check(c.vocab_count_batches >= 1, "draft.vocab_count_batches", c.vocab_count_batches, ">= 1")
-    if c.tap_layer_ids and (len(c.tap_layer_ids) != 3 or len(set(c.tap_layer_ids)) != 3):
-        raise ConfigError(f"draft.tap_layer_ids = {c.tap_layer_ids} must be three distinct layer ids")
+    check(c.kind in DRAFT_KINDS, "draft.kind", c.kind, f"one of {', '.join(map(repr, DRAFT_KINDS))}")
+    why = c.tap_layer_ids and tap_ids_problem(c.tap_layer_ids, count=DRAFT_KINDS[c.kind])
+    if why:
+        raise ConfigError(why)
 
 
 def _speculative(c: SpeculativeConfig) -> None:

@@ -26,6 +26,7 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.llama3 import Llama3Model
 from torchtitan.models.qwen3 import Qwen3Model
 
+from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.models.attention import DocCausalAttention, DocMetadata, doc_metadata_from_positions
 
 __all__ = [
@@ -46,14 +47,11 @@ def default_tap_layer_ids(n_layers: int) -> tuple[int, int, int]:
 
 
 def validate_tap_layer_ids(ids: tuple[int, ...], n_layers: int) -> None:
-    bad = [i for i in ids if not 0 <= i < n_layers]
-    if bad:
-        raise ValueError(
-            f"tap layer ids {list(bad)} are out of range: the target has {n_layers} layers, "
-            f"so ids must be in 0..{n_layers - 1}"
-        )
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"tap layer ids {list(ids)} repeat a layer; they must be distinct")
+    """ValueError unless the ids are distinct layers of an n_layers target
+    (titan_spec.config.draft_kinds.tap_ids_problem, the one tap-id validator)."""
+    why = tap_ids_problem(ids, n_layers)
+    if why:
+        raise ValueError(why)
 
 
 class Taps(NamedTuple):

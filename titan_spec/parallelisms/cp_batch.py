@@ -1,30 +1,21 @@
-# The trainer's side of context parallelism: shard a packed batch for the ring,
-# and give the draft's TTT unroll the rows it reads across shard boundaries.
+# The trainer's side of context parallelism: shard a packed batch for the ring.
+# (The rows the draft's TTT unroll reads across shard boundaries are the draft's
+# business: models/draft/eagle3/halo.py.)
 #
 # Shape suffix legend:
-#   B = batch rows, L = row length, R = local rows, E = local rows + halo rows,
-#   V = vocab, S = TTT steps
-#
-# The draft at step j reads, for local row t, the row t+1+j of the global
-# stream (next token's embedding, the target's distribution there, its label).
-# Under the zigzag split that row can sit on another rank, but only as one of
-# the first S rows of some chunk: t+1+j either stays in t's chunk or enters a
-# later chunk at offset <= j < S. So every rank all-gathers the first
-# min(S, c_d) rows of each of its chunks (the "halo", the same count on every
-# rank) and indexes into [local rows; halo of every rank].
+#   B = batch rows, L = row length, R = local rows
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.parallelisms.context_parallel import CPMetadata, ZigzagLayout, zigzag_shard
 
-__all__ = ["TTTHalo", "shard_batch", "without_torch_cp"]
+__all__ = ["shard_batch", "without_torch_cp"]
 
 
 def shard_batch(
@@ -48,56 +39,6 @@ def shard_batch(
         "attention_masks": CPMetadata.build(layout, group, tokens_BL.device),
     }
     return tokens_R.unsqueeze(0), labels_R.unsqueeze(0), extra
-
-
-class TTTHalo:
-    """Cross-shard row lookup for the TTT unroll on one CP rank."""
-
-    def __init__(self, meta: CPMetadata, steps: int, device):
-        layout, rank, cp = meta.layout, meta.rank, meta.layout.cp
-        self.group, self.steps = meta.group, steps
-        halo_rows, per_row = [], []
-        halo_off = 0
-        for a, c, length in zip(layout.local_cu_seqlens[:-1], layout.chunk_lens, layout.doc_lens):
-            if c == 0:
-                continue
-            h = min(steps, c)
-            for slot in (0, 1):
-                halo_rows.append(torch.arange(a + slot * c, a + slot * c + h))
-            per_row.append(torch.tensor([[a, c, length, halo_off, h]]).expand(2 * c, 5))
-            halo_off += 2 * h
-        self.halo_rows = torch.cat(halo_rows).to(device)
-        self.halo_len, R = halo_off, layout.local_len
-        a_R, c_R, len_R, off_R, h_R = torch.cat(per_row).unbind(1)
-        pos_R = layout.local_positions(rank)
-        row_R = torch.arange(R)
-        self._src, self._in_doc = [], []
-        for j in range(steps):
-            p_R = pos_R + 1 + j
-            in_doc_R = p_R < len_R
-            chunk_R = p_R // c_R
-            o_R = p_R - chunk_R * c_R
-            second = chunk_R >= cp  # the chunk is its owner's second (slot 1)
-            owner_R = torch.where(second, 2 * cp - 1 - chunk_R, chunk_R)
-            local_R = a_R + second * c_R + o_R
-            halo_R = R + owner_R * self.halo_len + off_R + second * h_R + o_R
-            src_R = torch.where(owner_R == rank, local_R, halo_R)
-            self._src.append(torch.where(in_doc_R, src_R, row_R).to(device))
-            self._in_doc.append(in_doc_R.to(device))
-
-    def extend(self, x_R: torch.Tensor) -> torch.Tensor:
-        """x_E: the local rows, then the halo rows of every rank, rank-major."""
-        halo = x_R[self.halo_rows].contiguous()
-        parts = [torch.empty_like(halo) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, halo, group=self.group)
-        return torch.cat([x_R, *parts])
-
-    def shifts(self, labels_E: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per step j: (src_R into the extended rows, valid_R), as models/ttt.ttt_shifts."""
-        return [
-            (src_R, in_doc_R & (labels_E[src_R] != IGNORE_INDEX))
-            for src_R, in_doc_R in zip(self._src, self._in_doc)
-        ]
 
 
 class without_torch_cp:

@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtitan.tools.logging import logger
 
 from titan_spec.config import TitanSpecConfig
-from titan_spec.models.draft.eagle3.model import Eagle3Draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
@@ -70,9 +69,10 @@ class RolloutWorker:
         cfg: TitanSpecConfig,
         arch,
         device: torch.device,
-        draft: Eagle3Draft | None,
+        draft: torch.nn.Module | None,
     ):
-        """``draft``: the draft before RL (unsharded; None without speculation)."""
+        """``draft``: the draft before RL (unsharded; None without speculation; any draft kind
+        the engine has a proposer for, rollout/builtin/kv_cache.PROPOSERS)."""
         self.cfg = cfg
         # What a rerun would do, for the stop message; the trainer sets it (only it knows
         # whether a verified checkpoint exists).

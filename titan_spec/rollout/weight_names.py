@@ -20,6 +20,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, read_draft_arch
 from titan_spec.models.hf_io import _adapter, read_hf_arch
 from titan_spec.models.registry import Arch, build_target_config
@@ -91,11 +92,13 @@ def sglang_tap_misfit(taps, n_layers: int) -> str | None:
     SGLang captures tap id k as the INPUT of decoder layer k + 1 (``layers_to_capture =
     [k + 1 for k in ids]`` in sglang/srt/models/qwen3.py and llama.py), so the last layer
     (id L - 1) has no later layer whose input would carry it: its aux state never arrives
-    and ``fc`` sees two states instead of three. Valid ids are 0..L-2.
+    and ``fc`` sees two states instead of three. Valid ids are 0..L-2. The generic checks
+    (EAGLE-3's three distinct ids) are titan_spec.config.draft_kinds.tap_ids_problem's.
     """
     taps = list(taps)
-    if len(taps) != 3 or len(set(taps)) != 3:
-        return f"tap ids {taps} are not three distinct layers of the {n_layers}-layer policy"
+    why = tap_ids_problem(taps, count=DRAFT_KINDS["eagle3"])
+    if why:
+        return why
     bad = [i for i in taps if not 0 <= i < n_layers - 1]
     if bad:
         return (f"tap ids {taps} cannot be served by SGLang: it captures tap id k at the input of layer k+1, "

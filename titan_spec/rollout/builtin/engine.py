@@ -30,9 +30,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titan_spec.config import RolloutConfig, SpeculativeConfig
-from titan_spec.models.draft.eagle3.model import Eagle3Draft
+from titan_spec.models.draft import draft_kind
+from titan_spec.models.hf_io import load_hf_into, read_hf_arch
+from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
-from titan_spec.rollout.builtin.kv_cache import CachedDraft, CachedTarget
+from titan_spec.rollout.builtin.kv_cache import PROPOSERS, CachedTarget
 
 __all__ = ["TorchEngineConfig", "TorchRolloutEngine", "filtered_probs", "speculative_accept"]
 
@@ -138,13 +140,14 @@ class _Request:
 
 
 class TorchRolloutEngine:
-    """Engine protocol (rollout/base.py) over a torchtitan target and an EAGLE-3 draft.
+    """Engine protocol (rollout/base.py) over a torchtitan target and a draft (EAGLE-3; any
+    draft kind with a cached proposer in kv_cache.PROPOSERS).
 
     The engine owns ``target`` and ``draft`` (pass copies if the trainer keeps training
     them; the trainer pushes new weights with update_*_weights). Both are put in eval mode.
     """
 
-    def __init__(self, target: nn.Module, draft: Eagle3Draft | None = None, config: TorchEngineConfig | None = None):
+    def __init__(self, target: nn.Module, draft: nn.Module | None = None, config: TorchEngineConfig | None = None):
         config = config or TorchEngineConfig()
         if int(config.num_draft_tokens) != config.num_draft_tokens or config.num_draft_tokens < 0:
             raise ValueError(
@@ -161,12 +164,15 @@ class TorchRolloutEngine:
         tap_ids = tuple(draft.arch.tap_layer_ids) if draft is not None and self.K else ()
         self._target = CachedTarget(self.target, tap_ids)
         self.device = self.target.tok_embeddings.weight.device
-        self.draft: Eagle3Draft | None = None
-        self._draft: CachedDraft | None = None
+        self.draft: nn.Module | None = None
+        self._draft = None  # the draft kind's cached proposer (kv_cache.PROPOSERS)
         if draft is not None:
             self._check_draft_fits(draft)
             self.draft = draft.to(self.device).eval()
-            self._draft = CachedDraft(self.draft, self._target.embed)
+            if draft.arch.kind not in PROPOSERS:
+                raise ValueError(f"the built-in engine has no cached proposer for draft kind {draft.arch.kind!r} "
+                                 f"(it has {', '.join(map(repr, PROPOSERS))}; rollout/builtin/kv_cache.PROPOSERS)")
+            self._draft = PROPOSERS[draft.arch.kind](self.draft, self._target.embed)
         self.policy_version = 0
         self.draft_version = 0
         self._closed = False
@@ -179,15 +185,13 @@ class TorchRolloutEngine:
     @classmethod
     def from_pretrained(
         cls, policy_path: str, draft_path: str | None = None, config: TorchEngineConfig | None = None,
-        max_seq_len: int | None = None, device: str | torch.device = "cpu",
+        max_seq_len: int | None = None, device: str | torch.device = "cpu", draft_kind_name: str = "eagle3",
     ) -> "TorchRolloutEngine":
-        """An engine over an HF policy directory and a SpecForge/SGLang draft directory."""
-        from titan_spec.models.draft.eagle3.io import load_draft_into, read_draft_arch
-        from titan_spec.models.hf_io import load_hf_into, read_hf_arch
-        from titan_spec.models.registry import build_target_config
-
+        """An engine over an HF policy directory and a draft directory of kind ``draft_kind_name``
+        (EAGLE-3: SpecForge/SGLang's format)."""
+        kind = draft_kind(draft_kind_name)
         arch = read_hf_arch(policy_path)
-        draft_arch = read_draft_arch(draft_path) if draft_path else None
+        draft_arch = kind.read_arch(draft_path) if draft_path else None
         # The target keeps the draft's tap ids, so its training forward returns the same taps.
         taps = tuple(draft_arch.tap_layer_ids) if draft_arch is not None else ()
         with torch.device(device):
@@ -196,13 +200,13 @@ class TorchRolloutEngine:
         load_hf_into(target, policy_path, arch)
         draft = None
         if draft_arch is not None:
-            draft = Eagle3Draft(draft_arch).to(device)
-            load_draft_into(draft, draft_path)
+            draft = kind.build(draft_arch).to(device)
+            kind.load_into(draft, draft_path)
         return cls(target, draft, config)
 
     # --- validation ---------------------------------------------------------------------
 
-    def _check_draft_fits(self, draft: Eagle3Draft) -> None:
+    def _check_draft_fits(self, draft: nn.Module) -> None:
         t = self._target
         bad = draft.arch.misfits(t.vocab_size, t.dim)
         if not bad and not _d2t_ok(draft.d2t, t.vocab_size):

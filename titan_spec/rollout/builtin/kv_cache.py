@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from titan_spec.models.draft.eagle3.model import Eagle3Draft, rotate_half
 from titan_spec.rollout.builtin.fused import FusedLinearWeight, RotaryTable
 
-__all__ = ["KVCache", "CachedTarget", "CachedDraft", "causal_slot_mask"]
+__all__ = ["KVCache", "CachedTarget", "CachedDraft", "PROPOSERS", "causal_slot_mask"]
 
 
 class KVCache:
@@ -336,3 +336,9 @@ class CachedDraft:
         _write(k_BKSH, v_BKSH, st, k_B1KH, v_B1KH)
         out_B1NH = _attend(k_BKSH, v_BKSH, st, q_B1NH, self.scale, self._gqa)
         return self._finish(h_BH, out_B1NH[:, 0], w)
+
+
+PROPOSERS: dict[str, type] = {"eagle3": CachedDraft}
+"""Draft kind (the arch's ``kind``, models/draft/) -> the cached proposer the engine drives,
+``Proposer(draft, embed)``: a models/draft/base.CachedProposer. The KV cache is the rollout
+floor's, so the table lives here, not in models/."""

@@ -19,16 +19,23 @@ packed batch (models/draft/eagle3/ttt.py), the rollout engine a KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
+from titan_spec.models.draft.eagle3.ttt import ttt_unroll
 
 __all__ = ["DraftArch", "Eagle3Draft", "build_vocab_mapping", "apply_rotary", "rotary_cos_sin", "rotate_half"]
 
 
 @dataclass(frozen=True)
 class DraftArch:
+    kind: ClassVar[str] = "eagle3"
+    """The draft kind (models/draft/__init__.py's registry) this arch belongs to."""
+
     hidden: int
     n_heads: int
     n_kv_heads: int
@@ -54,9 +61,9 @@ class DraftArch:
         )
 
     def validate(self) -> None:
-        ids = self.tap_layer_ids
-        if len(ids) != 3 or len(set(ids)) != 3:
-            raise ValueError(f"draft.tap_layer_ids {list(ids)} must be three distinct target layers")
+        why = tap_ids_problem(self.tap_layer_ids, count=DRAFT_KINDS[self.kind])
+        if why:
+            raise ValueError(why)
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft.draft_vocab_size = {self.draft_vocab_size} must be in 1..{self.vocab_size} "
@@ -161,8 +168,6 @@ class Eagle3Draft(nn.Module):
     def forward(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay: float = 0.8, count_S=None):
         """The training-time-test loss (models/draft/eagle3/ttt.py). Going through forward (not a helper
         function) lets FSDP's hooks gather the sharded parameters."""
-        from titan_spec.models.draft.eagle3.ttt import ttt_unroll
-
         return ttt_unroll(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay, count_S)
 
     # --- one draft step, split around attention -------------------------------------

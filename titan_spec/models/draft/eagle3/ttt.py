@@ -15,36 +15,30 @@ A row is masked at step j when t+1+j leaves its document, when that position is 
 the loss region (labels == IGNORE), or when the target's argmax there is not in the
 draft vocab. Everything the target provides (taps, embeddings, logits) is detached:
 the draft loss never reaches the policy.
+
+``draft`` below is an Eagle3Draft (model.py); this module does not import it (model.py's
+forward runs ``ttt_unroll``, so the import goes one way: model.py -> ttt.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.models.attention import DocMetadata, doc_metadata_from_positions
 from titan_spec.models.branch_attention import ttt_attention
-from titan_spec.models.draft.eagle3.model import Eagle3Draft
+from titan_spec.models.draft.base import DraftLossResult
 
 __all__ = ["TTTResult", "ttt_inputs_for_sequences", "ttt_shifts", "ttt_targets", "ttt_unroll"]
 
 
-@dataclass
-class TTTResult:
-    loss: torch.Tensor
-    """sum_j decay**j * loss_sum[j] / count[j] (count: local, or the global one passed in)."""
-    loss_sum_S: torch.Tensor
-    """Per-step sum of soft cross-entropy over valid rows (detached)."""
-    count_S: torch.Tensor
-    """Per-step number of valid rows."""
-    correct_S: torch.Tensor
-    """Per-step rows where the draft's argmax equals the target's (restricted) argmax."""
-
-    def accuracy(self) -> list[float]:
-        return (self.correct_S / self.count_S.clamp(min=1)).tolist()
+TTTResult = DraftLossResult
+"""The TTT loss's result (models/draft/base.DraftLossResult): loss = sum_j decay**j *
+loss_sum[j] / count[j] (count: local, or the global one passed in); per step j the soft
+cross-entropy sum over valid rows, the valid rows, and the rows where the draft's argmax
+equals the target's (restricted) argmax."""
 
 
 def ttt_shifts(positions_T: torch.Tensor, labels_T: torch.Tensor, steps: int):
@@ -63,11 +57,11 @@ def ttt_shifts(positions_T: torch.Tensor, labels_T: torch.Tensor, steps: int):
 
 
 @torch.no_grad()
-def ttt_targets(draft: Eagle3Draft, positions_T, labels_T, target_logits_TV, steps: int, shifts=None):
+def ttt_targets(draft: nn.Module, positions_T, labels_T, target_logits_TV, steps: int, shifts=None):
     """Per step j: (src_T, valid_T, target_p_TVd). valid adds the mask 'target argmax is in
     the draft vocab' to ttt_shifts; target_p is the target's distribution at t+1+j
     restricted to the draft vocab (renormalized). ``shifts`` replaces ttt_shifts where rows
-    t+1+j live elsewhere (context parallel: parallelisms/cp_batch.TTTHalo)."""
+    t+1+j live elsewhere (context parallel: halo.TTTHalo)."""
     d2t_ids = draft.draft_to_target_ids()
     out = []
     for src, valid in shifts or ttt_shifts(positions_T, labels_T, steps):
@@ -77,7 +71,7 @@ def ttt_targets(draft: Eagle3Draft, positions_T, labels_T, target_logits_TV, ste
     return out
 
 
-def ttt_inputs_for_sequences(target, draft: Eagle3Draft, seqs: list[list[int]], steps: int) -> tuple:
+def ttt_inputs_for_sequences(target, draft: nn.Module, seqs: list[list[int]], steps: int) -> tuple:
     """Offline distillation inputs: token sequences packed as documents, the target's
     (no-grad) taps, embeddings and logits over them, and the TTT targets of every position.
     ``draft(*inputs).loss`` is then the draft's TTT loss on them."""
@@ -91,7 +85,7 @@ def ttt_inputs_for_sequences(target, draft: Eagle3Draft, seqs: list[list[int]], 
 
 
 def ttt_unroll(
-    draft: Eagle3Draft,
+    draft: nn.Module,
     taps_T3H: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     embeds_TH: torch.Tensor,
     positions_T: torch.Tensor,
