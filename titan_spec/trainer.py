@@ -284,7 +284,7 @@ class SpecTrainer(Trainer):
         if self.draft_training is not None and spec.draft.export_dir:
             path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)
             self.draft_training.export(path)
-            logger.info(f"Exported the draft (SGLang LlamaForCausalLMEagle3 format) to {path}")
+            logger.info(f"Exported the draft ({spec.draft.kind}) to {path}")
 
     def _metrics_writer(self) -> bool:
         # The first rank of the last pipeline stage sees the loss (torchtitan's loss-visible rank).

@@ -6,7 +6,7 @@
 #   N = query heads, K = kv heads (GQA: N % K == 0), H = head dim,
 #   J = TTT branch steps so far, D = documents
 #
-# Layout (DESIGN.md, as TransformerEngine THD): every document is padded to a
+# Layout (docs/ARCHITECTURE.md, as TransformerEngine THD): every document is padded to a
 # multiple of 2*cp and cut into 2*cp chunks of c_d rows; rank r holds chunks r
 # and 2*cp-1-r of every document, document-major. Every rank therefore holds
 # the same number of rows per document (2*c_d), so all ranks share one local

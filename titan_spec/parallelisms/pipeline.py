@@ -313,7 +313,7 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
     try:
         check_schedule(p, cfg.training.local_batch_size)
         names = stage_module_names(p, len(model_config.layers), model_config)
-        check_pipeline_split(names, tap_ids, draft=cfg.draft.enable)
+        check_pipeline_split(names, tap_ids, draft=cfg.mode.has_draft)
     except ValueError as e:
         raise ConfigError(f"pipeline parallelism: {e}") from None
     if getattr(model_config, "enable_weight_tying", False):
@@ -322,10 +322,10 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
             "which sit on different stages; torchtitan does not support weight tying under PP (use an untied "
             "model, e.g. model.name = 'llama3')"
         )
-    if cfg.draft.enable and cfg.draft.offline:
+    if cfg.mode.trains == "draft":
         raise ConfigError("pipeline parallelism: draft.offline (a frozen target) is not supported; the pipeline "
                           "backward needs a trainable target (run offline draft training with pp = 1)")
-    if cfg.rl.enable:
+    if cfg.mode.trains == "rl":
         raise ConfigError("pipeline parallelism: rl.enable is not supported yet (the pipelined step computes "
                           "the SFT loss, not the GRPO one); run RL with pp = 1")
     if cfg.job.export_hf:

@@ -1,7 +1,7 @@
 """One data-parallel rank's rollouts in the RL loop: its engines, the weight push, retries
 and the frozen-draft / no-speculation baselines.
 
-Built-in engine (DESIGN.md "Where rollouts run"): every data-parallel rank holds full,
+Built-in engine: every data-parallel rank holds full,
 unsharded copies of the policy and the draft and generates its own share of the prompts.
 Before each step's rollouts the trainer's (FSDP-sharded) weights are gathered and copied
 in (``push``), versioned by the number of optimizer steps they have seen, so every

@@ -96,7 +96,7 @@ class Rollout:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the RL loop needs from a rollout engine (DESIGN.md, "Rollout engine protocol")."""
+    """What the RL loop needs from a rollout engine (docs/ARCHITECTURE.md, "Rollout engine protocol")."""
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
         """One Rollout per prompt, in order. Prompts may differ in length."""

@@ -6,7 +6,7 @@ the EAGLE-3 draft (``LlamaForCausalLMEagle3.load_weights`` in
 sglang/srt/models/llama_eagle3.py maps ``midlayer.*`` -> ``layers.0.*`` and prefixes
 ``model.``). titan_spec's trainer holds torchtitan names for the policy (mapped with
 torchtitan's own state-dict adapters, as the HF export does) and the export names for
-the draft (``Eagle3Draft.state_dict()`` already uses them; DESIGN.md, draft conventions).
+the draft (``Eagle3Draft.state_dict()`` already uses them; docs/ARCHITECTURE.md, "Draft (EAGLE-3, SGLang/SpecForge layout)").
 
 Every mapping is checked name by name: a name that does not map is an error, never a
 silent drop, because a dropped weight would leave SGLang serving a stale tensor.
@@ -64,7 +64,7 @@ def policy_to_hf_names(named_tensors: NamedTensors, arch: Arch) -> list[tuple[st
 
 
 def draft_to_export_names(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-    """Draft state dict -> the SpecForge/SGLang export names (DESIGN.md's exact list).
+    """Draft state dict -> the SpecForge/SGLang export names (the exact list: models/draft/eagle3/io.py EXPORT_KEYS).
 
     The trainer's draft already uses those names; an embedding (some SpecForge
     checkpoints carry the frozen target embedding) is dropped because SGLang's draft

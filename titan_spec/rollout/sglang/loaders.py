@@ -28,7 +28,7 @@ __all__ = ["TARGET_LOADER", "DRAFT_LOADER", "is_eagle3_draft", "load_target_weig
 TARGET_LOADER = "titan_spec.rollout.sglang.loaders.load_target_weights"
 DRAFT_LOADER = "titan_spec.rollout.sglang.loaders.load_draft_weights"
 
-# Draft export names (DESIGN.md). "lm_head.weight" is also a target name: it is told
+# Draft export names (docs/ARCHITECTURE.md). "lm_head.weight" is also a target name: it is told
 # apart by the model that receives it, not by its name.
 _DRAFT_ONLY = ("fc.", "midlayer.", "layers.0.")
 _DRAFT_ONLY_EXACT = ("norm.weight", "d2t", "t2d")

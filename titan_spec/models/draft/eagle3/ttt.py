@@ -3,7 +3,7 @@
 Shape legend: T = packed tokens (rows of the flat stream), H = hidden, V = target vocab,
 Vd = draft vocab, S = TTT steps, N/K/Hd = heads / kv heads / head dim, J = branch steps.
 
-Mirrors inference (DESIGN.md "Training-time test"): at step j, row t
+Mirrors inference (docs/ARCHITECTURE.md "Training-time test"): at step j, row t
   - reads the hidden h_j[t]: fc(taps at t) at j = 0, else the draft's own output of
     row t at step j-1;
   - reads the embedding of token x[t+1+j];
