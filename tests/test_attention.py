@@ -82,7 +82,7 @@ def _close(actual, expected, what):
     assert err <= ATOL, f"{what}: max abs err {err:.3g}"
 
 
-# Packed layouts as cu_seqlens_host. B > 1 rows come from positions below.
+# Packed layouts as host cu_seqlens offsets. B > 1 rows come from positions below.
 LAYOUTS = {
     "one_doc": (0, 7),
     "mixed": (0, 1, 5, 6, 9, 13),  # includes two length-1 docs
@@ -95,10 +95,10 @@ def _positions_layout() -> tuple[int, ...]:
     # not start at position 0.
     positions_BL = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
     meta = doc_metadata_from_positions(positions_BL)
-    assert meta.cu_seqlens_host == (0, 3, 5, 6, 8, 12)
+    cu = tuple(meta.cu_seqlens_cpu.tolist())
+    assert cu == (0, 3, 5, 6, 8, 12) and meta.cu_seqlens.tolist() == list(cu)
     assert meta.cu_seqlens.dtype == torch.int32
-    assert meta.max_seqlen == 4
-    return meta.cu_seqlens_host
+    return cu
 
 
 LAYOUTS["rows_B2"] = _positions_layout()
@@ -368,7 +368,7 @@ def test_doc_causal_attention_module_matches_dense():
 
     flat = lambda x: x.detach().double().reshape(B * L, x.shape[2], H).requires_grad_()
     rq, rk, rv = flat(q), flat(k), flat(v)
-    mask = dense_mask_TS(meta.cu_seqlens_host, 0)
+    mask = dense_mask_TS(tuple(meta.cu_seqlens_cpu.tolist()), 0)
     ref_out, _ = dense_attention(rq, rk, rv, mask, 1.0 / math.sqrt(H))
     ref_loss = (ref_out * w.double().reshape(B * L, N, H)).sum()
     ref_grads = torch.autograd.grad(ref_loss, (rq, rk, rv))

@@ -21,6 +21,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.config import ConfigError, DraftConfig, load_config
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
+from titan_spec.config.validate import SECTION_CHECKS
 from titan_spec.draft_training import DraftTraining
 from titan_spec.models.draft import KINDS, DraftKind, DraftLossResult, draft_kind
 from titan_spec.models.draft.eagle3.model import DraftArch
@@ -186,7 +187,7 @@ def test_every_tap_id_check_says_what_the_one_validator_says(ids):
     want = tap_ids_problem(ids, count=DRAFT_KINDS["eagle3"])
     assert want
     with pytest.raises(ConfigError) as e:
-        DraftConfig(tap_layer_ids=ids).validate()
+        SECTION_CHECKS[DraftConfig](DraftConfig(tap_layer_ids=ids))
     assert str(e.value) == want
     with pytest.raises(ValueError) as e:
         _eagle3_arch(tuple(ids)).validate()

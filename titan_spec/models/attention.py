@@ -44,14 +44,6 @@ class DocMetadata(NamedTuple):
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
 
-    @property
-    def cu_seqlens_host(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in self.cu_seqlens_cpu.tolist())
-
-    @property
-    def max_seqlen(self) -> int:
-        return int((self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).max())
-
 
 def doc_metadata_from_positions(positions_BL: torch.Tensor) -> DocMetadata:
     """Document metadata for a [B, L] batch viewed as one stream of B*L tokens.
