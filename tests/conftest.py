@@ -32,15 +32,22 @@ def train_many(
     nproc: int, runs: list[tuple], timeout: int = 600, config: str = "debug_cpu_pp.toml"
 ) -> list[list[dict]]:
     """Several runs (dump folder, overrides[, env]) of train_configs/``config`` in ONE torchrun
-    launch of nproc processes (tests/helpers/train_many.py); returns each run's metrics.jsonl
-    rows. ``env``: environment variables for that run only."""
+    launch of nproc processes (tests/helpers/train_many.py), one after the other (a run may
+    read what an earlier one exported); returns each run's metrics.jsonl rows. ``env``:
+    environment variables for that run only; overrides starting with ("--config", NAME) run
+    train_configs/NAME instead. The base arguments are run_train's."""
     base = [
-        "--config", os.path.join(ROOT, "train_configs", config), "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--training.seq_len", "128", "--training.local_batch_size", "4",
-        "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--training.seq_len", "128",
+        "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
     ]
-    argvs = [{"argv": [*base, "--job.dump_folder", run[0], *run[1]], "env": run[2] if len(run) > 2 else {}}
-             for run in runs]
+    argvs = []
+    for run in runs:
+        name, overrides = config, list(run[1])
+        if overrides[:1] == ["--config"]:
+            name, overrides = overrides[1], overrides[2:]
+        argvs.append({"argv": ["--config", os.path.join(ROOT, "train_configs", name), *base,
+                               "--job.dump_folder", run[0], *overrides],
+                      "env": run[2] if len(run) > 2 else {}})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps(argvs),

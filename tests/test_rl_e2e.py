@@ -7,10 +7,15 @@ SFT warm start -> offline draft -> GRPO with the draft co-trained from the same 
 - a run stopped at a checkpoint and resumed gives the uninterrupted run's metrics bitwise,
   the baseline step in its window included (the frozen draft is the pre-RL one, not the
   draft restored from the checkpoint);
-- the report (summary table, PNG plots) is written.
+- the report (summary table, PNG plots) is written;
+- several optimizer steps per rollout batch: rl.ppo_epochs = 2 x rl.minibatches = 2 (a real
+  RLTrainer driven step by step, tests/helpers/rl_updates.py).
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -21,14 +26,15 @@ SMALL = ("--training.seq_len", "128", "--training.local_batch_size", "8", "--che
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
     """An SFT policy that gets some answers right, and an offline draft for it."""
-    from conftest import run_train
+    from conftest import train_many
 
     root = tmp_path_factory.mktemp("warm")
-    sft = str(root / "sft")
-    run_train(sft, 1, (*SMALL, *TASK, "--training.steps", "120", "--job.export_hf", "hf", "--lr_scheduler.warmup_steps", "5"))
-    draft = str(root / "draft")
-    run_train(draft, 1, (*SMALL, *TASK, "--training.steps", "40", "--model.hf_checkpoint", os.path.join(sft, "hf"),
-                         "--lr_scheduler.warmup_steps", "5"), config="debug_cpu_draft.toml")
+    sft, draft = str(root / "sft"), str(root / "draft")
+    train_many(1, [  # one launch, the draft run after the SFT run it reads
+        (sft, (*SMALL, *TASK, "--training.steps", "120", "--job.export_hf", "hf", "--lr_scheduler.warmup_steps", "5")),
+        (draft, ("--config", "debug_cpu_draft.toml", *SMALL, *TASK, "--training.steps", "40",
+                 "--model.hf_checkpoint", os.path.join(sft, "hf"), "--lr_scheduler.warmup_steps", "5")),
+    ], config="debug_cpu_sft.toml")
     return os.path.join(sft, "hf"), os.path.join(draft, "draft")
 
 
@@ -82,3 +88,47 @@ def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start
         assert {"loss", "rl/reward", "rollout/accept_len", "draft/loss", "draft/grad_norm"} <= set(a)
         same = {k: v for k, v in a.items() if not (k.startswith("time/") or "tokens_per_s" in k)}
         assert {k: b.get(k) for k in same} == same, a["step"]
+
+
+ON_POLICY = 1e-4
+"""|ratio - 1| allowed on the first update after a weight push: engine (KV-cached decode, fp32)
+and trainer (packed forward, fp32) compute the same log-probs in different orders (~1e-6)."""
+
+MOVED = 1e-3
+"""|ratio - 1| every later update must exceed: one AdamW step moves the policy's log-probs by
+far more (measured 1e-1 .. 1.7; without the optimizer step they stay ~1e-6 apart)."""
+
+
+def test_two_ppo_epochs_of_two_minibatches_take_four_optimizer_steps_on_one_rollout_batch(warm_start, tmp_path):
+    """Two RL steps of 2 epochs x 2 minibatches on the warm start (whose rewards vary inside
+    the groups, so the advantages and the gradient are not zero). The importance ratio
+    pi / pi_behaviour is 1 on the FIRST update after a push, the policy then still being the
+    one that sampled the rollouts, and clearly not 1 on every later update; the policy's and
+    the draft's AdamW take four steps per rollout batch; the second step's rollouts come from
+    the weights after those four (version 4, pushed to the engine)."""
+    hf, draft = warm_start
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [
+        "--config", os.path.join(root, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
+        "--model.hf_checkpoint", hf, "--draft.init_from", draft, "--draft.export_dir", "", *TASK,
+        "--training.seq_len", "128", "--training.steps", "2", "--rl.ppo_epochs", "2", "--rl.minibatches", "2",
+        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
+        "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
+        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           os.path.join(root, "tests/helpers/rl_updates.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    line = next(x for x in out.stdout.splitlines() if "rl_updates: " in x)
+    first, second = json.loads(line.split("rl_updates: ", 1)[1])
+    for step, adam_steps in ((first, 4.0), (second, 8.0)):
+        dev = step["ratio_dev"]
+        assert len(dev) == 4, dev  # 2 epochs x 2 minibatches
+        assert dev[0] < ON_POLICY, step
+        assert all(d > MOVED for d in dev[1:]), step
+        assert step["policy_adam_steps"] == [adam_steps], step
+        assert step["draft_adam_steps"] == [adam_steps], step
+    assert (first["policy_version"], first["engine_version"]) == (0, 0)
+    assert (second["policy_version"], second["engine_version"]) == (4, 4)

@@ -27,21 +27,25 @@ def test_fsdp_dp2_matches_dp1(tmp_path, train):
         assert_same_draft_accuracy(a, b, 3, "dp=2")  # FSDP reduces in another order: one argmax flip
 
 
-def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, train):
+def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, many):
     from safetensors.torch import load_file
 
     from titan_spec.models.draft.eagle3.model import Eagle3Draft
     from titan_spec.models.draft.eagle3.io import load_draft_into, read_draft_arch
 
-    # A policy to distil from.
+    # A policy to distil from, the offline draft run, and a run that starts from its export:
+    # one launch, the runs one after the other (conftest.train_many).
     policy = str(tmp_path / "policy")
-    train(policy, 1, ("--training.steps", "4", "--checkpoint.enable", "false", "--job.export_hf", "hf"))
     hf = os.path.join(policy, "hf")
     offline = ("--model.hf_checkpoint", hf, "--draft.enable", "true", "--draft.offline", "true",
                "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3", "--checkpoint.enable", "false",
                "--job.export_hf", "hf_after")
     dump = str(tmp_path / "offline")
-    rows = train(dump, 1, ("--training.steps", "8", "--draft.lr", "1e-2", *offline))
+    _, rows, again = many(1, [
+        (policy, ("--training.steps", "4", "--checkpoint.enable", "false", "--job.export_hf", "hf")),
+        (dump, ("--training.steps", "8", "--draft.lr", "1e-2", *offline)),
+        (str(tmp_path / "again"), ("--training.steps", "1", "--draft.init_from", os.path.join(dump, "draft"), *offline)),
+    ], config="debug_cpu_sft.toml")
     assert rows[-1]["draft/loss"] < rows[0]["draft/loss"]
     assert {"draft/acc_0", "draft/acc_1", "draft/acc_2"} <= set(rows[-1])
     # The target did not move.
@@ -52,7 +56,6 @@ def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, train):
     arch = read_draft_arch(os.path.join(dump, "draft"))
     assert arch.draft_vocab_size == 24 and arch.tap_layer_ids == (1, 3, 4)
     load_draft_into(Eagle3Draft(arch), os.path.join(dump, "draft"))
-    again = train(str(tmp_path / "again"), 1, ("--training.steps", "1", "--draft.init_from", os.path.join(dump, "draft"), *offline))
     # The first step's draft loss is the loss of the draft the run starts from, on batch 0:
     # that of the exported draft, computed here without the trainer, and clearly not that of
     # a fresh draft (rows[0]: the same seed, target and batch; bitwise what a run that

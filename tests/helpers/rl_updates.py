@@ -1,10 +1,9 @@
 """Two RL steps of a REAL RLTrainer (built as `python -m titan_spec.train` builds it), driven
 step by step, printing one JSON line with what each step did (tests/test_rl_updates.py):
 
-    python -m torch.distributed.run --nproc_per_node=1 tests/helpers/rl_updates.py JSON
+    python -m torch.distributed.run --nproc_per_node=1 tests/helpers/rl_updates.py ARGS...
 
-JSON: {"sft": [...], "rl": [...]}, titan_spec CLI arguments (--config included) of a warm-start
-run trained first (to its end, exported) and of the RL run built on it. Per RL step: the importance-ratio
+ARGS: titan_spec CLI arguments (--config included) of the RL run. Per step: the importance-ratio
 deviation max |pi / pi_behaviour - 1| of each update, in order; the optimizer steps the
 policy's and the draft's AdamW have taken after it (their per-parameter "step" state); the
 policy version the step's rollouts were generated with (what the engine was pushed).
@@ -18,7 +17,7 @@ import torch
 from torchtitan.tools.logging import init_logger
 
 from titan_spec.config import load_config
-from titan_spec.train import to_trainer_config, train_and_close
+from titan_spec.train import to_trainer_config
 
 
 def _adam_steps(optimizer) -> list[float]:
@@ -32,9 +31,7 @@ def _load(argv: list[str]):
 
 def main() -> None:
     init_logger()
-    runs = json.loads(sys.argv[1])
-    assert train_and_close(to_trainer_config(_load(runs["sft"]))) == 0
-    trainer = to_trainer_config(_load(runs["rl"])).build()
+    trainer = to_trainer_config(_load(sys.argv[1:])).build()
     steps = []
     try:
         for _ in range(2):
