@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from titan_spec.config import ConfigError, load_config, locate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,3 +78,17 @@ def many():
 def pytest_configure(config):
     # scripts/gpu_check.sh runs `pytest -m gpu`: the tests that need a CUDA GPU.
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh runs them)")
+
+
+def load_checked(path, overrides=None, world_size=None):
+    """``load_config`` plus titan_spec.train.check_inputs (the task file, the SGLang inputs),
+    errors located as ``validate_run`` locates them: what `--check` finds about a config's
+    inputs, without building its trainer."""
+    from titan_spec.train import check_inputs
+
+    cfg = load_config(path, overrides, world_size, check_paths=False)
+    try:
+        check_inputs(cfg)
+    except ConfigError as e:
+        raise locate(cfg, e) from None
+    return cfg

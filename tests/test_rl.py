@@ -19,7 +19,7 @@ from titan_spec.rl.grpo import PPOPolicyLoss, token_logprobs
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.rollout import SamplingParams
 from titan_spec.data.tasks import JsonlTask
-from titan_spec.train import load_checked
+from conftest import load_checked
 
 IGNORE = -100
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

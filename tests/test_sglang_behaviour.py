@@ -22,7 +22,7 @@ from sglang_stub import StubSGLang
 from test_sglang_engine import _cfg, _draft, _target, dirs, stubs  # noqa: F401  (fixtures)
 
 from titan_spec.config import ConfigError, load_config
-from titan_spec.train import load_checked
+from conftest import load_checked
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.io import read_draft_arch, save_draft
 from titan_spec.models.target import default_tap_layer_ids

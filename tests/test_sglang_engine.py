@@ -36,7 +36,7 @@ from titan_spec.rollout.sglang.client import (
 from titan_spec.rollout.sglang.engine import SEED_MIX, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang, sglang_server_args
 from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
-from titan_spec.train import load_checked
+from conftest import load_checked
 
 TAPS = (1, 3, 4)
 

@@ -46,7 +46,7 @@ from titan_spec.rollout.sglang.engine import check_config as check_sglang_config
 from titan_spec.trainer import SpecTrainer
 
 __all__ = [
-    "to_trainer_config", "resolve_arch", "check_inputs", "load_checked", "validate_run", "plan_runs", "main",
+    "to_trainer_config", "resolve_arch", "check_inputs", "validate_run", "plan_runs", "main",
     "train_and_close",
 ]
 
@@ -240,24 +240,12 @@ def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> N
     (config.check_paths), its task file reads (data.tasks.check_task_file), the SGLang
     engine can start from them (rollout.sglang.engine.check_config). ``made``: directories
     an earlier run of the chain writes (not there yet; see ``Made``). Raises ConfigError,
-    not yet located (``validate_run``, ``load_checked`` say where the value came from)."""
+    not yet located (``validate_run`` says where the value came from)."""
     made = made or {}
     check_paths(cfg, made)
     check_task_file(cfg.task)
     written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
     check_sglang_config(cfg, files=not written)
-
-
-def load_checked(path: str | None, overrides: list[str] | None = None, world_size: int | None = None) -> TitanSpecConfig:
-    """``load_config`` plus ``check_inputs``: a config whose every input has been checked,
-    with errors located like load_config's (the config package alone cannot read a task
-    file or an SGLang draft: it imports no other titan_spec module)."""
-    cfg = load_config(path, overrides, world_size, check_paths=False)
-    try:
-        check_inputs(cfg)
-    except ConfigError as e:
-        raise locate(cfg, e) from None
-    return cfg
 
 
 def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
