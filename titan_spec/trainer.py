@@ -144,6 +144,7 @@ class SpecTrainer(Trainer):
 
     def train_step(self, data_iterator):
         self.begin_step()
+        self.begin_update()  # torchtitan's step is one optimizer step
         super().train_step(data_iterator)
 
     def begin_step(self) -> None:
@@ -153,7 +154,6 @@ class SpecTrainer(Trainer):
             # steps come from an interrupted earlier attempt and are written again now.
             self._trim_metrics(self.step - 1)  # train() has already counted this step
             self._metrics_trimmed = True
-        self.begin_update()
         self._cp_sums.zero_()
 
     def begin_update(self) -> None:
