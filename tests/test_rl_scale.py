@@ -82,3 +82,29 @@ def test_dp2_step_equals_one_process(reference, tmp_path):
     """FSDP over 2 ranks, each training on its half of the problems."""
     got = fixed_batch_run(str(tmp_path / "dp2"), 2, batch=reference["batch"])
     assert_same_step(reference, got, "dp=2")
+
+
+CP2 = ("--parallelism.context_parallel_degree", "2")
+
+
+def test_cp2_step_equals_one_process(reference, tmp_path):
+    """Context parallelism: both CP ranks hold the whole batch (one data-parallel rank) and
+    train on their zigzag shards of it: the behaviour log-probs and advantages travel with
+    their tokens (cp_batch.shard_values), the PPO loss sums each shard over the global token
+    count, the draft's TTT loss reads its cross-shard rows through the halo."""
+    got = fixed_batch_run(str(tmp_path / "cp2"), 2, (*CP2, "--parallelism.data_parallel_shard_degree", "1"),
+                          batch=reference["batch"])
+    assert_same_step(reference, got, "cp=2")
+
+
+def test_dp2_cp2_step_equals_one_process_and_the_reference_forward_runs_on_the_shards(reference, tmp_path):
+    """FSDP over dp 2 x cp 2 (4 processes): 2 data-parallel ranks with their halves of the
+    problems, each zigzag-sharded over its 2 CP ranks; rl.kl_beta > 0 adds the frozen
+    reference's forward on the same shards. At the first step the reference is the policy,
+    so a reference forward that sees the shards as the policy does gives KL 0 (and a KL
+    gradient of 0: the step equals the kl_beta = 0 reference run); one that reads them
+    another way (without the ring, unsharded) gives KL > 0."""
+    got = fixed_batch_run(str(tmp_path / "dp2cp2"), 4, (*CP2, "--parallelism.data_parallel_shard_degree", "2",
+                                                       "--rl.kl_beta", "0.5"), batch=reference["batch"])
+    assert got["row"]["rl/kl"] == pytest.approx(0.0, abs=1e-6), got["row"]
+    assert_same_step(reference, got, "dp=2 x cp=2")
