@@ -25,9 +25,11 @@ from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# llama3/tiny (untied embedding and lm_head): torchtitan has no weight tying under pipeline
+# parallelism, and every layout compares against the one reference.
 RL = (
     "--config", os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
-    "--model.hf_checkpoint", "", "--draft.init_from", "", "--draft.draft_vocab_size", "24",
+    "--model.name", "llama3", "--model.hf_checkpoint", "", "--draft.init_from", "", "--draft.draft_vocab_size", "24",
     "--draft.ttt_steps", "3", "--training.steps", "2",
     "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "false",
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--rollout.progress", "false",
@@ -82,3 +84,23 @@ def test_dp2_step_equals_one_process(reference, tmp_path):
     """FSDP over 2 ranks, each training on its half of the problems."""
     got = fixed_batch_run(str(tmp_path / "dp2"), 2, batch=reference["batch"])
     assert_same_step(reference, got, "dp=2")
+
+
+# Pipeline parallelism (llama3/tiny, 8 layers, taps (1, 3, 4)): stage 0 = embeddings + layers 0-3
+# (it sends the embeddings and taps 1 and 3 over the TapChannel), stage 1 = layers 4-7 + norm +
+# lm_head + the draft (tap 4 used in place). A minibatch fills training.local_batch_size rows,
+# cut into microbatches of pipeline_parallel_microbatch_size rows (the reference's packed rows
+# followed by empty ones).
+PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+       "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4",
+       "--parallelism.pipeline_parallel_microbatch_size", "2")
+
+
+def test_pp2_step_equals_one_process(reference, tmp_path):
+    """Each microbatch's PPO loss on the last stage from its own rows' behaviour log-probs and
+    advantages, normalized by the minibatch's token count; the draft on the last stage fed by
+    the TapChannel; the push's full policy and draft on global rank 0 (the first stage, which
+    holds neither the last layers nor the draft)."""
+    got = fixed_batch_run(str(tmp_path / "pp2"), 2, PP2, batch=reference["batch"])
+    assert_same_step(reference, got, "pp=2")
+    assert got["row"]["pp/taps_delivered"] == 2 * 4  # 2 microbatches x (embeddings + 3 taps)

@@ -43,6 +43,7 @@ from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.tasks import exact_match_reward
 from titan_spec.draft_training import initial_draft
 from titan_spec.models.registry import build_target_config
+from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
@@ -138,6 +139,14 @@ class RLTrainer(SpecTrainer):
         every rank calls it); the draft's is None without a trained draft."""
         policy_state = full_policy_state(self.model_parts)
         draft_state = self.draft_training.full_state_dict() if self.draft_training is not None else None
+        pd = self.parallel_dims
+        if pd.pp_enabled:
+            # Each rank holds its stage's part (gathered over its FSDP group just above) and
+            # only the last stage's ranks hold the draft: exchange both over the pp group.
+            pp_mesh = pd.get_mesh("pp")
+            policy_state = gather_over_stages(policy_state, pp_mesh, self.device)
+            if self.config.spec.mode.trains_draft:
+                draft_state = broadcast_from_last_stage(draft_state, pp_mesh, self.device)
         return policy_state, draft_state
 
     def _policy_version(self) -> int:
@@ -156,10 +165,26 @@ class RLTrainer(SpecTrainer):
             seed=(self.config.spec.task.seed * 1_000_003 + step_index) * 4096 + self.dataloader.dp_rank,
         )
         rollouts, stats = self.worker.generate(prompts, sampling)
+        if self.parallel_dims.pp_enabled:
+            self._check_same_rollouts(rollouts)
         baselines = {}
         if rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0):
             baselines = self.worker.baselines(prompts, sampling)
         return RolloutBatch(problems, rollouts, stats, baselines, self._policy_version(), push_s)
+
+    def _check_same_rollouts(self, rollouts) -> None:
+        """Under PP every stage's rank generates its pipeline's batch itself (same weights,
+        same seed): the first stage forwards its tokens while the last one scores its labels,
+        so the batches must be one; a RuntimeError otherwise (collective over the pp group)."""
+        digest = hash(tuple((tuple(r.prompt_ids), tuple(r.output_ids), tuple(r.logprobs)) for r in rollouts))
+        pp_mesh = self.parallel_dims.get_mesh("pp")
+        every: list = [None] * pp_mesh.size()
+        dist.all_gather_object(every, digest, group=pp_mesh.get_group())
+        if len(set(every)) > 1:
+            raise RuntimeError(
+                f"step {self.step}: the pipeline stages' ranks generated different rollouts from the same weights "
+                "and seed (a nondeterministic engine?); the pipelined update needs one batch on every stage"
+            )
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """3: rewards_PG of the batch's completions."""
@@ -180,12 +205,24 @@ class RLTrainer(SpecTrainer):
             for r, a in zip(batch.rollouts, adv)
         ]
         n = len(docs) // self.rl.minibatches  # config validation: it divides
+        # Under PP the schedule's microbatches have static shapes: a minibatch fills exactly
+        # training.local_batch_size rows (empty rows carry no labels).
+        rows = self.config.training.local_batch_size if self.parallel_dims.pp_enabled else None
         out = []
         for i in range(self.rl.minibatches):
+            share = docs[i * n:(i + 1) * n]
             try:
-                packed, _ = pack_documents(docs[i * n:(i + 1) * n], None, self.config.training.seq_len, self.tokenizer.pad_id)
+                packed, used = pack_documents(share, rows, self.config.training.seq_len, self.tokenizer.pad_id,
+                                              self.dataloader.document_multiple)
             except ValueError as e:
                 raise ValueError(f"{e}: raise training.seq_len or lower rl.max_new_tokens") from None
+            if used < len(share):
+                raise ValueError(
+                    f"under pipeline parallelism a minibatch is packed into training.local_batch_size = {rows} rows "
+                    f"of {self.config.training.seq_len} tokens (the schedule's microbatches), but only {used} of its "
+                    f"{len(share)} completions fit: raise training.local_batch_size (a multiple of "
+                    "parallelism.pipeline_parallel_microbatch_size), training.seq_len or rl.minibatches"
+                )
             out.append(Minibatch(
                 {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
                 packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
@@ -194,6 +231,8 @@ class RLTrainer(SpecTrainer):
 
     def update(self, mb: Minibatch) -> UpdateStats:
         """6: one forward/backward of a minibatch and the optimizer steps of both models."""
+        if self.parallel_dims.pp_enabled:
+            return self.pipelined_update(mb)
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         self.begin_update()
         dev = self.device
@@ -219,6 +258,46 @@ class RLTrainer(SpecTrainer):
             loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
             grad_norm=grad_norm, policy_tokens=n, clip_fraction=float(stats.clip_fraction), kl=float(stats.kl),
             ratio_dev=float(stats.ratio_dev),
+        )
+
+    def pipelined_update(self, mb: Minibatch) -> UpdateStats:
+        """6 under pipeline parallelism: the minibatch's rows in the schedule's microbatches,
+        each with its own PPO-clip loss built from ITS rows' behaviour log-probs and
+        advantages, computed on the last stage (parallelisms/pipeline.py PipelineLoss, with
+        the draft's loss on the taps the TapChannel brings) and normalized by the token count
+        of the whole minibatch over the data-parallel ranks, as ``update`` does; then the
+        same clip and guarded optimizer steps (the draft's on the last stage)."""
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        self.begin_update()
+        dev, pd = self.device, self.parallel_dims
+        local_valid_tokens = (mb.labels_BL != IGNORE_INDEX).sum()
+        global_valid_tokens = local_valid_tokens.to(dev)
+        if pd.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, pd.get_mesh("batch"))
+        rows = self.config.parallelism.pipeline_parallel_microbatch_size
+        input_mbs, label_mbs, loss_mbs = [], [], []
+        for lo in range(0, mb.labels_BL.shape[0], rows):
+            part = slice(lo, lo + rows)
+            input_mbs.append({k: v[part].to(dev) for k, v in mb.inputs.items()})
+            label_mbs.append(mb.labels_BL[part].to(dev))
+            values = {"behaviour_logp": mb.behaviour_logp_BL[part].to(dev), "advantages": mb.advantages_BL[part].to(dev)}
+            loss_mbs.append(PPOPolicyLoss(values["behaviour_logp"], values["advantages"], self.rl))
+        loss = pipeline_forward_backward(self, input_mbs, label_mbs, global_valid_tokens, loss_mbs)
+        loss = self.account_loss(loss, global_valid_tokens, last=True)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
+            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
+        # The PPO stats of the microbatches (on the last stage; empty elsewhere), token-weighted.
+        got = list(self.pp_schedule.titan_spec_loss.policy_stats.values())
+        n = float(sum(count for _, count in got))
+        weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
+        return UpdateStats(
+            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
+            grad_norm=grad_norm, policy_tokens=n, clip_fraction=weighted("clip_fraction"), kl=weighted("kl"),
+            ratio_dev=max((float(st.ratio_dev) for st, _ in got), default=0.0),
         )
 
     def policy_loss(self, mb: Minibatch, inputs, labels_BL, extra_kwargs) -> PPOPolicyLoss:
