@@ -23,6 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from numerics import assert_same_draft_accuracy
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # llama3/tiny (untied embedding and lm_head): torchtitan has no weight tying under pipeline
@@ -104,3 +106,35 @@ def test_pp2_step_equals_one_process(reference, tmp_path):
     got = fixed_batch_run(str(tmp_path / "pp2"), 2, PP2, batch=reference["batch"])
     assert_same_step(reference, got, "pp=2")
     assert got["row"]["pp/taps_delivered"] == 2 * 4  # 2 microbatches x (embeddings + 3 taps)
+
+
+# The run through the real entry point: the first steps' metrics of RL at pp = 2 equal the
+# one-process run's. From a random init (no warm start: it would cost an SFT and a draft run),
+# so the policy earns no reward yet (its advantages and PPO loss are 0; the fixed-batch tests
+# above carry the policy gradient); what the runs show is the rest of the step: step 1's
+# rollouts from the weights pushed out of both stages (every rank generates its pipeline's
+# batch, the ranks checked to agree), the draft trained on the last stage, and step 2's
+# rollouts from the draft broadcast from there into both ranks' engines.
+RUN = ("--model.name", "llama3", "--model.hf_checkpoint", "", "--draft.init_from", "",
+       "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3", "--training.steps", "2",
+       "--checkpoint.enable", "false", "--rollout.progress", "false", "--rl.prompts_per_step", "4",
+       "--rl.group_size", "4", "--rl.max_new_tokens", "12", "--rl.baseline_interval", "0", "--task.seed", "5")
+EXACT = ("rollout/tokens", "rollout/accept_len", "rl/reward", "rl/stop_fraction", "rl/policy_version",
+         "draft/tokens_0", "draft/tokens_1", "draft/tokens_2")
+CLOSE = ("loss", "grad_norm", "draft/loss", "draft/grad_norm")
+
+
+def test_pp2_run_first_steps_equal_one_process(tmp_path, train):
+    """Through `python -m titan_spec.train` (torchrun, gloo): rollout counts and acceptance
+    (the sampled tokens) equal exactly; losses and gradient norms at the fixed-batch test's
+    rel 1e-5; the draft's accuracies to one argmax flip (tests/numerics.py)."""
+    one = train(str(tmp_path / "pp1"), 1, RUN, config="debug_cpu.toml")
+    pp = train(str(tmp_path / "pp2"), 2, (*RUN, *PP2), config="debug_cpu.toml")
+    assert [r["step"] for r in one] == [r["step"] for r in pp] == [1, 2]
+    for a, b in zip(one, pp):
+        assert a["rollout/tokens"] > 0 and a["draft/loss"] > 0, a
+        for key in EXACT:
+            assert b[key] == a[key], (a["step"], key, a[key], b[key])
+        for key in CLOSE:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key, a[key], b[key])
+        assert_same_draft_accuracy(a, b, 3, f"step {a['step']}")
