@@ -3,18 +3,21 @@
 ``RLTrainer.train_step`` is the step, top to bottom:
 
   1 push       the trainer's full weights to this rank's engine, versioned by the
-               optimizer steps they have seen (rl/rollouts.py)
+               optimizer steps they have seen (rl/rollouts.py; under PP gathered over
+               the stages, the draft from the last one)
   2 generate   this rank's prompts of the step (deterministic in seed, step and rank),
                G completions each, speculative, with behaviour log-probs; at intervals
                the same prompts through the frozen draft and without speculation; the
-               ranks of one data-parallel rank (its CP ranks) each generate a share and
-               exchange them (rl/sharing.py)
+               ranks of one data-parallel rank (its CP ranks, its pipeline stages) each
+               generate a share and exchange them (rl/sharing.py)
   3 score      rewards (exact match)
   4 advantages group-relative (rl/grpo.py)
   5 pack       prompt+completion documents into rl.minibatches packed minibatches carrying
                labels, behaviour log-probs and advantages (data/packing.py)
   6 update     for each of rl.ppo_epochs x rl.minibatches (under CP: this rank's zigzag
-               shard, the per-token values sharded with their tokens): ONE forward; PPO-clip loss
+               shard, the per-token values sharded with their tokens; under PP: the
+               schedule's microbatches, each with its own PPO loss on the last stage,
+               pipelined_update): ONE forward; PPO-clip loss
                (importance ratio against the behaviour log-probs) + lambda * the draft's
                loss from the same forward's detached taps and logits (co_training.py);
                backward; clip; the guarded optimizer steps of the policy and the draft
