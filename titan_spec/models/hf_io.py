@@ -134,8 +134,10 @@ def _adapter(arch: Arch, model_config):
     return A(model_config, None)
 
 
-def load_hf_into(model: nn.Module, path: str, arch: Arch) -> None:
-    """Load an HF checkpoint into a (possibly FSDP-sharded) target built for ``arch``."""
+def load_hf_into(model: nn.Module, path: str, arch: Arch, stage: bool = False) -> None:
+    """Load an HF checkpoint into a (possibly FSDP-sharded) target built for ``arch``.
+    ``stage``: ``model`` is one pipeline stage's part of it, which takes the checkpoint's
+    tensors of the modules it holds (every one of them; the rest belong to other stages)."""
     found = read_hf_arch(path)
     if found != arch:
         diff = [f"{k}: checkpoint {getattr(found, k)!r} vs model {getattr(arch, k)!r}"
@@ -143,6 +145,9 @@ def load_hf_into(model: nn.Module, path: str, arch: Arch) -> None:
         raise HFCheckpointError(f"{path} does not match the target: {'; '.join(diff)}")
     hf_sd = read_hf_state_dict(path)
     sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).from_hf(hf_sd)
+    if stage:
+        own = model.state_dict()
+        sd = {k: v for k, v in sd.items() if k in own}
     try:
         load_full_state_dict(model, sd)
     except ValueError as e:

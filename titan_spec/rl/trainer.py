@@ -3,18 +3,21 @@
 ``RLTrainer.train_step`` is the step, top to bottom:
 
   1 push       the trainer's full weights to this rank's engine, versioned by the
-               optimizer steps they have seen (rl/rollouts.py)
+               optimizer steps they have seen (rl/rollouts.py; under PP gathered over
+               the stages, the draft from the last one)
   2 generate   this rank's prompts of the step (deterministic in seed, step and rank),
                G completions each, speculative, with behaviour log-probs; at intervals
                the same prompts through the frozen draft and without speculation; the
-               ranks of one data-parallel rank (its CP ranks) each generate a share and
-               exchange them (rl/sharing.py)
+               ranks of one data-parallel rank (its CP ranks, its pipeline stages) each
+               generate a share and exchange them (rl/sharing.py)
   3 score      rewards (exact match)
   4 advantages group-relative (rl/grpo.py)
   5 pack       prompt+completion documents into rl.minibatches packed minibatches carrying
                labels, behaviour log-probs and advantages (data/packing.py)
   6 update     for each of rl.ppo_epochs x rl.minibatches (under CP: this rank's zigzag
-               shard, the per-token values sharded with their tokens): ONE forward; PPO-clip loss
+               shard, the per-token values sharded with their tokens; under PP: the
+               schedule's microbatches, each with its own PPO loss on the last stage,
+               pipelined_update): ONE forward; PPO-clip loss
                (importance ratio against the behaviour log-probs) + lambda * the draft's
                loss from the same forward's detached taps and logits (co_training.py);
                backward; clip; the guarded optimizer steps of the policy and the draft
@@ -47,6 +50,7 @@ from titan_spec.data.tasks import exact_match_reward
 from titan_spec.draft_training import initial_draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values
+from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
@@ -146,6 +150,14 @@ class RLTrainer(SpecTrainer):
         every rank calls it); the draft's is None without a trained draft."""
         policy_state = full_policy_state(self.model_parts)
         draft_state = self.draft_training.full_state_dict() if self.draft_training is not None else None
+        pd = self.parallel_dims
+        if pd.pp_enabled:
+            # Each rank holds its stage's part (gathered over its FSDP group just above) and
+            # only the last stage's ranks hold the draft: exchange both over the pp group.
+            pp_mesh = pd.get_mesh("pp")
+            policy_state = gather_over_stages(policy_state, pp_mesh, self.device)
+            if self.config.spec.mode.trains_draft:
+                draft_state = broadcast_from_last_stage(draft_state, pp_mesh, self.device)
         return policy_state, draft_state
 
     def _policy_version(self) -> int:
@@ -204,12 +216,24 @@ class RLTrainer(SpecTrainer):
             for r, a in zip(batch.rollouts, adv)
         ]
         n = len(docs) // self.rl.minibatches  # config validation: it divides
+        # Under PP the schedule's microbatches have static shapes: a minibatch fills exactly
+        # training.local_batch_size rows (empty rows carry no labels).
+        rows = self.config.training.local_batch_size if self.parallel_dims.pp_enabled else None
         out = []
         for i in range(self.rl.minibatches):
+            share = docs[i * n:(i + 1) * n]
             try:
-                packed, _ = pack_documents(docs[i * n:(i + 1) * n], None, self.config.training.seq_len, self.tokenizer.pad_id)
+                packed, used = pack_documents(share, rows, self.config.training.seq_len, self.tokenizer.pad_id,
+                                              self.dataloader.document_multiple)
             except ValueError as e:
                 raise ValueError(f"{e}: raise training.seq_len or lower rl.max_new_tokens") from None
+            if used < len(share):
+                raise ValueError(
+                    f"under pipeline parallelism a minibatch is packed into training.local_batch_size = {rows} rows "
+                    f"of {self.config.training.seq_len} tokens (the schedule's microbatches), but only {used} of its "
+                    f"{len(share)} completions fit: raise training.local_batch_size (a multiple of "
+                    "parallelism.pipeline_parallel_microbatch_size), training.seq_len or rl.minibatches"
+                )
             out.append(Minibatch(
                 {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
                 packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
@@ -223,7 +247,11 @@ class RLTrainer(SpecTrainer):
         rank (generate's exchange) and trains on its zigzag shard of it: the tokens, labels
         and positions through post_dataloading_process, the behaviour log-probs and
         advantages with them (cp_batch.shard_values); the loss sums the shard's tokens over
-        the global count, so the shards' losses and gradients add up to the whole batch's."""
+        the global count, so the shards' losses and gradients add up to the whole batch's.
+
+        Under pipeline parallelism: ``pipelined_update``."""
+        if self.parallel_dims.pp_enabled:
+            return self.pipelined_update(mb)
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         self.begin_update()
         dev, pd = self.device, self.parallel_dims
@@ -254,6 +282,48 @@ class RLTrainer(SpecTrainer):
             loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
             grad_norm=grad_norm, policy_tokens=n, clip_fraction=float(stats.clip_fraction), kl=float(stats.kl),
             ratio_dev=float(stats.ratio_dev),
+        )
+
+    def pipelined_update(self, mb: Minibatch) -> UpdateStats:
+        """6 under pipeline parallelism: the minibatch's rows in the schedule's microbatches,
+        each with its own PPO-clip loss built from ITS rows' behaviour log-probs and
+        advantages, computed on the last stage (parallelisms/pipeline.py PipelineLoss, with
+        the draft's loss on the taps the TapChannel brings) and normalized by the token count
+        of the whole minibatch over the data-parallel ranks, as ``update`` does; then the
+        same clip and guarded optimizer steps (the draft's on the last stage)."""
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        self.begin_update()
+        dev, pd = self.device, self.parallel_dims
+        local_valid_tokens = (mb.labels_BL != IGNORE_INDEX).sum()
+        global_valid_tokens = local_valid_tokens.to(dev)
+        if pd.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, pd.get_mesh("batch"))
+        rows = self.config.parallelism.pipeline_parallel_microbatch_size
+        input_mbs, label_mbs, loss_mbs = [], [], []
+        for lo in range(0, mb.labels_BL.shape[0], rows):
+            part = slice(lo, lo + rows)
+            input_mbs.append({k: v[part].to(dev) for k, v in mb.inputs.items()})
+            label_mbs.append(mb.labels_BL[part].to(dev))
+            values = {"behaviour_logp": mb.behaviour_logp_BL[part], "advantages": mb.advantages_BL[part]}
+            if pd.cp_enabled:  # with the tokens: post_dataloading_process shards them the same way
+                values = shard_values(values, mb.inputs["positions"][part], pd.get_mesh("cp"))
+            loss_mbs.append(PPOPolicyLoss(values["behaviour_logp"].to(dev), values["advantages"].to(dev), self.rl))
+        loss = pipeline_forward_backward(self, input_mbs, label_mbs, global_valid_tokens, loss_mbs)
+        loss = self.account_loss(loss, global_valid_tokens, last=True)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
+            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
+        # The PPO stats of the microbatches (on the last stage; empty elsewhere), token-weighted.
+        got = list(self.pp_schedule.titan_spec_loss.policy_stats.values())
+        n = float(sum(count for _, count in got))
+        weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
+        return UpdateStats(
+            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
+            grad_norm=grad_norm, policy_tokens=n, clip_fraction=weighted("clip_fraction"), kl=weighted("kl"),
+            ratio_dev=max((float(st.ratio_dev) for st, _ in got), default=0.0),
         )
 
     def policy_loss(self, behaviour_logp_BL, advantages_BL, inputs, labels_BL, extra_kwargs) -> PPOPolicyLoss:
