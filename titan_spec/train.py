@@ -20,7 +20,7 @@ from typing import Any
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, register_moe_load_balancing_hook
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import init_logger
@@ -175,7 +175,15 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
             f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}",
             key="training.seq_len",
         )
-    model_config = build_target_config(arch, tap_layer_ids=taps)
+    if cfg.parallelism.expert_parallel_degree > 1 and not arch.is_moe:
+        raise ConfigError(f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} needs a "
+                          "MoE target (model.flavor tiny_moe, 30B-A3B, ... or a Qwen3-MoE checkpoint); this one is dense",
+                          key="parallelism.expert_parallel_degree")
+    coeff = cfg.model.moe_load_balance_coeff
+    if coeff > 0 and not arch.is_moe:
+        raise ConfigError(f"model.moe_load_balance_coeff = {coeff} needs a MoE target; this one is dense",
+                          key="model.moe_load_balance_coeff")
+    model_config = build_target_config(arch, tap_layer_ids=taps, load_balance_coeff=coeff or None)
     if arch.family == "qwen3":
         from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize_fn
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as adapter
@@ -191,7 +199,9 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         model=model_config,
         parallelize_fn=_parallelize(parallelize_fn),
         pipelining_fn=pipeline_spec,
-        post_optimizer_build_fn=None,
+        # torchtitan's aux-loss-free balancing: moves each MoE layer's routing bias before
+        # every optimizer step (models/moe.py); off, the bias stays 0 (HF's routing).
+        post_optimizer_build_fn=register_moe_load_balancing_hook if coeff > 0 else None,
         state_dict_adapter=adapter,
     )
     o = cfg.optimizer

@@ -43,7 +43,9 @@ from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.tasks import exact_match_reward
 from titan_spec.draft_training import initial_draft
 from titan_spec.models.registry import build_target_config
+from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
+from titan_spec.rl.gspo import GSPOPolicyLoss
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
 from titan_spec.rl.rollouts import RolloutWorker, full_policy_state
@@ -108,7 +110,7 @@ class RLTrainer(SpecTrainer):
         t0 = time.perf_counter()
         batch = self.generate(self.push_weights())
         rewards_PG = self.score(batch)
-        advantages_PG = group_advantages(rewards_PG, rl.scale_advantages)
+        advantages_PG = group_advantages(rewards_PG + self.reward_shaping(batch), rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
         record = StepRecord(batch, rewards_PG, rollout_done=time.perf_counter())
         # torchtitan's throughput account (its batch generator keeps it for a data
@@ -168,12 +170,16 @@ class RLTrainer(SpecTrainer):
         """5: prompt+completion documents, in rollout order, split into rl.minibatches equal
         shares, each packed into rows of training.seq_len."""
         adv = advantages_PG.reshape(-1).tolist()
+        n = len(batch.rollouts) // self.rl.minibatches  # config validation: it divides
         docs = [
-            Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids),
-                     values={"behaviour_logp": r.logprobs, "advantages": [a] * len(r.output_ids)})
-            for r, a in zip(batch.rollouts, adv)
+            Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids), values={
+                "behaviour_logp": r.logprobs, "advantages": [a] * len(r.output_ids),
+                # what the loss variants read: the completion (1-based in its minibatch), its truncation
+                "seq_index": [float(i % n + 1)] * len(r.output_ids),
+                "truncated": [float(r.finish_reason == "length")] * len(r.output_ids),
+            })
+            for i, (r, a) in enumerate(zip(batch.rollouts, adv))
         ]
-        n = len(docs) // self.rl.minibatches  # config validation: it divides
         out = []
         for i in range(self.rl.minibatches):
             try:
@@ -183,6 +189,7 @@ class RLTrainer(SpecTrainer):
             out.append(Minibatch(
                 {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
                 packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
+                {k: packed.values_BL[k] for k in ("seq_index", "truncated")},
             ))
         return out
 
@@ -215,15 +222,43 @@ class RLTrainer(SpecTrainer):
             ratio_dev=float(stats.ratio_dev),
         )
 
-    def policy_loss(self, mb: Minibatch, inputs, labels_BL, extra_kwargs) -> PPOPolicyLoss:
-        """The minibatch's PPO-clip loss; with rl.kl_beta > 0 it carries the frozen
-        reference's log-probs of the same tokens (one no-grad forward)."""
+    def policy_loss(self, mb: Minibatch, inputs, labels_BL, extra_kwargs):
+        """The minibatch's policy loss of kind rl.loss (PPO-clip for grpo, rl/dapo.py,
+        rl/gspo.py); with rl.kl_beta > 0 it carries the frozen reference's log-probs of the
+        same tokens (one no-grad forward)."""
+        rl = self.rl
         ref_logp_BL = None
         if self.reference is not None:
             with self.train_context(), torch.no_grad():
-                ref_logp_BL = token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, self.rl.temperature)
+                ref_logp_BL = token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, rl.temperature)
         dev = labels_BL.device
-        return PPOPolicyLoss(mb.behaviour_logp_BL.to(dev), mb.advantages_BL.to(dev), self.rl, ref_logp_BL)
+        behaviour_BL, adv_BL = mb.behaviour_logp_BL.to(dev), mb.advantages_BL.to(dev)
+        if rl.loss == "grpo":
+            return PPOPolicyLoss(behaviour_BL, adv_BL, rl, ref_logp_BL)
+        targets_BL = labels_BL != IGNORE_INDEX
+        if rl.loss == "dapo":
+            keep_BL = torch.ones_like(behaviour_BL)
+            if rl.overlong_filter:
+                keep_BL = 1.0 - mb.values_BL["truncated"].to(dev)
+            kept = self._global_sum((targets_BL & (keep_BL > 0)).sum())
+            return DAPOPolicyLoss(behaviour_BL, adv_BL, keep_BL, kept, rl, ref_logp_BL)
+        seq_BL = mb.values_BL["seq_index"].to(dev)
+        sequences = self._global_sum(torch.unique(seq_BL[targets_BL]).numel())
+        return GSPOPolicyLoss(behaviour_BL, adv_BL, seq_BL, sequences, rl, ref_logp_BL)
+
+    def _global_sum(self, n) -> torch.Tensor:
+        """A count summed over the data-parallel ranks (collective under data parallelism)."""
+        t = torch.as_tensor(n, dtype=torch.int64, device=self.device)
+        if self.parallel_dims.dp_enabled:
+            t = dist_utils.dist_sum_tensor(t, self.parallel_dims.get_mesh("batch"))
+        return t
+
+    def reward_shaping(self, batch: RolloutBatch) -> torch.Tensor:
+        """What is added to the rewards before the advantages (not to the logged reward):
+        DAPO's soft overlong punishment with rl.overlong_buffer > 0 (rl/dapo.py), else 0."""
+        rl = self.rl
+        lengths_PG = torch.tensor([len(r.output_ids) for r in batch.rollouts]).view(len(batch.problems), rl.group_size)
+        return overlong_penalty(lengths_PG, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
 
     def _warn_if_degenerate(self, rewards_PG: torch.Tensor) -> None:
         """A logged warning when no group on any rank has two different rewards for
