@@ -38,7 +38,10 @@ from titan_spec.finite import NonFiniteStop
 from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.models.draft import DraftKind, draft_kind
 from titan_spec.models.hf_io import check_hf_weights, read_hf_arch
-from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, with_vocab
+from titan_spec.models.registry import (
+    active_parameter_count, arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, parameter_count,
+    with_vocab,
+)
 from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_spec
 from titan_spec.rl.trainer import RLTrainer
@@ -47,7 +50,7 @@ from titan_spec.trainer import SpecTrainer
 
 __all__ = [
     "to_trainer_config", "resolve_arch", "check_inputs", "validate_run", "plan_runs", "main",
-    "train_and_close",
+    "train_and_close", "weightless_inputs",
 ]
 
 
@@ -323,13 +326,33 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
     return [p for p, _ in order]
 
 
+def weightless_inputs(cfg: TitanSpecConfig) -> dict[str, Made]:
+    """The config's HF and draft directories as promised inputs (``Made``): their config
+    files are read and checked as usual, their weight files are not (``--check --no-weights``)."""
+    made = {}
+    if cfg.model.hf_checkpoint and os.path.isdir(cfg.model.hf_checkpoint):
+        try:
+            made[os.path.abspath(cfg.model.hf_checkpoint)] = Made(run="--no-weights", hf=read_hf_arch(cfg.model.hf_checkpoint))
+        except ValueError as e:
+            raise locate(cfg, ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint")) from None
+    if cfg.draft.init_from and os.path.isdir(cfg.draft.init_from):
+        try:
+            made[os.path.abspath(cfg.draft.init_from)] = Made(run="--no-weights", draft=draft_kind(cfg.draft.kind).read_arch(cfg.draft.init_from))
+        except ValueError as e:
+            raise locate(cfg, ConfigError(f"draft.init_from: {e}", key="draft.init_from")) from None
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     """``--check``: validate the config (and the HF/draft directories it names) and exit;
+    ``--check --no-weights``: the same without reading weight files (``weightless_inputs``:
+    a GPU recipe checked where its checkpoint is not, e.g. against config.json files alone),
+    printing the target's parameter counts (built on the meta device);
     ``--plan``: print the configs to run for it, one per line (job.requires first).
     run_train.sh does both in one process before torchrun starts any rank."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    check_only, plan_only = "--check" in argv, "--plan" in argv
-    for flag in ("--check", "--plan"):
+    check_only, plan_only, no_weights = "--check" in argv, "--plan" in argv, "--no-weights" in argv
+    for flag in ("--check", "--plan", "--no-weights"):
         if flag in argv:
             argv.remove(flag)
     path = None
@@ -341,11 +364,18 @@ def main(argv: list[str] | None = None) -> int:
         if plan_only:
             print("\n".join(plan_runs(path or "", argv)))
             return 0
-        trainer_config = validate_run(load_config(path, argv, check_paths=False))
+        if no_weights and not check_only:
+            raise ConfigError("--no-weights goes with --check only (a run reads its weights)")
+        cfg = load_config(path, argv, check_paths=False)
+        trainer_config = validate_run(cfg, weightless_inputs(cfg) if no_weights else None)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"titan_spec: config error: {e}", file=sys.stderr)
         return 2
     if check_only:
+        if no_weights:
+            arch = trainer_config.arch
+            print(f"titan_spec: {path}: checked without its weight files; the target has "
+                  f"{parameter_count(arch):,} parameters, {active_parameter_count(arch):,} active per token")
         return 0
     init_logger()
     try:
