@@ -41,7 +41,9 @@ def policy_to_hf_names(named_tensors: NamedTensors, arch: Arch) -> list[tuple[st
     Goes through torchtitan's state-dict adapter one name at a time, so every input
     name is accounted for (Llama's q/k permutation is per tensor, so this is exact).
     A tied ``lm_head.weight`` is dropped: with ``tie_word_embeddings`` SGLang's lm_head
-    is the embedding and the adapter writes no lm_head either.
+    is the embedding and the adapter writes no lm_head either. A MoE layer's routing bias
+    (models/moe.py) is dropped while it is 0 (HF's routing) and an error once it moved
+    (SGLang's Qwen3-MoE has none).
     """
     adapter = _adapter(arch, build_target_config(arch))
     out: list[tuple[str, torch.Tensor]] = []
