@@ -224,3 +224,24 @@ def test_qwen3_30b_a3b_recipe_checks_against_the_real_config_without_weights(tmp
     assert main(["--check", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no model.safetensors" in err, err
+
+
+def test_policy_names_for_sglang_are_the_hf_checkpoint_names(tmp_path):
+    """What an SGLang engine is pushed for a MoE policy: exactly the HF checkpoint's names and
+    tensors (experts split per expert), the routing bias dropped while it is 0 and refused once
+    it moved (SGLang's Qwen3-MoE routes without one)."""
+    from safetensors.torch import load_file
+
+    from titan_spec.rollout.weight_names import policy_to_hf_names
+
+    _hf_moe(tmp_path)
+    model, arch = _target(tmp_path, taps=())
+    hf_sd = load_file(tmp_path / "model.safetensors")
+    pushed = dict(policy_to_hf_names(model.state_dict(), arch))
+    assert sorted(pushed) == sorted(hf_sd)
+    for name, value in pushed.items():
+        assert torch.equal(value, hf_sd[name]), name
+    with torch.no_grad():
+        model.layers["0"].moe.expert_bias_E[0] = -0.02
+    with pytest.raises(ValueError, match="the policy weights for SGLang: the routing bias"):
+        policy_to_hf_names(model.state_dict(), arch)
