@@ -109,14 +109,14 @@ def test_fsdp_dp2_and_expert_parallel_ep2_match_dp1(tmp_path, train, many):
     experts, tokens travel by all-to-all over gloo) give the single-process run's policy and
     draft losses and gradient norms on the same global batch."""
     common = ["--model.flavor", "tiny_moe", "--checkpoint.enable", "false", "--job.export_hf", "",
-              "--training.steps", "3", "--lr_scheduler.total_steps", "3", "--draft.enable", "true",
+              "--training.steps", "2", "--lr_scheduler.total_steps", "2", "--draft.enable", "true",
               "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "2"]
     one = train(str(tmp_path / "dp1"), 1, (*common, "--training.local_batch_size", "4"))
     two = ("--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2")
     dp2, ep2 = many(2, [(str(tmp_path / "dp2"), (*common, *two)),
                         (str(tmp_path / "ep2"), (*common, *two, "--parallelism.expert_parallel_degree", "2"))],
                     config="debug_cpu_sft.toml")
-    assert [r["step"] for r in one] == [r["step"] for r in dp2] == [r["step"] for r in ep2] == [1, 2, 3]
+    assert [r["step"] for r in one] == [r["step"] for r in dp2] == [r["step"] for r in ep2] == [1, 2]
     assert one[-1]["loss"] < one[0]["loss"]
     for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm"):  # the numbers, for the record (-s)
         print(key, [r[key] for r in one], "max |dp2 - dp1|", max(abs(a[key] - b[key]) for a, b in zip(one, dp2)),
