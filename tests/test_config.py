@@ -72,6 +72,13 @@ MALFORMED = [
     ("[parallelism]\ncontext_parallel_degree = 2\npipeline_parallel_degree = 2\n[task]\ndocument_multiple = 2\n",
      [], 4, ["task.document_multiple = 2 under pipeline x context parallelism", "a multiple of 2 * context_parallel_degree = 4"]),
     ("[task]\ndocument_multiple = -1\n", [], 1, ["task.document_multiple = -1", ">= 0"]),
+    ("[rl]\nloss = 'ppo'\n", [], 1, ["rl.loss", "'grpo', 'dapo', 'gspo'"]),
+    ("[rl]\noverlong_filter = true\n", [], 1, ["rl.overlong_filter = True is DAPO's: it needs rl.loss = 'dapo'"]),
+    ("[rl]\nloss = 'dapo'\nmax_new_tokens = 8\noverlong_buffer = 8\n", [], 1,
+     ["rl.overlong_buffer = 8", "< rl.max_new_tokens = 8"]),
+    ("[parallelism]\nexpert_parallel_degree = 2\n[rl]\nenable = true\n", [], 2,
+     ["expert_parallel_degree = 2 with rl.enable is not supported"]),
+    ("[model]\nmoe_load_balance_coeff = -1.0\n", [], 1, ["model.moe_load_balance_coeff = -1.0", ">= 0"]),
     ("[task]\ndocument_multiple = 3\n[training]\nseq_len = 128\n", [], 1, ["training.seq_len = 128", "document multiple 3"]),
 ]
 

@@ -20,7 +20,7 @@ from typing import Any
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, register_moe_load_balancing_hook
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import init_logger
@@ -38,7 +38,10 @@ from titan_spec.finite import NonFiniteStop
 from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.models.draft import DraftKind, draft_kind
 from titan_spec.models.hf_io import check_hf_weights, read_hf_arch
-from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, with_vocab
+from titan_spec.models.registry import (
+    active_parameter_count, arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, parameter_count,
+    with_vocab,
+)
 from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_spec
 from titan_spec.rl.trainer import RLTrainer
@@ -47,7 +50,7 @@ from titan_spec.trainer import SpecTrainer
 
 __all__ = [
     "to_trainer_config", "resolve_arch", "check_inputs", "validate_run", "plan_runs", "main",
-    "train_and_close",
+    "train_and_close", "weightless_inputs",
 ]
 
 
@@ -175,7 +178,15 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
             f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}",
             key="training.seq_len",
         )
-    model_config = build_target_config(arch, tap_layer_ids=taps)
+    if cfg.parallelism.expert_parallel_degree > 1 and not arch.is_moe:
+        raise ConfigError(f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} needs a "
+                          "MoE target (model.flavor tiny_moe, 30B-A3B, ... or a Qwen3-MoE checkpoint); this one is dense",
+                          key="parallelism.expert_parallel_degree")
+    coeff = cfg.model.moe_load_balance_coeff
+    if coeff > 0 and not arch.is_moe:
+        raise ConfigError(f"model.moe_load_balance_coeff = {coeff} needs a MoE target; this one is dense",
+                          key="model.moe_load_balance_coeff")
+    model_config = build_target_config(arch, tap_layer_ids=taps, load_balance_coeff=coeff or None)
     if arch.family == "qwen3":
         from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize_fn
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as adapter
@@ -191,7 +202,9 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         model=model_config,
         parallelize_fn=_parallelize(parallelize_fn),
         pipelining_fn=pipeline_spec,
-        post_optimizer_build_fn=None,
+        # torchtitan's aux-loss-free balancing: moves each MoE layer's routing bias before
+        # every optimizer step (models/moe.py); off, the bias stays 0 (HF's routing).
+        post_optimizer_build_fn=register_moe_load_balancing_hook if coeff > 0 else None,
         state_dict_adapter=adapter,
     )
     o = cfg.optimizer
@@ -313,13 +326,33 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
     return [p for p, _ in order]
 
 
+def weightless_inputs(cfg: TitanSpecConfig) -> dict[str, Made]:
+    """The config's HF and draft directories as promised inputs (``Made``): their config
+    files are read and checked as usual, their weight files are not (``--check --no-weights``)."""
+    made = {}
+    if cfg.model.hf_checkpoint and os.path.isdir(cfg.model.hf_checkpoint):
+        try:
+            made[os.path.abspath(cfg.model.hf_checkpoint)] = Made(run="--no-weights", hf=read_hf_arch(cfg.model.hf_checkpoint))
+        except ValueError as e:
+            raise locate(cfg, ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint")) from None
+    if cfg.draft.init_from and os.path.isdir(cfg.draft.init_from):
+        try:
+            made[os.path.abspath(cfg.draft.init_from)] = Made(run="--no-weights", draft=draft_kind(cfg.draft.kind).read_arch(cfg.draft.init_from))
+        except ValueError as e:
+            raise locate(cfg, ConfigError(f"draft.init_from: {e}", key="draft.init_from")) from None
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     """``--check``: validate the config (and the HF/draft directories it names) and exit;
+    ``--check --no-weights``: the same without reading weight files (``weightless_inputs``:
+    a GPU recipe checked where its checkpoint is not, e.g. against config.json files alone),
+    printing the target's parameter counts (built on the meta device);
     ``--plan``: print the configs to run for it, one per line (job.requires first).
     run_train.sh does both in one process before torchrun starts any rank."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    check_only, plan_only = "--check" in argv, "--plan" in argv
-    for flag in ("--check", "--plan"):
+    check_only, plan_only, no_weights = "--check" in argv, "--plan" in argv, "--no-weights" in argv
+    for flag in ("--check", "--plan", "--no-weights"):
         if flag in argv:
             argv.remove(flag)
     path = None
@@ -331,11 +364,18 @@ def main(argv: list[str] | None = None) -> int:
         if plan_only:
             print("\n".join(plan_runs(path or "", argv)))
             return 0
-        trainer_config = validate_run(load_config(path, argv, check_paths=False))
+        if no_weights and not check_only:
+            raise ConfigError("--no-weights goes with --check only (a run reads its weights)")
+        cfg = load_config(path, argv, check_paths=False)
+        trainer_config = validate_run(cfg, weightless_inputs(cfg) if no_weights else None)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"titan_spec: config error: {e}", file=sys.stderr)
         return 2
     if check_only:
+        if no_weights:
+            arch = trainer_config.arch
+            print(f"titan_spec: {path}: checked without its weight files; the target has "
+                  f"{parameter_count(arch):,} parameters, {active_parameter_count(arch):,} active per token")
         return 0
     init_logger()
     try:

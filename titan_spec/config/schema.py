@@ -62,14 +62,23 @@ class ModelConfig:
     """Model family of the policy/target."""
 
     flavor: str = "tiny"
-    """Named size (qwen3: tiny, small, tiny16, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
-    hf_checkpoint is set (the checkpoint's config.json defines the architecture)."""
+    """Named size (qwen3: tiny, small, tiny16, 0.6B, 1.7B, 4B, 8B, and Qwen3-MoE tiny_moe,
+    debugmodel_moe, 30B-A3B, 235B-A22B; llama3: tiny, 1B, 8B). Ignored when hf_checkpoint is
+    set (the checkpoint's config.json defines the architecture)."""
 
     hf_checkpoint: str = ""
     """Directory of an HF checkpoint (config.json + *.safetensors [+ index]) to start from."""
 
     vocab_from_tokenizer: bool = True
     """Size the embedding to the task tokenizer (flavors only; an HF checkpoint keeps its vocab)."""
+
+    moe_load_balance_coeff: float = 0.0
+    """MoE targets: the rate of torchtitan's auxiliary-loss-free load balancing (its
+    optimizer pre-step hook moves each layer's routing bias ``expert_bias_E`` by
+    coeff * sign(mean load - expert load); the bias changes which experts a token is routed
+    to, never the gate weights; torchtitan's flavors use 1e-3). 0 = off: the routing stays
+    the HF model's, which neither HF Qwen3-MoE checkpoints (job.export_hf) nor SGLang can
+    change (both have no routing bias), so > 0 needs the built-in engine and no HF export."""
 
 
 @dataclass(kw_only=True)
@@ -306,7 +315,28 @@ class RLConfig:
     """PPO ratio clip below: ratio >= 1 - clip_low."""
 
     clip_high: float = 0.2
-    """PPO ratio clip above: ratio <= 1 + clip_high."""
+    """PPO ratio clip above: ratio <= 1 + clip_high (DAPO's clip-higher: above clip_low,
+    the paper 0.28 vs 0.2). With rl.loss = "gspo" both bound the SEQUENCE ratio (a
+    geometric mean of token ratios): the GSPO paper's clip_low / clip_high are 3e-4 / 4e-4."""
+
+    loss: Literal["grpo", "dapo", "gspo"] = "grpo"
+    """The policy loss: "grpo" (PPO-clip per token, summed over the batch's completion
+    tokens and divided by their count: token-level aggregation, rl/grpo.py), "dapo" (the
+    same with DAPO's overlong filtering and soft overlong punishment, rl/dapo.py) or "gspo"
+    (the sequence-level importance ratio, clipped per sequence, averaged over sequences,
+    rl/gspo.py)."""
+
+    overlong_filter: bool = False
+    """rl.loss = "dapo": completions cut at rl.max_new_tokens take no part in the policy
+    loss (DAPO's overlong filtering)."""
+
+    overlong_buffer: int = 0
+    """rl.loss = "dapo": DAPO's soft overlong punishment over the last this many tokens of
+    the rl.max_new_tokens budget (the reward falls linearly to -rl.overlong_penalty at the
+    budget); 0 = off."""
+
+    overlong_penalty: float = 1.0
+    """rl.loss = "dapo": the soft overlong punishment at the full budget (its factor)."""
 
     scale_advantages: bool = True
     """Divide group-centred rewards by the group's std (GRPO); off = centring only (Dr. GRPO)."""

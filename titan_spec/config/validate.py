@@ -109,6 +109,14 @@ def _rl(c: RLConfig) -> None:
     check(0 <= c.clip_low < 1, "rl.clip_low", c.clip_low, "in [0, 1)")
     check(c.clip_high >= 0, "rl.clip_high", c.clip_high, ">= 0")
     check(c.kl_beta >= 0, "rl.kl_beta", c.kl_beta, ">= 0")
+    check(0 <= c.overlong_buffer < c.max_new_tokens, "rl.overlong_buffer", c.overlong_buffer,
+          f">= 0 and < rl.max_new_tokens = {c.max_new_tokens} (0 = off)")
+    check(c.overlong_penalty >= 0, "rl.overlong_penalty", c.overlong_penalty, ">= 0")
+    if c.loss != "dapo":
+        for key, value, off in (("overlong_filter", c.overlong_filter, False), ("overlong_buffer", c.overlong_buffer, 0)):
+            if value != off:
+                raise ConfigError(f"rl.{key} = {value!r} is DAPO's: it needs rl.loss = 'dapo' (rl.loss is {c.loss!r})",
+                                  key=f"rl.{key}")
     check(c.baseline_interval >= 0, "rl.baseline_interval", c.baseline_interval, ">= 0 (0 = never)")
     check(c.rollout_retries >= 0, "rl.rollout_retries", c.rollout_retries, ">= 0")
     check(c.ppo_epochs >= 1, "rl.ppo_epochs", c.ppo_epochs, ">= 1")
@@ -136,6 +144,7 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
         if type(section) in SECTION_CHECKS:
             SECTION_CHECKS[type(section)](section)
     t, p = cfg.training, cfg.parallelism
+    _moe_balance(cfg)
     check(t.steps >= 1, "training.steps", t.steps, ">= 1")
     check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
     check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, ">= 1")
@@ -186,18 +195,52 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
             )
     m = document_multiple(cfg)
     check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
-    for name in ("tensor_parallel_degree", "expert_parallel_degree"):
-        if getattr(p, name) > 1:
+    if p.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree} is not supported yet; titan_spec runs "
+            "data parallel (FSDP), pipeline parallel, context parallel and (MoE SFT) expert parallel now"
+        )
+    ep = p.expert_parallel_degree
+    if ep > 1:
+        # torchtitan's EP (all-to-all token dispatch) runs on gloo and NCCL; titan_spec runs it
+        # for MoE SFT / offline-draft steps over the FSDP ranks only (the RL weight push, CP and
+        # PP with EP are untested here, so they are errors rather than guesses).
+        unsupported = [k for k, v in (("rl.enable", cfg.rl.enable), ("parallelism.pipeline_parallel_degree > 1",
+                  p.pipeline_parallel_degree > 1), ("parallelism.context_parallel_degree > 1", cp > 1)) if v]
+        if unsupported:
             raise ConfigError(
-                f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
-                "parallel (FSDP), pipeline parallel and context parallel now"
-            )
+                f"parallelism.expert_parallel_degree = {ep} with {', '.join(unsupported)} is not supported; expert "
+                "parallelism runs SFT / offline-draft steps of a MoE target over the FSDP ranks only", key="parallelism.expert_parallel_degree")
+        dp_shard = shard if shard != -1 else world_size // max(others, 1)
+        if dp_shard % ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep} must divide the {dp_shard} FSDP ranks "
+                "(parallelism.data_parallel_shard_degree): the experts are split over a subset of them",
+                key="parallelism.expert_parallel_degree")
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)
 
 
+def _moe_balance(cfg: TitanSpecConfig) -> None:
+    """model.moe_load_balance_coeff > 0 trains a routing bias that neither an HF Qwen3-MoE
+    checkpoint nor SGLang's Qwen3-MoE can hold (models/moe.py)."""
+    coeff = cfg.model.moe_load_balance_coeff
+    check(coeff >= 0, "model.moe_load_balance_coeff", coeff, ">= 0 (0 = off)")
+    if coeff > 0:
+        where = [f"job.export_hf = {cfg.job.export_hf!r}"] if cfg.job.export_hf else []
+        where += ["rollout.engine = 'sglang'"] if cfg.rollout.engine == "sglang" and cfg.rl.enable else []
+        if where:
+            raise ConfigError(
+                f"model.moe_load_balance_coeff = {coeff} trains a routing bias that HF Qwen3-MoE checkpoints and "
+                f"SGLang do not have, so {' and '.join(where)} would route tokens differently from the trained "
+                "model; set it to 0 (or train without them)", key="model.moe_load_balance_coeff")
+
+
 def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
+    if cfg.rl.loss == "gspo" and cfg.parallelism.context_parallel_degree > 1:
+        raise ConfigError("rl.loss = 'gspo' with parallelism.context_parallel_degree > 1: its sequence ratio needs "
+                          "each completion whole on one rank; use cp = 1", key="rl.loss")
     if cfg.rollout.engine == "sglang" and world_size > 1 and cfg.rollout.sglang.tp_size > 1:
         raise ConfigError(
             f"rollout.sglang.tp_size = {cfg.rollout.sglang.tp_size} with {world_size} trainer processes: "

@@ -20,12 +20,13 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from titan_spec.platform import load_full_state_dict
+from titan_spec.models.moe import expert_biases
 from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_config, build_target_config
 
 __all__ = [
     "read_hf_arch", "read_hf_state_dict", "load_hf_into", "save_hf",
     "write_safetensors_dir", "HFCheckpointError", "read_safetensors_header", "check_hf_weights",
-    "expected_hf_shapes",
+    "expected_hf_shapes", "check_no_routing_bias",
 ]
 
 _INDEX = "model.safetensors.index.json"
@@ -145,6 +146,9 @@ def load_hf_into(model: nn.Module, path: str, arch: Arch, stage: bool = False) -
         raise HFCheckpointError(f"{path} does not match the target: {'; '.join(diff)}")
     hf_sd = read_hf_state_dict(path)
     sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).from_hf(hf_sd)
+    # HF Qwen3-MoE has no routing bias: the model's bias buffers start at 0 (HF's routing).
+    for k, v in expert_biases(model.state_dict()).items():
+        sd.setdefault(k, torch.zeros(v.shape, dtype=v.dtype))
     if stage:
         own = model.state_dict()
         sd = {k: v for k, v in sd.items() if k in own}
@@ -162,11 +166,26 @@ def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.
     sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in model.state_dict().items()}
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    check_no_routing_bias(sd, f"the HF export to {path}")
     hf_sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).to_hf(sd)
     hf_sd = {k: v.detach().to(dtype).contiguous() for k, v in hf_sd.items()}
     cfg = arch_to_hf_config(arch)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     write_safetensors_dir(path, hf_sd, cfg)
+
+
+def check_no_routing_bias(state: dict[str, torch.Tensor], what: str) -> None:
+    """ValueError when a MoE target's routing bias (torchtitan's load balancing, models/moe.py)
+    has moved off 0: HF Qwen3-MoE (and SGLang's) has no place for it, so ``what`` would
+    route tokens differently from the trained model."""
+    moved = [k for k, v in expert_biases(state).items()
+             if bool(((v.full_tensor() if isinstance(v, DTensor) else v) != 0).any())]
+    if moved:
+        raise ValueError(
+            f"{what}: the routing bias of {len(moved)} MoE layer(s) ({moved[0]}, ...) is not 0 "
+            "(model.moe_load_balance_coeff > 0 trained it); HF Qwen3-MoE has no routing bias, so it would "
+            "route tokens differently from the trained model"
+        )
 
 
 def _publish(path: str) -> None:
