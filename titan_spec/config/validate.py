@@ -191,12 +191,11 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                               "supported yet (the RL loop does not shard its batches); use cp = 1")
     m = document_multiple(cfg)
     check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
-    for name in ("tensor_parallel_degree", "expert_parallel_degree"):
-        if getattr(p, name) > 1:
-            raise ConfigError(
-                f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
-                "parallel (FSDP), pipeline parallel and context parallel now"
-            )
+    if p.expert_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {p.expert_parallel_degree} is not supported; titan_spec's "
+            "targets are dense (Qwen3 / Llama3 without experts): use 1"
+        )
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)
