@@ -191,6 +191,8 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                               "supported yet (the RL loop does not shard its batches); use cp = 1")
     m = document_multiple(cfg)
     check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
+    if p.tensor_parallel_degree > 1:
+        _validate_tp(cfg)
     if p.expert_parallel_degree > 1:
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {p.expert_parallel_degree} is not supported; titan_spec's "
@@ -201,13 +203,51 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
         _validate_rl(cfg, world_size)
 
 
+def _validate_tp(cfg: TitanSpecConfig) -> None:
+    """What tensor parallelism needs of the config alone (the target's head and FFN sizes
+    are checked against it where the architecture is known: titan_spec.train)."""
+    p, tp = cfg.parallelism, cfg.parallelism.tensor_parallel_degree
+    if p.spmd_backend != "partial_dtensor":
+        # spmd_types hands the modules plain local shards (taps and logits would reach the
+        # draft sharded); full_dtensor also makes the data-parallel and CP axes DTensors,
+        # which titan_spec's document attention and ring do not take.
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {tp} needs parallelism.spmd_backend = 'partial_dtensor' "
+            f"(DTensor on the tp mesh only), not {p.spmd_backend!r}", key="parallelism.spmd_backend")
+    if p.pipeline_parallel_degree > 1:
+        # Measured: a later stage's input arrives as a plain tensor and torchtitan 0.3.0's norm
+        # plan names it "input" where torch's RMSNorm.forward takes "x", so it is never made a
+        # DTensor and the first block mixes it with its DTensor weights.
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {tp} with pipeline_parallel_degree = "
+            f"{p.pipeline_parallel_degree} is not supported (torchtitan 0.3.0's TP plan cannot take a later "
+            "pipeline stage's input); tensor parallelism composes with FSDP and context parallelism: use "
+            "pipeline_parallel_degree = 1", key="parallelism.tensor_parallel_degree")
+    cp = p.context_parallel_degree
+    divisor = tp * (2 * cp if cp > 1 else 1)
+    if p.enable_sequence_parallel and cfg.training.seq_len % divisor:
+        # Sequence parallelism splits every row's positions over the tp ranks: torchtitan's
+        # Trainer checks this (times 2 * cp) only after every process has started.
+        check(False, "training.seq_len", cfg.training.seq_len,
+              f"a multiple of {divisor} = parallelism.tensor_parallel_degree {tp}"
+              + (f" x 2 * context_parallel_degree {cp}" if cp > 1 else "")
+              + " under sequence parallelism (or set parallelism.enable_sequence_parallel = false)")
+
+
 def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.rollout.engine == "sglang" and world_size > 1 and cfg.rollout.sglang.tp_size > 1:
         raise ConfigError(
             f"rollout.sglang.tp_size = {cfg.rollout.sglang.tp_size} with {world_size} trainer processes: "
             "one SGLang server runs per rank on that rank's GPU, so tp_size must be 1 (docs/rollout_engine.md)"
         )
-    dp = world_size // max(cfg.parallelism.context_parallel_degree * cfg.parallelism.pipeline_parallel_degree, 1)
+    p = cfg.parallelism
+    if cfg.rollout.engine == "sglang" and p.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"rollout.engine = 'sglang' with parallelism.tensor_parallel_degree = {p.tensor_parallel_degree} is not "
+            "supported: the tp ranks of a data-parallel group must train on one identical batch, which only the "
+            "built-in engine guarantees (rollout.engine = 'torch'); or use tensor_parallel_degree = 1",
+            key="rollout.engine")
+    dp = world_size // max(p.context_parallel_degree * p.pipeline_parallel_degree * p.tensor_parallel_degree, 1)
     if cfg.rl.prompts_per_step % max(dp, 1):
         raise ConfigError(
             f"rl.prompts_per_step = {cfg.rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"

@@ -46,7 +46,7 @@ from titan_spec.models.registry import build_target_config
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
-from titan_spec.rl.rollouts import RolloutWorker, full_policy_state
+from titan_spec.rl.rollouts import RolloutWorker, check_same_rollouts, full_policy_state
 from titan_spec.rollout.base import SamplingParams
 from titan_spec.trainer import SpecTrainer
 
@@ -156,6 +156,9 @@ class RLTrainer(SpecTrainer):
             seed=(self.config.spec.task.seed * 1_000_003 + step_index) * 4096 + self.dataloader.dp_rank,
         )
         rollouts, stats = self.worker.generate(prompts, sampling)
+        if self.parallel_dims.tp_enabled:  # every tp rank generated the group's batch: one batch
+            check_same_rollouts(rollouts, self.parallel_dims.get_mesh("tp").get_group(), self.device,
+                                f"tensor-parallel ranks of data-parallel rank {self.dataloader.dp_rank}")
         baselines = {}
         if rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0):
             baselines = self.worker.baselines(prompts, sampling)
