@@ -73,8 +73,6 @@ MALFORMED = [
      ["training.seq_len = 132", "a multiple of 8 = parallelism.tensor_parallel_degree 2 x 2 * context_parallel_degree 2"]),
     ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\npipeline_parallel_degree = 2\n", [], 4,
      ["tensor_parallel_degree = 2 with pipeline_parallel_degree = 2 is not supported", "composes with FSDP and context parallelism"]),
-    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\n[rl]\nenable = true\n[speculative]\nenabled = false\n[rollout]\nengine = 'sglang'\n", [], 2,
-     ["rollout.engine = 'sglang' with parallelism.tensor_parallel_degree = 2 is not supported", "rollout.engine = 'torch'"]),
     ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 2\nspmd_backend = 'partial_dtensor'\n[rl]\nenable = true\nprompts_per_step = 3\n[speculative]\nenabled = false\n", [], 4, ["rl.prompts_per_step = 3", "multiple of the 2 data-parallel ranks"]),
     ("[parallelism]\ncontext_parallel_degree = 2\n", [], 3, ["cp = 2 does not divide the 3 processes"]),
     ("[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 130\n", [], 2,

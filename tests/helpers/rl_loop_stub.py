@@ -73,12 +73,14 @@ def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, 
     fake = SimpleNamespace(
         tokenizer=tok, rl=rl, step=1, model_parts=[torch.nn.Linear(2, 2)], draft_training=None, worker=worker,
         dataloader=dataloader, parallel_dims=SimpleNamespace(dp_enabled=False), _degenerate_steps=0,
+        generation_group=None,  # one rank alone generates all of its completions
         config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0)),
                                training=SimpleNamespace(seq_len=seq_len)),
     )
     # The real methods, bound to the stand-in.
     fake._warn_if_degenerate = lambda rewards_PG: RLTrainer._warn_if_degenerate(fake, rewards_PG)
     fake._policy_version = lambda: RLTrainer._policy_version(fake)
+    fake.rollout_share = lambda *args: RLTrainer.rollout_share(fake, *args)
     batch = RLTrainer.generate(fake, 0.0)
     rewards_PG = RLTrainer.score(fake, batch)
     (mb,) = RLTrainer.pack(fake, batch, group_advantages(rewards_PG, rl.scale_advantages))

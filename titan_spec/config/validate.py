@@ -184,11 +184,6 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                 f"must be a multiple of 2 * context_parallel_degree = {2 * cp} (or 0 = automatic), so every "
                 "CP shard of a microbatch has the pipeline's static length"
             )
-        # rl.enable alone makes the mode train 'rl' (mode.py); read as the key here because the
-        # mode's contradictions are checked last, in the order the checks always ran.
-        if cfg.rl.enable:
-            raise ConfigError("parallelism.context_parallel_degree > 1 with rl.enable = true is not "
-                              "supported yet (the RL loop does not shard its batches); use cp = 1")
     m = document_multiple(cfg)
     check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
     if p.tensor_parallel_degree > 1:
@@ -241,12 +236,6 @@ def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
             "one SGLang server runs per rank on that rank's GPU, so tp_size must be 1 (docs/rollout_engine.md)"
         )
     p = cfg.parallelism
-    if cfg.rollout.engine == "sglang" and p.tensor_parallel_degree > 1:
-        raise ConfigError(
-            f"rollout.engine = 'sglang' with parallelism.tensor_parallel_degree = {p.tensor_parallel_degree} is not "
-            "supported: the tp ranks of a data-parallel group must train on one identical batch, which only the "
-            "built-in engine guarantees (rollout.engine = 'torch'); or use tensor_parallel_degree = 1",
-            key="rollout.engine")
     dp = world_size // max(p.context_parallel_degree * p.pipeline_parallel_degree * p.tensor_parallel_degree, 1)
     if cfg.rl.prompts_per_step % max(dp, 1):
         raise ConfigError(

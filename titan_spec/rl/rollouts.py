@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import struct
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torchtitan.tools.logging import logger
@@ -41,7 +38,7 @@ from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
 from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
-__all__ = ["RolloutStats", "RolloutWorker", "check_same_rollouts", "full_policy_state"]
+__all__ = ["RolloutStats", "RolloutWorker", "full_policy_state"]
 
 
 @dataclass
@@ -56,6 +53,14 @@ class RolloutStats:
     def of(cls, rollouts: list[Rollout], seconds: float) -> "RolloutStats":
         return cls(sum(len(r.output_ids) for r in rollouts), sum(r.verify_steps for r in rollouts), seconds)
 
+    @classmethod
+    def combined(cls, shares: list["RolloutStats"]) -> "RolloutStats":
+        """Shares generated side by side (rl/sharing.py): their tokens and verify steps
+        add up, their seconds are the slowest share's."""
+        if len(shares) == 1:
+            return shares[0]
+        return cls(sum(s.tokens for s in shares), sum(s.verify_steps for s in shares), max(s.seconds for s in shares))
+
 
 def full_policy_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """The policy's full tensors by plain state-dict name, on every rank (collective under
@@ -64,30 +69,6 @@ def full_policy_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     for part in model_parts:
         out.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
     return out
-
-
-def check_same_rollouts(rollouts: list[Rollout], group, device: torch.device, what: str) -> None:
-    """Raise unless every rank of ``group`` holds the same rollouts (token ids, behaviour
-    log-probs, finish reasons), compared by a digest (one small all-gather).
-
-    Under tensor parallelism the tp ranks of one data-parallel group train on ONE batch:
-    each generates it redundantly from the same pushed (gathered) weights with the same seed,
-    and the built-in engine is deterministic, so the batches are identical by construction;
-    a difference would make the sharded forward mix different batches without any error."""
-    h = hashlib.sha256()
-    for r in rollouts:
-        h.update(struct.pack(f"<{len(r.prompt_ids)}q", *r.prompt_ids))
-        h.update(struct.pack(f"<{len(r.output_ids)}q", *r.output_ids))
-        h.update(struct.pack(f"<{len(r.logprobs)}d", *r.logprobs))
-        h.update(r.finish_reason.encode())
-    mine = torch.tensor(list(h.digest()[:16]), dtype=torch.int64, device=device)  # on the device: NCCL
-    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(seen, mine, group=group)
-    if any(not torch.equal(s, seen[0]) for s in seen):
-        raise RuntimeError(
-            f"the {what} generated different rollouts for the same prompts and seed; they must train on one "
-            "batch (same pushed weights, same seed, a deterministic engine)"
-        )
 
 
 class RolloutWorker:
