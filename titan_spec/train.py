@@ -154,6 +154,20 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
     return d
 
 
+def _check_tensor_parallel(arch, tp: int) -> None:
+    """torchtitan's TP plan shards the query and key/value heads (attention runs on each
+    rank's local heads) and the FFN's hidden dimension over the tp ranks: tp must divide each."""
+    if tp <= 1:
+        return
+    for what, n in (("query heads", arch.n_heads), ("key/value heads", arch.n_kv_heads), ("FFN hidden size", arch.hidden_dim)):
+        if n % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree = {tp} does not divide the target's {n} {what}; "
+                f"allowed: a divisor of n_heads {arch.n_heads}, n_kv_heads {arch.n_kv_heads} and hidden_dim {arch.hidden_dim}",
+                key="parallelism.tensor_parallel_degree",
+            )
+
+
 def _parallelize(parallelize_fn):
     def parallelize(model, **kwargs):
         if kwargs["parallel_dims"].cp_enabled:  # titan_spec's ring, not torch's CP
@@ -178,6 +192,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
             f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}",
             key="training.seq_len",
         )
+    _check_tensor_parallel(arch, cfg.parallelism.tensor_parallel_degree)
     if cfg.parallelism.expert_parallel_degree > 1 and not arch.is_moe:
         raise ConfigError(f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} needs a "
                           "MoE target (model.flavor tiny_moe, 30B-A3B, ... or a Qwen3-MoE checkpoint); this one is dense",

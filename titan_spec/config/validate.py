@@ -196,10 +196,7 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
     m = document_multiple(cfg)
     check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
     if p.tensor_parallel_degree > 1:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree} is not supported yet; titan_spec runs "
-            "data parallel (FSDP), pipeline parallel, context parallel and (MoE SFT) expert parallel now"
-        )
+        _validate_tp(cfg)
     ep = p.expert_parallel_degree
     if ep > 1:
         # torchtitan's EP (all-to-all token dispatch) runs on gloo and NCCL; titan_spec runs it
@@ -237,6 +234,37 @@ def _moe_balance(cfg: TitanSpecConfig) -> None:
                 "model; set it to 0 (or train without them)", key="model.moe_load_balance_coeff")
 
 
+def _validate_tp(cfg: TitanSpecConfig) -> None:
+    """What tensor parallelism needs of the config alone (the target's head and FFN sizes
+    are checked against it where the architecture is known: titan_spec.train)."""
+    p, tp = cfg.parallelism, cfg.parallelism.tensor_parallel_degree
+    if p.spmd_backend != "partial_dtensor":
+        # spmd_types hands the modules plain local shards (taps and logits would reach the
+        # draft sharded); full_dtensor also makes the data-parallel and CP axes DTensors,
+        # which titan_spec's document attention and ring do not take.
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {tp} needs parallelism.spmd_backend = 'partial_dtensor' "
+            f"(DTensor on the tp mesh only), not {p.spmd_backend!r}", key="parallelism.spmd_backend")
+    if p.pipeline_parallel_degree > 1:
+        # Measured: a later stage's input arrives as a plain tensor and torchtitan 0.3.0's norm
+        # plan names it "input" where torch's RMSNorm.forward takes "x", so it is never made a
+        # DTensor and the first block mixes it with its DTensor weights.
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {tp} with pipeline_parallel_degree = "
+            f"{p.pipeline_parallel_degree} is not supported (torchtitan 0.3.0's TP plan cannot take a later "
+            "pipeline stage's input); tensor parallelism composes with FSDP and context parallelism: use "
+            "pipeline_parallel_degree = 1", key="parallelism.tensor_parallel_degree")
+    cp = p.context_parallel_degree
+    divisor = tp * (2 * cp if cp > 1 else 1)
+    if p.enable_sequence_parallel and cfg.training.seq_len % divisor:
+        # Sequence parallelism splits every row's positions over the tp ranks: torchtitan's
+        # Trainer checks this (times 2 * cp) only after every process has started.
+        check(False, "training.seq_len", cfg.training.seq_len,
+              f"a multiple of {divisor} = parallelism.tensor_parallel_degree {tp}"
+              + (f" x 2 * context_parallel_degree {cp}" if cp > 1 else "")
+              + " under sequence parallelism (or set parallelism.enable_sequence_parallel = false)")
+
+
 def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.rl.loss == "gspo" and cfg.parallelism.context_parallel_degree > 1:
         raise ConfigError("rl.loss = 'gspo' with parallelism.context_parallel_degree > 1: its sequence ratio needs "
@@ -246,7 +274,8 @@ def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
             f"rollout.sglang.tp_size = {cfg.rollout.sglang.tp_size} with {world_size} trainer processes: "
             "one SGLang server runs per rank on that rank's GPU, so tp_size must be 1 (docs/rollout_engine.md)"
         )
-    dp = world_size // max(cfg.parallelism.context_parallel_degree * cfg.parallelism.pipeline_parallel_degree, 1)
+    p = cfg.parallelism
+    dp = world_size // max(p.context_parallel_degree * p.pipeline_parallel_degree * p.tensor_parallel_degree, 1)
     if cfg.rl.prompts_per_step % max(dp, 1):
         raise ConfigError(
             f"rl.prompts_per_step = {cfg.rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"
