@@ -72,7 +72,7 @@ def inputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("inputs")
     torch.manual_seed(0)
     arch = with_vocab(flavor_arch("qwen3", "tiny"), CharTokenizer().get_vocab_size())
-    save_hf(build_target_config(arch).build(), str(base / "hf"), arch)
+    save_hf(build_target_config(arch).build(), str(base / "hf"), arch, tokenizer=CharTokenizer())
     d = DraftArch.from_target(arch, (1, 3, 4), 32)
     save_draft(Eagle3Draft(d), str(base / "draft"))
     # Another target width (qwen3/small: 128): its draft does not fit a 64-wide target.
