@@ -28,6 +28,7 @@ import difflib
 import functools
 import importlib
 import math
+import numbers
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -127,10 +128,12 @@ def score(fn: RewardFn, name: str, completions: list[str], problems: list) -> li
         where = getattr(p, "source", "") or repr(p.prompt[:60])
         try:
             value = fn(completion, p.answer, getattr(p, "record", None) or {})
-            value = float(value)
         except Exception as e:
             raise RewardError(f"reward {name!r} raised on record {where}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''} (completion {completion[:80]!r})") from e
+        if not isinstance(value, numbers.Real):
+            raise RewardError(f"reward {name!r} returned {type(value).__name__} {value!r} on record {where}, not a number")
+        value = float(value)
         if not math.isfinite(value):
             raise RewardError(f"reward {name!r} returned {value} on record {where} (completion {completion[:80]!r})")
         out.append(value)

@@ -138,6 +138,12 @@ class HFTokenizer(HuggingFaceTokenizer):
             extra = _read_json(gen).get("eos_token_id")
             stops += [int(i) for i in (extra if isinstance(extra, list) else [extra]) if i is not None]
         self.stop_ids = tuple(dict.fromkeys(stops))
+        # torchtitan re-adds every added token as special (add_special_tokens); transformers'
+        # skip_special_tokens drops only those tokenizer_config.json marks special (Qwen's
+        # <think> stays), and the EOS / pad / BOS.
+        self._special_ids = {int(i) for i, t in (cfg.get("added_tokens_decoder") or {}).items()
+                             if isinstance(t, dict) and t.get("special", True)}
+        self._special_ids |= {i for i in (self.eos_id, self.pad_id, self.bos_id) if i is not None}
         # What transformers passes to a chat template besides the messages (its special_tokens_map).
         self._template_vars = {
             k: self._get_token_from_config(cfg, k)
@@ -159,7 +165,8 @@ class HFTokenizer(HuggingFaceTokenizer):
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids + ([self.eos_id] if add_eos else [])
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids if not (skip_special_tokens and int(i) in self._special_ids)]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, str]], **kwargs) -> str:
         return super().apply_chat_template(messages, **{**self._template_vars, **kwargs})
@@ -195,7 +202,7 @@ def tokenizer_source(kind: str, path: str, hf_checkpoint: str) -> tuple[str, str
     found = saved_tokenizer_kind(where) if os.path.isdir(where) else None
     if found is None:
         raise ConfigError(
-            f"{key} {where!r} has no tokenizer files (tokenizer.json, or vocab.json + merges.txt): set "
+            f"{key}: {where!r} has no tokenizer files (tokenizer.json, or vocab.json + merges.txt): set "
             "tokenizer.path to the model's tokenizer directory, or tokenizer.kind = 'char' for the "
             "embedded task's character tokenizer", key=key)
     if kind == "hf" and found == "char":
