@@ -144,15 +144,16 @@ def write_tiny_qwen3(path, vocab_size: int, seed: int = 0, **kw) -> str:
     return str(path)
 
 
-_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
+_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "int64": ("I64", 8), "bool": ("BOOL", 1)}
 
 
 def write_sparse_safetensors(path, shapes: dict[str, tuple[int, ...]], dtype: str = "bfloat16",
-                             shards: int = 1) -> None:
+                             shards: int = 1, dtypes: dict[str, str] | None = None) -> None:
     """safetensors files whose headers hold ``shapes`` and whose data is absent: the file is
     extended past the header with truncate (a hole, no disk blocks). ``shards`` > 1: named
-    model-0000k-of-0000n.safetensors with a model.safetensors.index.json, as HF shards."""
-    code, size = _DTYPES[dtype]
+    model-0000k-of-0000n.safetensors with a model.safetensors.index.json, as HF shards.
+    ``dtypes``: per-tensor dtypes other than ``dtype``."""
+    os.makedirs(path, exist_ok=True)
     names = sorted(shapes)
     groups = [names[i::shards] for i in range(shards)]
     weight_map = {}
@@ -160,6 +161,7 @@ def write_sparse_safetensors(path, shapes: dict[str, tuple[int, ...]], dtype: st
         fname = "model.safetensors" if shards == 1 else f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for n in group:
+            code, size = _DTYPES[(dtypes or {}).get(n, dtype)]
             nbytes = size
             for d in shapes[n]:
                 nbytes *= d

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.nn_modules import RMSNorm
 
 from titan_spec.models.target import set_norm_eps, to_tapped_config, use_doc_attention
 
-__all__ = ["Arch", "FAMILIES", "flavor_arch", "arch_from_hf_config", "arch_to_hf_config", "build_target_config"]
+__all__ = ["Arch", "FAMILIES", "flavor_arch", "arch_from_hf_config", "arch_to_hf_config", "build_target_config",
+           "parameter_count"]
 
 FAMILIES = ("qwen3", "llama3")
 
@@ -191,6 +193,14 @@ def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq
     # Qwen3's q/k norms are over head_dim with the same eps (HF uses rms_norm_eps for both).
     use_doc_attention(config)
     return to_tapped_config(config, tap_layer_ids)
+
+
+def parameter_count(arch: Arch) -> int:
+    """Parameters of the target ``arch`` builds (on the meta device: nothing allocated); a
+    tied embedding counts once, as model cards count it."""
+    with torch.device("meta"):
+        model = build_target_config(arch).build()
+    return sum(p.numel() for p in model.parameters())
 
 
 def with_vocab(arch: Arch, vocab_size: int) -> Arch:
