@@ -105,7 +105,7 @@ def inputs(tmp_path_factory):
     def drop_tensor(p):
         sd = load_file(str(p / "model.safetensors"))
         del sd["model.layers.3.mlp.up_proj.weight"]
-        write_safetensors_dir(str(p), sd, json.loads((p / "config.json").read_text()))
+        write_safetensors_dir(str(p), sd, json.loads((p / "config.json").read_text()), extra=CharTokenizer().save)
 
     def wider_mlp(p):  # config.json says intermediate_size 256; the tensors are 192
         cfg = json.loads((p / "config.json").read_text())
