@@ -68,6 +68,56 @@ def test_chat_template_renders_as_transformers(tok_dir, reference, kwargs, syste
     assert fmt.ids(p) == list(ref_ids)
 
 
+def test_template_bos_is_not_added_twice(tok_dir, tmp_path):
+    """A template that writes its own BOS (Llama-3 style): the prompt ids are transformers'
+    tokenized chat, BOS once; without a template the prompt text gets one BOS."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path / "bos"
+    shutil.copytree(tok_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["bos_token"] = "<|endoftext|>"
+    cfg["chat_template"] = "{{ bos_token }}" + cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok, ref = HFTokenizer(tokenizer_path=str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    p = Problem("What is 3 plus 4?", "7")
+    ids = PromptFormat(TaskConfig(), tok).ids(p)
+    want = ref.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=True, add_generation_prompt=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert ids == want and ids.count(tok.bos_id) == 1
+    raw = PromptFormat(TaskConfig(chat_template="off"), tok).ids(p)
+    assert raw == [tok.bos_id] + ref(p.prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_sft_and_rl_prompts_are_the_same_ids(tok_dir, reference, tmp_path):
+    """The loader's prompt ids (what RLTrainer.generate sends to the engine) are the chat
+    template's, and every SFT document starts with them; the embedded task keeps its ids."""
+    import random
+
+    from titan_spec.data.loader import TaskDataLoader
+
+    recs = gsm8k_records(6)
+    task = _task(write_jsonl(tmp_path / "g.jsonl", recs), chat_template_kwargs={"enable_thinking": False})
+    tok = HFTokenizer(tokenizer_path=tok_dir)
+    loader = TaskDataLoader(TaskDataLoader.Config(task=task), dp_world_size=1, dp_rank=0, tokenizer=tok,
+                            seq_len=512, local_batch_size=1)
+    p = loader.task.problems[0]
+    want = reference.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=True,
+                                         add_generation_prompt=True, enable_thinking=False)
+    assert loader.prompt_ids(p) == list(want["input_ids"] if hasattr(want, "keys") else want)
+    first = loader.task.sample(random.Random(task.seed * 1_000_003 + 0))
+    row = loader._global_batch(0).input_BL[0].tolist()
+    ids = loader.prompt_ids(first)
+    assert row[:len(ids)] == ids
+    assert row[len(ids):len(ids) + len(tok.encode(first.sft_target)) + 1] == tok.encode(first.sft_target, add_eos=True)
+    char = CharTokenizer()
+    plain = TaskDataLoader(TaskDataLoader.Config(), dp_world_size=1, dp_rank=0, tokenizer=char, seq_len=64,
+                           local_batch_size=1)
+    q = plain.task.sample(random.Random(0))
+    assert plain.prompt_ids(q) == char.encode(q.prompt, add_bos=True)
+
+
 def test_saved_tokenizers_reload_as_the_same(tok_dir, tmp_path):
     tok = HFTokenizer(tokenizer_path=tok_dir)
     tok.save(str(tmp_path / "saved"))
