@@ -158,6 +158,9 @@ def test_chat_template_jinja_file_wins(tok_dir, tmp_path):
     ("The answer is $\\boxed{\\frac{3}{4}}$", "\\frac{3}{4}", 1.0),
     ("\\boxed{\\frac34}", "0.75", 1.0),
     ("3+4=7\n#### 7", "7", 1.0),
+    ("\\boxed{\\sqrt 2}", "\\sqrt{2}", 1.0),  # a bare LaTeX reference answer is read as math ($...$)
+    ("\\boxed{2}", "2\\pi", 0.0),
+    ("\\boxed{3}", "3\\sqrt{13}", 0.0),
     ("\\boxed{\\frac{3}{5}}", "\\frac{3}{4}", 0.0),
     ("\\boxed{41}", "42", 0.0),
     ("I do not know", "42", 0.0),
