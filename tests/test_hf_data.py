@@ -197,6 +197,41 @@ def test_user_reward_by_dotted_path(tmp_path, monkeypatch):
         rewards.score(rewards.reward_fn("my_rewards:nan"), "my_rewards:nan", ["abc"], probs)
 
 
+def test_a_raising_reward_stops_the_run_with_one_line_naming_the_record(capsys):
+    """RLTrainer.score through the registry: a reward that raises is a RewardError naming the
+    record; train_and_close prints it as one line and returns 1 (no DONE), not a traceback."""
+    from types import SimpleNamespace
+
+    from titan_spec.rl.trainer import RLTrainer
+    from titan_spec.train import train_and_close
+
+    def boom(completion, answer, record):
+        raise ZeroDivisionError("division by zero")
+
+    tok = CharTokenizer()
+    fake = SimpleNamespace(rl=SimpleNamespace(group_size=2), tokenizer=tok, reward=boom, _warn_if_degenerate=print,
+                           config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(reward="mine:boom"))))
+    batch = SimpleNamespace(problems=[Problem("1+1=", "2", source="train.jsonl:7")],
+                            rollouts=[SimpleNamespace(output_ids=tok.encode("2", add_eos=True))] * 2)
+    with pytest.raises(rewards.RewardError) as e:
+        RLTrainer.score(fake, batch)
+    assert str(e.value) == ("reward 'mine:boom' raised on record train.jsonl:7: ZeroDivisionError: division by zero "
+                            "(completion '2')")
+
+    class Trainer:
+        closed = False
+
+        def train(self):
+            raise e.value
+
+        def close(self):
+            Trainer.closed = True
+
+    capsys.readouterr()
+    assert train_and_close(SimpleNamespace(build=Trainer)) == 1 and Trainer.closed
+    assert capsys.readouterr().err.splitlines() == [f"titan_spec: {e.value}"]
+
+
 def test_reward_names_are_checked():
     with pytest.raises(ConfigError, match=r"task.reward = 'mathh' is not a reward \(did you mean 'math'\?\)"):
         rewards.check_reward("mathh")

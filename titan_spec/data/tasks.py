@@ -102,7 +102,8 @@ class JsonlTask:
                     answer = str(row["answer"]).split("####")[-1].strip()
                     if "####" not in str(row["answer"]) or not answer:
                         raise ValueError("answer has no final value after '####'")
-                    self.problems.append(Problem(prompt=str(row["question"]).strip() + "\n", answer=answer))
+                    self.problems.append(Problem(prompt=str(row["question"]).strip() + "\n", answer=answer,
+                                                 source=f"{path}:{lineno}", record=row))
                 except (ValueError, KeyError, TypeError) as e:
                     why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                     self.errors.append(f"{path}:{lineno}: {why}")
