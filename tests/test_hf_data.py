@@ -328,3 +328,24 @@ def test_bad_inputs_are_one_line_each(capsys, tiny_ckpt, tok_dir, tmp_path):
     # The same checkpoint with its tokenizer named passes, and so does 'char' (the built-in ids).
     assert _check(capsys, "--model.hf_checkpoint", ckpt, "--tokenizer.path", tok_dir, *dataset,
                   "--task.reward", "math") == (0, [])
+
+
+def test_sglang_serves_the_trainers_tokenizer(tok_dir, tmp_path):
+    """With the SGLang engine, a tokenizer.path other than the served checkpoint's must hold
+    the same tokenizer.json (SGLang serves the checkpoint directory with its own files)."""
+    import shutil
+
+    from titan_spec.config import load_config
+    from titan_spec.train import _check_sglang_tokenizer
+
+    served, same = tmp_path / "served", tmp_path / "same"
+    CharTokenizer().save(str(served))
+    shutil.copytree(served, same)
+
+    def check(path):
+        _check_sglang_tokenizer(load_config(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", str(served),
+                                                   "--tokenizer.path", path], check_paths=False))
+
+    check(str(same))
+    with pytest.raises(ConfigError, match="is not the tokenizer SGLang serves model.hf_checkpoint"):
+        check(tok_dir)
