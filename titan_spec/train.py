@@ -295,8 +295,16 @@ def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:
     ours, served = cfg.tokenizer.path, cfg.model.hf_checkpoint
     if not ours or not served or os.path.realpath(ours) == os.path.realpath(served):
         return
-    a, b = (os.path.join(d, "tokenizer.json") for d in (ours, served))
-    if os.path.isfile(b) and (not os.path.isfile(a) or open(a, "rb").read() != open(b, "rb").read()):
+
+    def content(d: str) -> bytes | None:
+        f = os.path.join(d, "tokenizer.json")
+        if not os.path.isfile(f):
+            return None
+        with open(f, "rb") as fh:
+            return fh.read()
+
+    served_json = content(served)
+    if served_json is not None and content(ours) != served_json:
         raise ConfigError(
             f"tokenizer.path {ours!r} is not the tokenizer SGLang serves model.hf_checkpoint {served!r} with "
             "(their tokenizer.json differ): leave tokenizer.path empty, or copy the tokenizer into the checkpoint",
