@@ -31,8 +31,10 @@ from titan_spec.config import (
     ConfigError, TitanSpecConfig, check_paths, document_multiple, load_config, locate, quiet_torchtitan,
 )
 from titan_spec.data.loader import TaskDataLoader
+from titan_spec.data.prompts import PromptFormat
+from titan_spec.data.rewards import RewardError, check_reward
 from titan_spec.data.tasks import check_task_file
-from titan_spec.data.tokenizer import CharTokenizer
+from titan_spec.data.tokenizer import build_tokenizer, tokenizer_config, tokenizer_source
 from titan_spec.draft_training import under_dump_folder
 from titan_spec.finite import NonFiniteStop
 from titan_spec.config.draft_kinds import tap_ids_problem
@@ -66,10 +68,29 @@ class Made:
     """Arch of the policy it exports there (job.export_hf), or None."""
     draft: Any = None
     """Arch of the draft it exports there (draft.export_dir; its draft kind's arch), or None."""
+    tokenizer: tuple[str, str] | None = None
+    """The tokenizer it saves with its policy export: (kind, source directory), or None."""
 
 
 def _made(made: dict[str, Made] | None, path: str) -> Made | None:
     return (made or {}).get(os.path.abspath(path)) if path else None
+
+
+def resolve_tokenizer(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> tuple[str, str]:
+    """(kind, directory) of the run's tokenizer (data/tokenizer.py ``tokenizer_source``); a
+    directory an earlier run of the chain exports to holds that run's tokenizer (``Made``)."""
+    t = cfg.tokenizer
+    where = t.path or cfg.model.hf_checkpoint
+    promise = _made(made, where)
+    if promise is not None and t.kind != "char":
+        if promise.tokenizer is None:
+            key = "tokenizer.path" if t.path else "model.hf_checkpoint"
+            raise ConfigError(f"{key} {where!r} is where {promise.run} exports its draft, which carries no "
+                              "tokenizer", key=key)
+        return promise.tokenizer
+    if promise is not None:
+        return "char", ""
+    return tokenizer_source(t.kind, t.path, cfg.model.hf_checkpoint)
 
 
 def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | None = None):
@@ -90,9 +111,11 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
                 f"model.name = {cfg.model.name!r} but {path} holds a {arch.family} model", key="model.name"
             )
         if arch.vocab_size < vocab_size:
+            src = cfg.tokenizer.path or path
             raise ConfigError(
-                f"{path} has a vocabulary of {arch.vocab_size}, smaller than the "
-                f"tokenizer's {vocab_size}", key="model.hf_checkpoint"
+                f"the tokenizer of {src} has ids up to {vocab_size - 1}, but {path} has a vocabulary of "
+                f"{arch.vocab_size} (ids >= {arch.vocab_size} have no embedding): the tokenizer does not fit the model",
+                key="tokenizer.path" if cfg.tokenizer.path else "model.hf_checkpoint"
             )
         if promise is None:
             try:
@@ -101,7 +124,13 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
                 raise ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint") from None
         return arch
     arch = flavor_arch(cfg.model.name, cfg.model.flavor)
-    return with_vocab(arch, vocab_size) if cfg.model.vocab_from_tokenizer else arch
+    arch = with_vocab(arch, vocab_size) if cfg.model.vocab_from_tokenizer else arch
+    if arch.vocab_size < vocab_size:
+        raise ConfigError(
+            f"the tokenizer has ids up to {vocab_size - 1}, but model.flavor {cfg.model.flavor!r} has a vocabulary of "
+            f"{arch.vocab_size} with model.vocab_from_tokenizer = false: the tokenizer does not fit the model",
+            key="model.vocab_from_tokenizer")
+    return arch
 
 
 def tap_ids_for(cfg: TitanSpecConfig, n_layers: int, kind: DraftKind | None = None) -> tuple[int, ...]:
@@ -182,7 +211,15 @@ def _parallelize(parallelize_fn):
 def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
     """titan_spec's TOML config -> torchtitan's Trainer.Config (the parent's wiring).
     ``made``: input directories an earlier run of the chain writes (see ``Made``)."""
-    tok = CharTokenizer()
+    if cfg.model.hf_checkpoint and _made(made, cfg.model.hf_checkpoint) is None:
+        try:  # the checkpoint's own config.json first: it says more than its tokenizer files
+            read_hf_arch(cfg.model.hf_checkpoint)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint") from None
+    tok_kind, tok_path = resolve_tokenizer(cfg, made)
+    # A promised directory's tokenizer is its source's (the same files, copied there later).
+    tok = build_tokenizer(tok_kind, tok_path)
+    PromptFormat(cfg.task, tok)  # the chat-template keys fit this tokenizer (ConfigError otherwise)
     arch = resolve_arch(cfg, tok.get_vocab_size(), made)
     # Taps are read only when the draft trains from them; the LM step returns logits.
     draft_arch = draft_arch_for(cfg, arch, made)  # validates tap ids and draft vocab even when unused
@@ -243,7 +280,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         dump_folder=cfg.job.dump_folder,
         profiler=cfg.profiler,
         metrics=cfg.metrics,
-        tokenizer=CharTokenizer.Config(),
+        tokenizer=tokenizer_config(tok_kind, tok_path),
         dataloader=TaskDataLoader.Config(
             task=cfg.task, step_rows=cfg.training.local_batch_size, document_multiple=document_multiple(cfg)
         ),
@@ -272,8 +309,34 @@ def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> N
     made = made or {}
     check_paths(cfg, made)
     check_task_file(cfg.task)
+    check_reward(cfg.task.reward)
     written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
     check_sglang_config(cfg, files=not written)
+    if cfg.rollout.engine == "sglang" and not written:
+        _check_sglang_tokenizer(cfg)
+
+
+def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:
+    """SGLang serves model.hf_checkpoint with ITS tokenizer files (token ids in and out, but
+    its EOS handling and any text it reports are that directory's): a tokenizer.path
+    elsewhere must hold the same tokenizer.json, or the engines disagree on the ids."""
+    ours, served = cfg.tokenizer.path, cfg.model.hf_checkpoint
+    if not ours or not served or os.path.realpath(ours) == os.path.realpath(served):
+        return
+
+    def content(d: str) -> bytes | None:
+        f = os.path.join(d, "tokenizer.json")
+        if not os.path.isfile(f):
+            return None
+        with open(f, "rb") as fh:
+            return fh.read()
+
+    served_json = content(served)
+    if served_json is not None and content(ours) != served_json:
+        raise ConfigError(
+            f"tokenizer.path {ours!r} is not the tokenizer SGLang serves model.hf_checkpoint {served!r} with "
+            "(their tokenizer.json differ): leave tokenizer.path empty, or copy the tokenizer into the checkpoint",
+            key="tokenizer.path")
 
 
 def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
@@ -335,7 +398,8 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
         if cfg.job.export_hf:
             # What save_hf writes and read_hf_arch reads back: the config.json round trip.
             arch = arch_from_hf_config(arch_to_hf_config(tc.arch))
-            made[os.path.abspath(under_dump_folder(dump, cfg.job.export_hf))] = Made(run=p, hf=arch)
+            made[os.path.abspath(under_dump_folder(dump, cfg.job.export_hf))] = Made(
+                run=p, hf=arch, tokenizer=resolve_tokenizer(cfg, made))
         if tc.draft_arch is not None and cfg.draft.export_dir:
             made[os.path.abspath(under_dump_folder(dump, cfg.draft.export_dir))] = Made(run=p, draft=tc.draft_arch)
     return [p for p, _ in order]
@@ -402,13 +466,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
     """Build, train (export, DONE) and close one run; the exit status. A run stopped by the
-    finiteness guard or by a checkpoint it cannot resume from prints one line and returns 1
+    finiteness guard, by a checkpoint it cannot resume from or by a reward that raised prints one line and returns 1
     (no DONE: run_train.sh does not treat it as finished)."""
     trainer = None
     try:
         trainer = trainer_config.build()
         trainer.train()
-    except (NonFiniteStop, CheckpointCorrupt) as e:
+    except (NonFiniteStop, CheckpointCorrupt, RewardError) as e:
         # One write: the line of each rank stays whole even with unbuffered stderr.
         sys.stderr.write(f"titan_spec: {e}\n")
         sys.stderr.flush()

@@ -279,7 +279,7 @@ class SpecTrainer(Trainer):
         if job.export_hf:
             path = under_dump_folder(self.config.dump_folder, job.export_hf)
             for part in self.model_parts:
-                save_hf(part, path, self.config.arch)
+                save_hf(part, path, self.config.arch, tokenizer=self.tokenizer)
             logger.info(f"Exported the policy (HF format) to {path}")
         if self.draft_training is not None and spec.draft.export_dir:
             path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)

@@ -24,7 +24,7 @@ from torchtitan.tools.profiler import Profiler
 from titan_spec.config.mode import RunMode, run_mode
 
 __all__ = [
-    "TrainingConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
+    "TrainingConfig", "JobConfig", "ModelConfig", "TokenizerConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
     "DraftConfig", "SpeculativeConfig", "SGLangConfig", "RolloutConfig", "RLConfig", "TitanSpecConfig",
 ]
 
@@ -82,6 +82,22 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class TokenizerConfig:
+    """[tokenizer]: which tokenizer the trainer and the rollout engines share
+    (titan_spec/data/tokenizer.py); it is saved with the run and into every HF export."""
+
+    kind: Literal["auto", "char", "hf"] = "auto"
+    """'auto': what the tokenizer directory holds (tokenizer.path, else model.hf_checkpoint):
+    HF tokenizer files (tokenizer.json, tokenizer_config.json, chat template) or a character
+    vocabulary saved by titan_spec; with neither directory set, the embedded task's character
+    tokenizer. 'hf': that directory's HF tokenizer. 'char': the character tokenizer."""
+
+    path: str = ""
+    """The tokenizer's directory ('' = model.hf_checkpoint). A checkpoint directory without
+    tokenizer files is a config error unless this or kind = 'char' says where the ids come from."""
+
+
+@dataclass(kw_only=True)
 class OptimizerConfig:
     name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer of the policy (the optimizers torchtitan builds)."""
@@ -113,15 +129,54 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer after '####')."""
+    name: Literal["arithmetic", "jsonl", "dataset"] = "arithmetic"
+    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer
+    after '####'); 'dataset': records of a local JSONL / JSON / Parquet file read with the HF
+    datasets library (GSM8K, MATH, DAPO-Math as distributed; the prompt_field / answer_field
+    keys), prompts through the tokenizer's chat template."""
 
     path: str = ""
-    """The JSONL file when name = 'jsonl'."""
+    """The JSONL file (name = 'jsonl'), or the .jsonl / .json / .parquet file (name = 'dataset')."""
 
     on_malformed: Literal["reject", "skip"] = "reject"
-    """A JSONL line that is not a question with a '####' answer: 'reject' stops before the run
-    starts (naming the lines), 'skip' drops those lines with a warning naming them."""
+    """A record without a usable prompt and answer (a JSONL line that is not a question with a
+    '####' answer): 'reject' stops before the run starts (naming the records), 'skip' drops
+    them with a warning naming them."""
+
+    prompt_field: str = "question"
+    """name = 'dataset': the record's prompt: a string, or a list of {role, content} chat
+    messages (DAPO-Math's 'prompt'); dots reach into nested records. GSM8K: 'question';
+    MATH: 'problem'."""
+
+    answer_field: str = "answer"
+    """name = 'dataset': the record's reference answer (dots reach into nested records:
+    DAPO-Math's 'reward_model.ground_truth'); the final answer is taken from it by
+    answer_format, and SFT demonstrations show the whole field. GSM8K: 'answer'; MATH: 'solution'."""
+
+    answer_format: Literal["auto", "gsm8k", "boxed", "plain"] = "auto"
+    """How the final answer is read from answer_field: 'gsm8k' after the last '####', 'boxed'
+    the last \\boxed{...}, 'plain' the whole field; 'auto': gsm8k where '####' occurs, else
+    boxed where \\boxed occurs, else plain."""
+
+    prompt_template: str = "{prompt}"
+    """The user message: this text with {prompt} replaced by the record's prompt (string
+    prompts only), e.g. '{prompt} Put the final answer in \\boxed{}.'."""
+
+    system_prompt: str = ""
+    """A system message before the prompt ('' = none); needs a chat template."""
+
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    """Prompts through the tokenizer's chat template (with the generation prompt): 'auto' when
+    the tokenizer has one, 'on' requires one, 'off' encodes the prompt text as it is."""
+
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking = false} (Qwen3)."""
+
+    reward: str = "exact_match"
+    """RL reward of a completion against the record's answer (titan_spec/data/rewards.py):
+    'exact_match', 'math' (math-verify: boxed answers, fractions, LaTeX), 'format' (a final
+    \\boxed{} or '#### x' is present), or a user function 'module:function' with the
+    signature fn(completion: str, answer: str, record: dict) -> float."""
 
     max_operand: int = 99
     """Largest operand of the generated problems (difficulty)."""
@@ -374,6 +429,8 @@ class TitanSpecConfig:
     """[job]: where the run writes, what it exports, which runs come first."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """[model]: the policy/target."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """[tokenizer]: the character tokenizer or a checkpoint's HF tokenizer."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """[task]: the problems (generated arithmetic or a JSONL file)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)

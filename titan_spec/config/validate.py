@@ -60,8 +60,14 @@ def _task(c: TaskConfig) -> None:
         "task.operators", c.operators, "a non-empty subset of '+-*'",
     )
     check(0 <= c.wrong_answer_rate < 1, "task.wrong_answer_rate", c.wrong_answer_rate, "in [0, 1)")
-    if c.name == "jsonl" and not c.path.strip():
-        raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file", key="task.path")
+    if c.name in ("jsonl", "dataset") and not c.path.strip():
+        raise ConfigError(f"task.path is empty but task.name = {c.name!r} needs a "
+                          f"{'JSONL' if c.name == 'jsonl' else 'JSONL or Parquet'} file", key="task.path")
+    check("{prompt}" in c.prompt_template, "task.prompt_template", c.prompt_template, "a text containing {prompt}")
+    if c.system_prompt and c.chat_template == "off":
+        raise ConfigError("task.system_prompt needs the chat template, but task.chat_template = 'off'",
+                          key="task.system_prompt")
+    check(bool(c.reward.strip()), "task.reward", c.reward, "a reward name or 'module:function'")
 
 
 def _draft(c: DraftConfig) -> None:
@@ -309,7 +315,7 @@ def check_paths(cfg: TitanSpecConfig, made: typing.Container[str] = ()) -> None:
     an earlier run of the job.requires chain writes (``titan_spec.train.plan_runs`` checks
     what they will hold against this run instead). What is inside them, and the task file,
     are checked by ``titan_spec.train.check_inputs``."""
-    for key in ("model.hf_checkpoint", "draft.init_from"):
+    for key in ("model.hf_checkpoint", "draft.init_from", "tokenizer.path"):
         d = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if d and os.path.abspath(d) not in made and not os.path.isdir(d):
             raise ConfigError(f"{key} {d!r} is not a directory", key=key)

@@ -158,8 +158,11 @@ def load_hf_into(model: nn.Module, path: str, arch: Arch, stage: bool = False) -
         raise HFCheckpointError(f"{path}: {e}") from None
 
 
-def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.float32) -> None:
+def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.float32, tokenizer=None) -> None:
     """Write ``model`` as an HF checkpoint at ``path`` (atomically: tmp dir, then rename).
+    ``tokenizer`` (anything with ``save(folder)`` and ``eos_id``): its files go into the same
+    directory, and its EOS / BOS / pad ids into config.json, so the checkpoint serves
+    (SGLang, transformers) and trains again with the ids it was trained on.
 
     Collective under FSDP (every rank must call it); rank 0 writes.
     """
@@ -171,7 +174,11 @@ def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.
     hf_sd = {k: v.detach().to(dtype).contiguous() for k, v in hf_sd.items()}
     cfg = arch_to_hf_config(arch)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    write_safetensors_dir(path, hf_sd, cfg)
+    if tokenizer is not None:
+        for name in ("eos", "bos", "pad"):
+            if getattr(tokenizer, f"{name}_id", None) is not None:
+                cfg[f"{name}_token_id"] = int(getattr(tokenizer, f"{name}_id"))
+    write_safetensors_dir(path, hf_sd, cfg, extra=tokenizer.save if tokenizer is not None else None)
 
 
 def check_no_routing_bias(state: dict[str, torch.Tensor], what: str) -> None:
@@ -198,10 +205,11 @@ def _publish(path: str) -> None:
         os.chmod(os.path.join(path, name), 0o666 & ~umask)
 
 
-def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """``config.json`` + ``model.safetensors`` written to a temporary sibling directory
-    that replaces ``path`` only when complete: an interrupted write leaves the old
-    directory (or nothing), never a half-written one."""
+def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, extra=None) -> None:
+    """``config.json`` + ``model.safetensors`` (+ what ``extra(tmp_dir)`` writes: the
+    tokenizer's files) written to a temporary sibling directory that replaces ``path`` only
+    when complete: an interrupted write leaves the old directory (or nothing), never a
+    half-written one."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
@@ -209,6 +217,8 @@ def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: d
         save_file(tensors, os.path.join(tmp, _SINGLE), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        if extra is not None:
+            extra(tmp)
         _publish(tmp)
         if os.path.exists(path):
             shutil.rmtree(path)

@@ -10,7 +10,7 @@
                the same prompts through the frozen draft and without speculation; the
                ranks of one data-parallel rank (its CP ranks, its pipeline stages) each
                generate a share and exchange them (rl/sharing.py)
-  3 score      rewards (exact match)
+  3 score      rewards (task.reward from the registry, data/rewards.py)
   4 advantages group-relative (rl/grpo.py)
   5 pack       prompt+completion documents into rl.minibatches packed minibatches carrying
                labels, behaviour log-probs and advantages (data/packing.py)
@@ -46,7 +46,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
 from titan_spec.data.packing import Document, pack_documents
-from titan_spec.data.tasks import exact_match_reward
+from titan_spec.data.rewards import reward_fn, score
 from titan_spec.draft_training import initial_draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values
@@ -93,6 +93,7 @@ class RLTrainer(SpecTrainer):
         # step's generation (rl/sharing.py); None when it is alone.
         self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
         self._degenerate_steps = 0
+        self.reward = reward_fn(spec.task.reward)
         self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
         self.last_step: StepRecord | None = None
         """The latest step's record (its metrics are logged from it)."""
@@ -175,7 +176,7 @@ class RLTrainer(SpecTrainer):
         tok, rl = self.tokenizer, self.rl
         step_index = self.dataloader.batch_index
         problems = self.dataloader.next_problems(rl.prompts_per_step)
-        prompts = [tok.encode(p.prompt, add_bos=True) for p in problems for _ in range(rl.group_size)]
+        prompts = [self.dataloader.prompt_ids(p) for p in problems for _ in range(rl.group_size)]
         baselines = bool(rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0))
         seed_base = (self.config.spec.task.seed * 1_000_003 + step_index) * 4096
         n = 1 if self.generation_group is None else dist.get_world_size(self.generation_group)
@@ -195,15 +196,15 @@ class RLTrainer(SpecTrainer):
         """One rank's share of the step's generation: (rollouts, stats, baseline stats)."""
         rl, tok = self.rl, self.tokenizer
         sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-                                  stop_token_ids=(tok.eos_id,), seed=seed)
+                                  stop_token_ids=tuple(tok.stop_ids), seed=seed)
         rollouts, stats = self.worker.generate(prompts, sampling)
         return rollouts, stats, self.worker.baselines(prompts, sampling) if baselines else {}
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """3: rewards_PG of the batch's completions."""
         G, tok = self.rl.group_size, self.tokenizer
-        rewards = [exact_match_reward(tok.decode(r.output_ids), batch.problems[i // G].answer)
-                   for i, r in enumerate(batch.rollouts)]
+        rewards = score(self.reward, self.config.spec.task.reward, [tok.decode(r.output_ids) for r in batch.rollouts],
+                        [batch.problems[i // G] for i in range(len(batch.rollouts))])
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(batch.problems), G)
         self._warn_if_degenerate(rewards_PG)
         return rewards_PG
