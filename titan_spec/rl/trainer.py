@@ -76,7 +76,7 @@ class RLTrainer(SpecTrainer):
             if not spec.draft.init_from:
                 counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, config.arch.vocab_size)
             draft = initial_draft(spec.draft, config.draft_arch, counts, config.debug.seed or 0)
-        self.worker = RolloutWorker(spec, config.arch, self.device, draft)
+        self.worker = RolloutWorker(spec, config.arch, self.device, draft, costs_dir=spec.job.dump_folder)
         self.worker.resume_hint = self._resume_hint
         self._degenerate_steps = 0
         self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
@@ -280,6 +280,7 @@ class RLTrainer(SpecTrainer):
             "reward": float(record.rewards_PG.sum()), "completions": len(b.rollouts),
             "stopped": sum(r.finish_reason == "stop" for r in b.rollouts),
             "tokens": stats.tokens, "verify": stats.verify_steps,
+            "drafted": stats.drafted_tokens, "rounds": stats.rounds,
             "policy_tokens": sum(u.policy_tokens for u in record.updates),
             "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
             "kl": sum(u.policy_tokens * u.kl for u in record.updates),
@@ -287,6 +288,7 @@ class RLTrainer(SpecTrainer):
         for n in names:
             base = b.baselines.get(n)
             sums[f"{n}_tokens"], sums[f"{n}_verify"] = (base.tokens, base.verify_steps) if base is not None else (0, 0)
+            sums[f"{n}_drafted"], sums[f"{n}_rounds"] = (base.drafted_tokens, base.rounds) if base is not None else (0, 0)
         # ... and the slowest rank's seconds.
         maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s,
                  **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names}}
@@ -306,11 +308,15 @@ class RLTrainer(SpecTrainer):
             "time/train_s": maxes["train"],
             "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
         })
+        if self.config.spec.rollout.engine != "sglang":  # SGLang does not report its rounds' depths
+            # Mean draft tokens proposed per verify round (speculative.depth = "adaptive" varies it).
+            out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
         if len(record.updates) > 1:
             out["rl/updates"] = len(record.updates)
         if "frozen" in b.baselines:
             out["rollout/accept_len_frozen"] = sums["frozen_tokens"] / max(sums["frozen_verify"], 1)
             out["rollout/tokens_per_s_frozen"] = sums["frozen_tokens"] / max(maxes["frozen"], 1e-9)
+            out["rollout/draft_k_frozen"] = sums["frozen_drafted"] / max(sums["frozen_rounds"], 1)
         if "nospec" in b.baselines:
             out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
             out["time/rollout_s_nospec"] = maxes["nospec"]
