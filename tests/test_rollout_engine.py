@@ -515,8 +515,9 @@ def test_adaptive_depth_greedy_equals_plain_and_follows_the_draft(pair, which):
             assert any(k > 0 for k in d[:3]) and sum(k == 0 for k in d[6:]) >= 0.9 * len(d[6:]), d
             assert draft_k < 0.5, draft_k
         else:
-            # Deep while the budget lasts (a request's last rounds shorten K to its budget).
-            assert draft_k >= 2.5, (draft_k, d)
+            # Drafts on (the pair's per-depth acceptance makes K = 2 the best here at these
+            # costs; a request's last rounds shorten K to its budget).
+            assert draft_k >= 1.5, (draft_k, d)
 
 
 def test_adaptive_depth_sampling_is_exact(pair):
