@@ -395,7 +395,7 @@ class TorchRolloutEngine:
                                      self.costs.costs(mode, len(reqs), K_max))
                 else:
                     K = K_max
-                t0 = time.perf_counter()
+                t0 = self._round_clock() if round_s is not None else 0.0
                 c_max = max(c_host)
                 d_BK = q_BKVd = d_idx_BK = None
                 if K:
@@ -422,7 +422,7 @@ class TorchRolloutEngine:
                 if est is not None:
                     est.observe(K, a_host)
                 if round_s is not None:
-                    round_s.append(time.perf_counter() - t0)
+                    round_s.append(self._round_clock() - t0)
                 else:
                     self.last_depths.append(K)
                 rounds += 1
@@ -446,18 +446,29 @@ class TorchRolloutEngine:
 
     # --- adaptive depth: the cost table -----------------------------------------------------
 
-    CALIBRATION_ROUNDS = 4
-    """Rounds per K and pass when measuring a batch bucket (the first is not timed)."""
-    CALIBRATION_PASSES = 2
-    """Passes over K = 0..K_max, interleaved, so a burst of other load hits every K alike."""
+    CALIBRATION_ROUNDS = 3
+    """Rounds per (bucket, K) and pass when measuring costs (the first is not timed)."""
+    CALIBRATION_PASSES = 3
+    """Passes over every (bucket, K), interleaved, so a burst of other load is spread over
+    all entries instead of hitting one."""
+
+    def _round_clock(self) -> float:
+        """The clock a round's cost is read on. CPU: this process's CPU time, which other
+        processes' load on a shared machine does not inflate (their wall time is what
+        it is, but the ratio between two depths is what the choice needs); the round
+        ends with a host transfer, so all its work is done when the clock is read. GPU:
+        wall time (the same transfer synchronizes the stream)."""
+        return time.process_time() if self.device.type == "cpu" else time.perf_counter()
 
     def _calibrate(self, batch: int, sp: SamplingParams) -> None:
         """Measures the cost table's missing entries for ``sp``'s sampling mode and every
         batch bucket up to ``batch`` (depth.batch_buckets): synthetic rounds at each fixed K
-        on scratch caches, with a private RNG; the median seconds per round is frozen into
-        ``self.costs``. Touches nothing a generate call reads (the caches are rebuilt per
-        batch), so whether a call calibrates does not change its rollouts. Cost: about
-        CALIBRATION_PASSES x CALIBRATION_ROUNDS x (K_max + 1) rounds per bucket."""
+        on scratch caches, with a private RNG. Touches nothing a generate call reads (the
+        caches are rebuilt per batch), so whether a call calibrates does not change its
+        rollouts. Cost: CALIBRATION_PASSES x CALIBRATION_ROUNDS x (K_max + 1) rounds per
+        bucket. Each entry is the cheapest of its samples (other load only adds), then
+        lowered where a deeper round or a larger batch measured cheaper (neither can really
+        cost less), and frozen into ``self.costs``."""
         mode = sampling_mode(sp.greedy, sp.top_k, sp.top_p)
         todo = self.costs.missing(mode, batch_buckets(batch), self.K)
         if not todo:
@@ -467,20 +478,23 @@ class TorchRolloutEngine:
         plen = max(1, min(16, self._target.max_seq_len - new - self.K - 1))
         cal_sp = SamplingParams(sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=new)
         V = self._target.vocab_size
-        for bucket in todo:
-            prompts = [[(7 * i + 3 * b + 1) % V for i in range(plen)] for b in range(bucket)]
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(0)
-            times: list[list[float]] = [[] for _ in range(self.K + 1)]
-            for _ in range(self.CALIBRATION_PASSES):
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(0)
+        best = {b: [float("inf")] * (self.K + 1) for b in todo}
+        for _ in range(self.CALIBRATION_PASSES):
+            for bucket in todo:
+                prompts = [[(7 * i + 3 * b + 1) % V for i in range(plen)] for b in range(bucket)]
                 for k in range(self.K + 1):
                     s: list[float] = []
                     self._generate_batch(prompts, cal_sp, gen, fixed_k=k, max_rounds=R, round_s=s)
-                    times[k] += s[1:]
-            # The least disturbed round of each K (other load only ever adds time), and a
-            # round that drafts more never costs less (noise could make it look so).
-            best = [min(t) for t in times]
-            self.costs.set(mode, bucket, [max(best[: k + 1]) for k in range(self.K + 1)])
+                    best[bucket][k] = min([best[bucket][k], *s[1:]])
+        for i in range(len(todo) - 2, -1, -1):  # a smaller batch costs at most a larger one
+            best[todo[i]] = [min(a, b) for a, b in zip(best[todo[i]], best[todo[i + 1]])]
+        for bucket in todo:
+            row = best[bucket]
+            for k in range(self.K - 1, -1, -1):  # a shallower round costs at most a deeper one
+                row[k] = min(row[k], row[k + 1])
+            self.costs.set(mode, bucket, [max(x, 1e-7) for x in row])
 
     # --- draft, verify, emit --------------------------------------------------------------
 
