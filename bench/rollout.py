@@ -149,15 +149,17 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, se
 
 def run_once(engine, prompts, sp, batch: int) -> dict:
     engine.config.max_batch_size = batch  # one call, decoded `batch` at a time
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, sp)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(len(r.output_ids) for r in out)
     steps = sum(r.verify_steps for r in out)
     # SGLang counts the verify forwards after the prefill (completion_tokens / spec_verify_ct).
     sglang_steps = sum(max(r.verify_steps - 1, 1) for r in out)
     rounds = sum(r.verify_steps - 1 for r in out)
-    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "accept_len": tokens / steps,
+    # Tokens per CPU-second of this process: what the run costs on a machine shared with
+    # other jobs (their load stretches the wall time, not this process's CPU time).
+    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "tok_cpu_s": tokens / cpu, "accept_len": tokens / steps,
             "sglang_accept": tokens / sglang_steps,
             "draft_k": sum(r.drafted_tokens for r in out) / max(rounds, 1)}
 
@@ -218,31 +220,37 @@ def main(argv=None) -> int:
                 for name, e in engines.items():
                     runs[name].append(run_once(e, prompts, sp, B))
             base = statistics.median(r["tok_s"] for r in runs["plain"])
+            base_cpu = statistics.median(r["tok_cpu_s"] for r in runs["plain"])
             for name, rs in runs.items():
                 tok_s = statistics.median(r["tok_s"] for r in rs)
+                tok_cpu_s = statistics.median(r["tok_cpu_s"] for r in rs)
                 rows.append({
                     "temperature": T, "batch": B, "engine": name,
                     "K": 0 if name == "plain" else int(name.split("_")[1]) if name.startswith("fixed_") else K,
                     "tok_s": tok_s, "accept_len": statistics.median(r["accept_len"] for r in rs),
                     "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
                     "draft_k": statistics.median(r["draft_k"] for r in rs),
-                    "speedup": tok_s / base, "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
+                    "speedup": tok_s / base, "tok_cpu_s": tok_cpu_s, "speedup_cpu": tok_cpu_s / base_cpu, "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
                 })
                 print(_row(rows[-1]), flush=True)
 
     summary = _summary(rows, K)
+    summary_cpu = _summary(rows, K, "tok_cpu_s")
     result = {
         "benchmark": "rollout_engine",
         "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
         "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(), "device": args.device,
         "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "torch": torch.__version__, "rows": rows, "adaptive_vs_fixed": summary,
+        "torch": torch.__version__, "rows": rows, "adaptive_vs_fixed": summary, "adaptive_vs_fixed_cpu": summary_cpu,
         "round_costs_ms": {m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in costs.table.items()},
     }
     print()
     print(_table(rows))
     print()
+    print("wall clock:")
     print(_summary_table(summary))
+    print("\nthis process's CPU time (other jobs' load does not stretch it):")
+    print(_summary_table(summary_cpu))
     print("\nround costs (ms per round at K = 0..K_max, frozen after the warm-up):")
     for m, rb in result["round_costs_ms"].items():
         for b, r in rb.items():
@@ -254,38 +262,42 @@ def main(argv=None) -> int:
     return 0
 
 
-def _summary(rows: list[dict], K: int) -> list[dict]:
-    """Per (T, batch): adaptive against plain and against the best fixed K of that cell."""
+def _summary(rows: list[dict], K: int, key: str = "tok_s") -> list[dict]:
+    """Per (T, batch): adaptive against plain and against the best fixed K of that cell
+    (key: "tok_s" wall clock, "tok_cpu_s" this process's CPU time)."""
     out = []
     cells = sorted({(r["temperature"], r["batch"]) for r in rows})
     for T, B in cells:
         cell = {r["engine"]: r for r in rows if (r["temperature"], r["batch"]) == (T, B)}
-        fixed = {k: cell[f"fixed_{k}"]["tok_s"] for k in range(1, K + 1) if f"fixed_{k}" in cell}
+        fixed = {k: cell[f"fixed_{k}"][key] for k in range(1, K + 1) if f"fixed_{k}" in cell}
         best_k = max(fixed, key=fixed.get)
-        a = cell["adaptive"]
-        row = {"temperature": T, "batch": B, "plain_tok_s": cell["plain"]["tok_s"], "adaptive_tok_s": a["tok_s"],
-               "adaptive_vs_plain": a["tok_s"] / cell["plain"]["tok_s"], "adaptive_draft_k": a["draft_k"],
-               "best_fixed_k": best_k, "best_fixed_vs_plain": fixed[best_k] / cell["plain"]["tok_s"],
-               "adaptive_vs_best_fixed": a["tok_s"] / fixed[best_k],
-               "fixed_vs_plain": {k: v / cell["plain"]["tok_s"] for k, v in fixed.items()}}
+        a, p = cell["adaptive"], cell["plain"][key]
+        row = {"clock": key, "temperature": T, "batch": B, "plain_tok_s": p, "adaptive_tok_s": a[key],
+               "adaptive_vs_plain": a[key] / p, "adaptive_draft_k": a["draft_k"],
+               "best_fixed_k": best_k, "best_fixed_vs_plain": fixed[best_k] / p,
+               "adaptive_vs_best_fixed": a[key] / fixed[best_k],
+               "fixed_vs_plain": {k: v / p for k, v in fixed.items()}}
         if "untrained_adaptive" in cell:
-            row["untrained_adaptive_vs_plain"] = cell["untrained_adaptive"]["speedup"]
+            row["untrained_adaptive_vs_plain"] = cell["untrained_adaptive"][key] / p
             row["untrained_adaptive_draft_k"] = cell["untrained_adaptive"]["draft_k"]
-            row["untrained_fixed_vs_plain"] = cell["untrained"]["speedup"]
+            row["untrained_fixed_vs_plain"] = cell["untrained"][key] / p
         out.append(row)
     return out
 
 
 def _summary_table(summary: list[dict]) -> str:
     ks = sorted(summary[0]["fixed_vs_plain"])
+    u = "untrained_adaptive_vs_plain" in summary[0]
     head = ("|    T | batch | plain tok/s | " + " | ".join(f"K={k}" for k in ks)
-            + " | adaptive | draft_k | best fixed | adaptive / best |")
+            + " | adaptive | draft_k | best fixed | adaptive / best |" + (" untrained: fixed / adaptive (draft_k) |" if u else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summary:
         lines.append(f"| {s['temperature']:>4g} | {s['batch']:>5} | {s['plain_tok_s']:>11.1f} | "
                      + " | ".join(f"{s['fixed_vs_plain'][k]:.2f}x" for k in ks)
                      + f" | {s['adaptive_vs_plain']:.2f}x | {s['adaptive_draft_k']:.2f} | K={s['best_fixed_k']} "
-                     f"| {s['adaptive_vs_best_fixed']:.3f} |")
+                     f"| {s['adaptive_vs_best_fixed']:.3f} |"
+                     + (f" {s['untrained_fixed_vs_plain']:.2f}x / {s['untrained_adaptive_vs_plain']:.2f}x "
+                        f"({s['untrained_adaptive_draft_k']:.2f}) |" if u else ""))
     return "\n".join(lines)
 
 

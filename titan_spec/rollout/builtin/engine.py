@@ -446,11 +446,13 @@ class TorchRolloutEngine:
 
     # --- adaptive depth: the cost table -----------------------------------------------------
 
-    CALIBRATION_ROUNDS = 3
-    """Rounds per (bucket, K) and pass when measuring costs (the first is not timed)."""
-    CALIBRATION_PASSES = 3
-    """Passes over every (bucket, K), interleaved, so a burst of other load is spread over
-    all entries instead of hitting one."""
+    CALIBRATION_ROUNDS = 2
+    """Rounds per (bucket, K) and pass when measuring costs (the first, which also extends
+    the draft over the prompt, is not timed)."""
+    CALIBRATION_PASSES = 5
+    """Passes over every (bucket, K), interleaved: each pass times every K of a bucket back
+    to back, and the table keeps the median over passes of each K's ratio to K = 0, so a
+    burst of other load that hits one pass does not move a choice."""
 
     def _round_clock(self) -> float:
         """The clock a round's cost is read on. CPU: this process's CPU time, which other
@@ -466,9 +468,10 @@ class TorchRolloutEngine:
         on scratch caches, with a private RNG. Touches nothing a generate call reads (the
         caches are rebuilt per batch), so whether a call calibrates does not change its
         rollouts. Cost: CALIBRATION_PASSES x CALIBRATION_ROUNDS x (K_max + 1) rounds per
-        bucket. Each entry is the cheapest of its samples (other load only adds), then
-        lowered where a deeper round or a larger batch measured cheaper (neither can really
-        cost less), and frozen into ``self.costs``."""
+        bucket. Entry (bucket, K) = median over passes of the K = 0 round, times the median
+        over passes of K's ratio to K = 0 in the same pass; then lowered where a deeper round
+        or a larger batch measured cheaper (neither can really cost less), and frozen into
+        ``self.costs``."""
         mode = sampling_mode(sp.greedy, sp.top_k, sp.top_p)
         todo = self.costs.missing(mode, batch_buckets(batch), self.K)
         if not todo:
@@ -480,21 +483,27 @@ class TorchRolloutEngine:
         V = self._target.vocab_size
         gen = torch.Generator(device=self.device)
         gen.manual_seed(0)
-        best = {b: [float("inf")] * (self.K + 1) for b in todo}
+        per_pass = {b: [] for b in todo}  # bucket -> per pass: fastest timed round of each K
         for _ in range(self.CALIBRATION_PASSES):
             for bucket in todo:
                 prompts = [[(7 * i + 3 * b + 1) % V for i in range(plen)] for b in range(bucket)]
+                row = []
                 for k in range(self.K + 1):
                     s: list[float] = []
                     self._generate_batch(prompts, cal_sp, gen, fixed_k=k, max_rounds=R, round_s=s)
-                    best[bucket][k] = min([best[bucket][k], *s[1:]])
+                    row.append(max(min(s[1:]), 1e-7))
+                per_pass[bucket].append(row)
+        best = {}
+        for bucket, rows in per_pass.items():
+            base = _median([r[0] for r in rows])
+            best[bucket] = [base * _median([r[k] / r[0] for r in rows]) for k in range(self.K + 1)]
         for i in range(len(todo) - 2, -1, -1):  # a smaller batch costs at most a larger one
             best[todo[i]] = [min(a, b) for a, b in zip(best[todo[i]], best[todo[i + 1]])]
         for bucket in todo:
             row = best[bucket]
             for k in range(self.K - 1, -1, -1):  # a shallower round costs at most a deeper one
                 row[k] = min(row[k], row[k + 1])
-            self.costs.set(mode, bucket, [max(x, 1e-7) for x in row])
+            self.costs.set(mode, bucket, row)
 
     # --- draft, verify, emit --------------------------------------------------------------
 
@@ -588,6 +597,12 @@ class TorchRolloutEngine:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, unit="tok", desc="rollout", dynamic_ncols=True)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def _d2t_ok(d2t: torch.Tensor, vocab_size: int) -> bool:
