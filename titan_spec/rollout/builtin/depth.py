@@ -14,7 +14,7 @@ engine picks, before every round, the K that maximises expected tokens per secon
     at depth j) decayed by ``decay`` per round, smoothed by a Beta prior. A slower decay
     applies in K = 0 rounds, so the prior regains weight and a stale draft is probed again
     now and then (one short round every few dozen to a hundred rounds);
-  - cost(K, B): ``RoundCosts``, the engine's own wall-clock cost of a round, measured ONCE
+  - cost(K, B): ``RoundCosts``, the engine's own measured cost of a round, measured ONCE
     per (sampling mode, batch-size bucket) on first use, then frozen.
 
 Reproducibility: the choice is a deterministic function of (the frozen cost table, the
@@ -59,7 +59,8 @@ def batch_buckets(batch: int) -> list[int]:
 
 
 class RoundCosts:
-    """Seconds of one round at K = 0..K_max, per sampling mode and batch bucket.
+    """Seconds of one round at K = 0..K_max, per sampling mode and batch bucket (on CPU the
+    engine's process CPU seconds: TorchRolloutEngine._round_clock).
 
     Measured once per entry by the engine (``TorchRolloutEngine._calibrate``), then never
     changed: ``cost`` reads it, interpolating linearly between buckets. Share one object
