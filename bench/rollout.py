@@ -1,17 +1,26 @@
-# Benchmark: the built-in rollout engine, speculative (EAGLE-3, K draft tokens) vs plain.
+# Benchmark: the built-in rollout engine, speculative (EAGLE-3) vs plain decoding, and
+# adaptive speculation depth vs every fixed depth.
 #
 # Measures completion tokens/s and acceptance length (completion tokens / target forwards,
 # the prefill included; "sglang_accept" excludes the prefill as SGLang's spec_verify_ct does)
-# for batch sizes 1/8/32, greedy and T = 1, side by side in one process:
+# for batch sizes 1/8/32/64, greedy and T = 1, side by side in one process:
 #   plain      K = 0 (autoregressive decoding, same engine, same KV cache)
-#   trained    K draft tokens with the draft trained offline (SGLang-format directory)
-#   untrained  K draft tokens with a freshly initialized draft of the same shape
+#   fixed_k    K = k draft tokens every round, k = 1..--num-draft-tokens, trained draft
+#              (offline, SGLang-format directory); "trained" in earlier versions = fixed_K_max
+#   adaptive   speculative.depth = "adaptive": each round picks K in 0..--num-draft-tokens
+#              (rollout/builtin/depth.py); its cost table is measured during the warm-up
+#              (not timed) and shared by the adaptive engines; "draft_k" = the mean K it
+#              proposed per verify round
+#   untrained  (--untrained) fixed K_max and adaptive with a freshly initialized draft of the
+#              same shape: what a stale draft costs
 #   distilled  (optional, --distill-steps N) the trained draft fine-tuned by TTT on the
-#              policy's own rollouts, i.e. what co-training keeps the draft close to
-# Every timed run generates --requests prompts, `batch` at a time (batch 1: one request
-# after another), so acceptance and tokens/s are not one prompt's.
-# For every (temperature, batch) the engines run interleaved, `--repeats` times, and the
-# median is reported, so a busy machine slows all of them alike.
+#              policy's own rollouts, fixed K_max
+# Every timed run is ONE generate call of --requests prompts (or `batch`, when larger) that
+# the engine decodes `batch` at a time (TorchEngineConfig.max_batch_size; batch 1: one
+# request after another), so acceptance and tokens/s are not one prompt's, and adaptive
+# depth carries its acceptance estimate from request to request as it does within an RL
+# step. For every (temperature, batch) the engines run interleaved, `--repeats` times, and
+# the median is reported, so a busy machine slows all of them alike: compare the ratios.
 #
 # Models: --policy (HF dir) and --draft (draft dir). Defaults: the embedded default's SFT
 # policy and offline draft (outputs/debug_cpu/sft/hf, outputs/debug_cpu/draft/draft), trained
@@ -19,10 +28,10 @@
 #   CONFIG_FILE=train_configs/debug_cpu_draft.toml ./run_train.sh   (runs the SFT it requires)
 # (about 6 minutes on 2 CPU cores).
 #
-# Prompts come from the [task] of --task-config (default: the default chain's SFT config,
-# "<bos>7+5?" -> "7+5=12<eos>", 5-7 tokens). The benchmark chain (train_configs/
-# bench_rollout_sft.toml -> bench_rollout_draft.toml) trains a policy and offline draft on
-# 8-operand problems whose completions are about 27 tokens; bench it with
+# Prompts come from the [task] of --task-config (default: the default chain's SFT config).
+# The benchmark chain (train_configs/bench_rollout_sft.toml -> bench_rollout_draft.toml)
+# trains a policy and offline draft on 8-operand problems whose completions are about 27
+# tokens; bench it with
 #   --policy outputs/bench_rollout/sft/hf --draft outputs/bench_rollout/draft/draft
 #   --task-config train_configs/bench_rollout_sft.toml --stop-at-eos
 # Completions run to --max-new-tokens without stopping (steady-state decoding, much of it
@@ -51,6 +60,7 @@ import titan_spec  # noqa: E402,F401
 from titan_spec.data.tokenizer import CharTokenizer  # noqa: E402
 from titan_spec.models.draft.eagle3.model import Eagle3Draft  # noqa: E402
 from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rollout.builtin.depth import RoundCosts  # noqa: E402
 from titan_spec.config import load_config  # noqa: E402
 from titan_spec.data.tasks import build_task  # noqa: E402
 
@@ -59,8 +69,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="rollout engine: speculative vs plain decoding")
     p.add_argument("--policy", default="", help="HF policy dir (default: outputs/debug_cpu/hf, else train one)")
     p.add_argument("--draft", default="", help="draft dir (default: outputs/offline_draft/draft, else train one)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="K")
-    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="K_max: fixed K = 1..K_max and adaptive's maximum")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
@@ -70,6 +80,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--task-config", default=str(REPO_ROOT / "train_configs/debug_cpu_sft.toml"),
                    help="TOML whose [task] makes the prompts (and the distillation data)")
     p.add_argument("--distill-steps", type=int, default=0, help="also bench a draft fine-tuned on rollouts")
+    p.add_argument("--untrained", action="store_true", help="also bench a random draft (fixed K_max and adaptive)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model steps (slow first call)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--device", default="cpu", help="where the engines run: cpu or cuda (scripts/gpu_check.sh)")
@@ -137,17 +148,20 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, se
 
 
 def run_once(engine, prompts, sp, batch: int) -> dict:
-    t0 = time.perf_counter()
-    out = []
-    for s in range(0, len(prompts), batch):
-        out += engine.generate(prompts[s : s + batch], sp)
-    dt = time.perf_counter() - t0
+    engine.config.max_batch_size = batch  # one call, decoded `batch` at a time
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = engine.generate(prompts, sp)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(len(r.output_ids) for r in out)
     steps = sum(r.verify_steps for r in out)
     # SGLang counts the verify forwards after the prefill (completion_tokens / spec_verify_ct).
     sglang_steps = sum(max(r.verify_steps - 1, 1) for r in out)
-    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "accept_len": tokens / steps,
-            "sglang_accept": tokens / sglang_steps}
+    rounds = sum(r.verify_steps - 1 for r in out)
+    # Tokens per CPU-second of this process: what the run costs on a machine shared with
+    # other jobs (their load stretches the wall time, not this process's CPU time).
+    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "tok_cpu_s": tokens / cpu, "accept_len": tokens / steps,
+            "sglang_accept": tokens / sglang_steps,
+            "draft_k": sum(r.drafted_tokens for r in out) / max(rounds, 1)}
 
 
 def main(argv=None) -> int:
@@ -159,22 +173,29 @@ def main(argv=None) -> int:
     K = args.num_draft_tokens
     batches = [int(b) for b in args.batch_sizes.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
+    costs = RoundCosts()  # shared by the adaptive engines (same model shapes)
 
-    def engine(k, draft_dir_=draft_dir):
-        cfg = TorchEngineConfig(num_draft_tokens=k, compile=args.compile)
-        return TorchRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg,
-                                                  max_seq_len=max(512, 64 + args.max_new_tokens + K + 1), device=args.device)
+    def engine(k, depth="fixed", draft_dir_=draft_dir):
+        cfg = TorchEngineConfig(num_draft_tokens=k, depth=depth, compile=args.compile)
+        e = TorchRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg,
+                                               max_seq_len=max(512, 64 + args.max_new_tokens + K + 1), device=args.device)
+        e.costs = costs
+        return e
 
-    engines = {"plain": engine(0), "trained": engine(K), "untrained": engine(K)}
-    with torch.no_grad():
-        torch.manual_seed(args.seed)
-        fresh = Eagle3Draft(engines["trained"].draft.arch)
-        fresh.reset_parameters()
-        sd = engines["trained"].draft.state_dict()
-        engines["untrained"].update_draft_weights(
-            {k: v for k, v in fresh.state_dict().items() if k not in ("d2t", "t2d")} | {"d2t": sd["d2t"], "t2d": sd["t2d"]},
-            version=1,
-        )
+    engines = {"plain": engine(0)}
+    engines |= {f"fixed_{k}": engine(k) for k in range(1, K + 1)}
+    engines["adaptive"] = engine(K, "adaptive")
+    if args.untrained:
+        engines["untrained"] = engine(K)
+        engines["untrained_adaptive"] = engine(K, "adaptive")
+        with torch.no_grad():
+            torch.manual_seed(args.seed)
+            fresh = Eagle3Draft(engines["adaptive"].draft.arch)
+            fresh.reset_parameters()
+            sd = engines["adaptive"].draft.state_dict()
+            new = {k: v for k, v in fresh.state_dict().items() if k not in ("d2t", "t2d")} | {"d2t": sd["d2t"], "t2d": sd["t2d"]}
+            for name in ("untrained", "untrained_adaptive"):
+                engines[name].update_draft_weights(new, version=1)
     if args.distill_steps:
         engines["distilled"] = engine(K)
         t0 = time.perf_counter()
@@ -187,36 +208,53 @@ def main(argv=None) -> int:
     rows = []
     for T in temps:
         for B in batches:
-            # Whole batches of at least --requests prompts, so batch 1 is not one prompt's luck.
+            # At least --requests prompts, whole batches, so batch 1 is not one prompt's luck.
             n = -(-max(B, args.requests) // B) * B
             prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(n)]
             sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed)
-            for e in engines.values():  # warm-up (and compile, when on)
-                e.generate(prompts[: min(B, 2)], SamplingParams(T, max_new_tokens=8, seed=0))
+            for e in engines.values():  # warm-up (and compile, when on; adaptive: measures its costs)
+                e.config.max_batch_size = B
+                e.generate(prompts[:B], SamplingParams(T, max_new_tokens=8, seed=0))
             runs = {name: [] for name in engines}
             for _ in range(args.repeats):
                 for name, e in engines.items():
                     runs[name].append(run_once(e, prompts, sp, B))
             base = statistics.median(r["tok_s"] for r in runs["plain"])
+            base_cpu = statistics.median(r["tok_cpu_s"] for r in runs["plain"])
             for name, rs in runs.items():
                 tok_s = statistics.median(r["tok_s"] for r in rs)
+                tok_cpu_s = statistics.median(r["tok_cpu_s"] for r in rs)
                 rows.append({
-                    "temperature": T, "batch": B, "engine": name, "K": 0 if name == "plain" else K,
+                    "temperature": T, "batch": B, "engine": name,
+                    "K": 0 if name == "plain" else int(name.split("_")[1]) if name.startswith("fixed_") else K,
                     "tok_s": tok_s, "accept_len": statistics.median(r["accept_len"] for r in rs),
                     "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
-                    "speedup": tok_s / base, "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
+                    "draft_k": statistics.median(r["draft_k"] for r in rs),
+                    "speedup": tok_s / base, "tok_cpu_s": tok_cpu_s, "speedup_cpu": tok_cpu_s / base_cpu, "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
                 })
                 print(_row(rows[-1]), flush=True)
 
+    summary = _summary(rows, K)
+    summary_cpu = _summary(rows, K, "tok_cpu_s")
     result = {
         "benchmark": "rollout_engine",
         "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
         "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(), "device": args.device,
         "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "torch": torch.__version__, "rows": rows,
+        "torch": torch.__version__, "rows": rows, "adaptive_vs_fixed": summary, "adaptive_vs_fixed_cpu": summary_cpu,
+        "round_costs_ms": {m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in costs.table.items()},
     }
     print()
     print(_table(rows))
+    print()
+    print("wall clock:")
+    print(_summary_table(summary))
+    print("\nthis process's CPU time (other jobs' load does not stretch it):")
+    print(_summary_table(summary_cpu))
+    print("\nround costs (ms per round at K = 0..K_max, frozen after the warm-up):")
+    for m, rb in result["round_costs_ms"].items():
+        for b, r in rb.items():
+            print(f"  {m:>8} batch {b:>3}: {r}  (x plain: {[round(x / r[0], 2) for x in r]})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -224,14 +262,53 @@ def main(argv=None) -> int:
     return 0
 
 
+def _summary(rows: list[dict], K: int, key: str = "tok_s") -> list[dict]:
+    """Per (T, batch): adaptive against plain and against the best fixed K of that cell
+    (key: "tok_s" wall clock, "tok_cpu_s" this process's CPU time)."""
+    out = []
+    cells = sorted({(r["temperature"], r["batch"]) for r in rows})
+    for T, B in cells:
+        cell = {r["engine"]: r for r in rows if (r["temperature"], r["batch"]) == (T, B)}
+        fixed = {k: cell[f"fixed_{k}"][key] for k in range(1, K + 1) if f"fixed_{k}" in cell}
+        best_k = max(fixed, key=fixed.get)
+        a, p = cell["adaptive"], cell["plain"][key]
+        row = {"clock": key, "temperature": T, "batch": B, "plain_tok_s": p, "adaptive_tok_s": a[key],
+               "adaptive_vs_plain": a[key] / p, "adaptive_draft_k": a["draft_k"],
+               "best_fixed_k": best_k, "best_fixed_vs_plain": fixed[best_k] / p,
+               "adaptive_vs_best_fixed": a[key] / fixed[best_k],
+               "fixed_vs_plain": {k: v / p for k, v in fixed.items()}}
+        if "untrained_adaptive" in cell:
+            row["untrained_adaptive_vs_plain"] = cell["untrained_adaptive"][key] / p
+            row["untrained_adaptive_draft_k"] = cell["untrained_adaptive"]["draft_k"]
+            row["untrained_fixed_vs_plain"] = cell["untrained"][key] / p
+        out.append(row)
+    return out
+
+
+def _summary_table(summary: list[dict]) -> str:
+    ks = sorted(summary[0]["fixed_vs_plain"])
+    u = "untrained_adaptive_vs_plain" in summary[0]
+    head = ("|    T | batch | plain tok/s | " + " | ".join(f"K={k}" for k in ks)
+            + " | adaptive | draft_k | best fixed | adaptive / best |" + (" untrained: fixed / adaptive (draft_k) |" if u else ""))
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in summary:
+        lines.append(f"| {s['temperature']:>4g} | {s['batch']:>5} | {s['plain_tok_s']:>11.1f} | "
+                     + " | ".join(f"{s['fixed_vs_plain'][k]:.2f}x" for k in ks)
+                     + f" | {s['adaptive_vs_plain']:.2f}x | {s['adaptive_draft_k']:.2f} | K={s['best_fixed_k']} "
+                     f"| {s['adaptive_vs_best_fixed']:.3f} |"
+                     + (f" {s['untrained_fixed_vs_plain']:.2f}x / {s['untrained_adaptive_vs_plain']:.2f}x "
+                        f"({s['untrained_adaptive_draft_k']:.2f}) |" if u else ""))
+    return "\n".join(lines)
+
+
 def _row(r: dict) -> str:
-    return (f"| {r['temperature']:>4g} | {r['batch']:>5} | {r['engine']:<9} | {r['K']:>1} | {r['tok_s']:>8.1f} "
-            f"| {r['accept_len']:>10.2f} | {r['sglang_accept']:>13.2f} | {r['speedup']:>7.2f}x |")
+    return (f"| {r['temperature']:>4g} | {r['batch']:>5} | {r['engine']:<18} | {r['K']:>1} | {r['tok_s']:>8.1f} "
+            f"| {r['accept_len']:>10.2f} | {r['sglang_accept']:>13.2f} | {r['draft_k']:>7.2f} | {r['speedup']:>7.2f}x |")
 
 
 def _table(rows: list[dict]) -> str:
-    head = "|    T | batch | engine    | K |    tok/s | accept len | sglang accept | speedup |\n"
-    head += "|------|-------|-----------|---|----------|------------|---------------|---------|"
+    head = "|    T | batch | engine             | K |    tok/s | accept len | sglang accept | draft_k | speedup |\n"
+    head += "|------|-------|--------------------|---|----------|------------|---------------|---------|---------|"
     return "\n".join([head] + [_row(r) for r in rows])
 
 

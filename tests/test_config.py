@@ -24,8 +24,14 @@ def test_engine_config_from_sections():
     cfg = load_config(DEFAULT, ["--speculative.num_draft_tokens", "3", "--rollout.max_batch_size", "8"])
     e = TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative)
     assert (e.num_draft_tokens, e.max_batch_size) == (3, 8)
+    assert e.depth == "adaptive"  # the default (docs/rollout_engine.md, "Adaptive depth")
     cfg = load_config(DEFAULT, ["--speculative.enabled", "false"])
     assert TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative).num_draft_tokens == 0
+    # SGLang runs its fixed chain: the default resolves to "fixed" there (an explicit
+    # "adaptive" is an error, MALFORMED); an explicit "fixed" stays.
+    assert load_config(DEFAULT, ["--rollout.engine", "sglang"]).speculative.depth == "fixed"
+    cfg = load_config(DEFAULT, ["--speculative.depth", "fixed"])
+    assert TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative).depth == "fixed"
 
 
 def test_parse_overrides_types():
@@ -64,6 +70,9 @@ MALFORMED = [
     ("[metrics]\nlog_freq = 0\n", [], 1, ["metrics.log_freq"]),
     ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
     ("[rollout]\nengine = 'vllm'\n", [], 1, ["rollout.engine", "'torch', 'sglang'"]),
+    ("[speculative]\ndepth = 'auto'\n", [], 1, ["speculative.depth", "'fixed', 'adaptive'"]),
+    ("[speculative]\ndepth = 'adaptive'\n[rollout]\nengine = 'sglang'\n", [], 1,
+     ["speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'", "must be 'fixed'"]),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
     ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2,
      ["tensor_parallel_degree = 2 needs parallelism.spmd_backend = 'partial_dtensor'", "not 'spmd_types'"]),

@@ -2,6 +2,7 @@
 the rollout worker (weight push, retry on engine failure), task files, run planning, RL
 config errors. The end-to-end runs are in test_rl_e2e.py."""
 
+import json
 import math
 import os
 
@@ -136,7 +137,7 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
     assert out.policy.item() == pytest.approx(expect.item(), rel=1e-4)
 
 
-def _worker(tmp_path, retries=1):
+def _worker(tmp_path, retries=1, costs_dir=None):
     from titan_spec.draft_training import initial_draft
     from titan_spec.rl.rollouts import RolloutWorker
 
@@ -145,9 +146,31 @@ def _worker(tmp_path, retries=1):
                              "--rl.baseline_interval", "1", "--rollout.progress", "false"])
     darch = DraftArch.from_target(arch, (1, 3, 4), 24)
     draft = initial_draft(cfg.draft, darch, torch.arange(arch.vocab_size).flip(0), seed=3)
-    worker = RolloutWorker(cfg, arch, torch.device("cpu"), draft)
+    worker = RolloutWorker(cfg, arch, torch.device("cpu"), draft, costs_dir=costs_dir)
     worker.push(model.state_dict(), None, version=7)
     return worker, model
+
+
+def test_rollout_worker_keeps_its_depth_cost_table_for_a_resume(tmp_path):
+    """Adaptive depth (the default): the worker's engines share one cost table, measured on
+    the first call and written to costs_dir; a new worker over the same folder (a resumed
+    run) reads it instead of measuring, so it makes the same depth choices and samples the
+    same rollouts, and the file does not change."""
+    worker, _ = _worker(tmp_path, costs_dir=str(tmp_path))
+    assert worker.main.adaptive and worker.frozen.costs is worker.main.costs
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
+    first, stats = worker.generate(prompts, sp)
+    path = tmp_path / "rollout_costs.rank0.json"
+    saved = path.read_text()
+    assert json.loads(saved) == worker.costs.state_dict() and len(worker.costs) == 3  # batch buckets 1, 2, 4
+    assert stats.drafted_tokens == sum(r.drafted_tokens for r in first) and stats.rounds == stats.verify_steps - 3
+    resumed, _ = _worker(tmp_path, costs_dir=str(tmp_path))
+    assert resumed.costs.state_dict() == worker.costs.state_dict()
+    again, _ = resumed.generate(prompts, sp)
+    assert [r.output_ids for r in again] == [r.output_ids for r in first]
+    assert resumed.main.last_depths == worker.main.last_depths
+    assert path.read_text() == saved
 
 
 def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(tmp_path):

@@ -15,6 +15,7 @@ SFT warm start -> offline draft -> GRPO with the draft co-trained from the same 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -79,14 +80,20 @@ def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start
     # seeds replay the same kernels, so every metric but wall-clock time is equal bitwise, the
     # step-6 baseline included: its frozen engine must hold the pre-RL draft (draft.init_from),
     # not the co-trained draft restored from the step-3 checkpoint.
+    # Adaptive depth (the default) chooses K from a cost table each run measures once and
+    # keeps in its dump folder: the second run starts from the first run's table (a fresh run
+    # measures its own, and its sampled rollouts may then differ), and its resume reads it.
+    assert 0.0 <= min(r["rollout/draft_k"] for r in rows) and max(r["rollout/draft_k"] for r in rows) <= 4.0
     dump2 = str(tmp_path / "resumed")
+    os.makedirs(dump2)
+    shutil.copy(os.path.join(dump, "rollout_costs.rank0.json"), dump2)
     first = _rl(warm_start, dump2, 3)
     assert os.path.isdir(os.path.join(dump2, "checkpoint", "step-3"))
     resumed = _rl(warm_start, dump2, 6)[3:]
     assert [r["step"] for r in first + resumed] == list(range(1, 7))
     assert "rollout/accept_len_frozen" in resumed[-1]
     for a, b in zip(rows, first + resumed):
-        assert {"loss", "rl/reward", "rollout/accept_len", "draft/loss", "draft/grad_norm"} <= set(a)
+        assert {"loss", "rl/reward", "rollout/accept_len", "rollout/draft_k", "draft/loss", "draft/grad_norm"} <= set(a)
         same = {k: v for k, v in a.items() if not (k.startswith("time/") or "tokens_per_s" in k)}
         assert {k: b.get(k) for k in same} == same, a["step"]
 

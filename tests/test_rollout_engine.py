@@ -266,10 +266,12 @@ def policy_probs(model, contexts: list[list[int]], sp: SamplingParams) -> torch.
     return torch.stack([filtered_probs(full_logits(model, c)[-1], sp) for c in contexts])
 
 
-def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17, 5)):
-    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K))
+def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17, 5), depth="fixed", costs=None):
+    """Tokens 1..3 of n completions of one prompt against the policy's distributions.
+    ``sp.max_new_tokens`` may exceed 3 (adaptive depth then has a budget to choose K for)."""
+    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K, depth=depth), costs=costs)
     out = engine.generate([list(prompt)] * n, sp)
-    toks = torch.tensor([r.output_ids for r in out])  # [n, 3]
+    toks = torch.tensor([r.output_ids[:3] for r in out])  # [n, 3]
     prompt = list(prompt)
     results = {}
     # token 1 (from the prefill), token 2 | token 1, token 3 | tokens 1-2 (the speculative ones)
@@ -288,6 +290,8 @@ def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17
     p2_hot = policy_probs(model, [prompt + [f] for f in firsts], hot)
     results["power"] = chi2_groups([(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2_hot[i]) for i, f in enumerate(firsts)])
     accepted = sum(r.accepted_tokens for r in out)
+    if depth == "adaptive":
+        return results, accepted / n, engine.last_depths
     return results, accepted / n
 
 
@@ -461,3 +465,176 @@ def test_bad_inputs_give_clear_errors_and_the_engine_keeps_working(pair):
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(prompts, sp)
+
+
+# --- adaptive depth (rollout/builtin/depth.py) ----------------------------------------------
+
+
+def pinned_costs(ratios=(1.0, 1.15, 1.3, 1.45, 1.6), modes=("greedy", "sample", "sample_topk_topp")):
+    """A fixed cost table (no measurement: deterministic tests): a round at K costs
+    ratios[K] plain steps at every batch size."""
+    from titan_spec.rollout.builtin.depth import RoundCosts
+
+    return RoundCosts({m: {"1": [r * 1e-3 for r in ratios]} for m in modes}, pinned=True)
+
+
+def _adaptive(model, draft, costs, K=4, **kw):
+    return TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K, depth="adaptive", **kw), costs=costs)
+
+
+@pytest.mark.parametrize("which", ["random", "fitted"])
+def test_adaptive_depth_greedy_equals_plain_and_follows_the_draft(pair, which):
+    """Greedy output equals plain decoding token for token whatever the depth choices, also
+    across batches of one call (max_batch_size) and with stop tokens; and the choices follow
+    the draft: a random draft falls to K = 0 after its first rounds, a fitted one drafts
+    deep (the acceptance it would get at K = 4 is the test_greedy_speculative_equals_plain
+    pair's > 1.6)."""
+    model, arch, fitted = pair
+    draft = fitted if which == "fitted" else make_draft(arch, 7, draft_vocab=20)
+    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    spec = _adaptive(model, draft, pinned_costs(), max_batch_size=4)
+    depths = []
+    for seed in (3, 4):
+        prompts = random_prompts(6, seed)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=30)
+        ref = plain.generate(prompts, sp)
+        sp_stop = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=_with_stops(ref))
+        for sp_ in (sp, sp_stop):
+            want = plain.generate(prompts, sp_)
+            got = spec.generate(prompts, sp_)
+            check_stats(got, 4)
+            for g, w in zip(got, want):
+                assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+                torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+            assert all(r.drafted_tokens <= 4 * (r.verify_steps - 1) for r in got)
+            depths.append((list(spec.last_depths), sum(r.drafted_tokens for r in got) / sum(r.verify_steps - 1 for r in got)))
+    for d, draft_k in depths:
+        if which == "random":
+            # The optimistic prior drafts in the first rounds; a few rejections take it to 0,
+            # where it stays (idle counts decay slowly: a re-probe after dozens of rounds).
+            assert any(k > 0 for k in d[:3]) and sum(k == 0 for k in d[6:]) >= 0.9 * len(d[6:]), d
+            assert draft_k < 0.5, draft_k
+        else:
+            # Drafts on (the pair's per-depth acceptance makes K = 2 the best here at these
+            # costs; a request's last rounds shorten K to its budget).
+            assert draft_k >= 1.5, (draft_k, d)
+
+
+def test_adaptive_depth_sampling_is_exact(pair):
+    """The chi-square check of test_sampled_tokens_follow_the_policy with adaptive depth: a
+    budget of 8 tokens lets the choice vary between rounds (K drafted, then smaller as the
+    budget runs out), and the tokens still follow the policy's distribution."""
+    model, arch, fitted = pair
+    sp = SamplingParams(1.0, max_new_tokens=8, seed=4)
+    res, accepted_per_row, depths = sampled_tokens_distribution_check(
+        model, fitted, 3, sp, depth="adaptive", costs=pinned_costs((1.0, 1.1, 1.25, 1.45)))
+    for k in (1, 2, 3):
+        stat, df = res[k]
+        assert df >= 5, (k, df)
+        assert chi2_pvalue(stat, df) > 1e-3, f"token {k}: chi2 = {stat:.1f} on {df} df"
+    assert chi2_pvalue(*res["power"]) < 1e-6, "the test cannot tell T from 1.5 T: no power"
+    assert len(set(depths)) >= 2 and max(depths) >= 2, depths  # the depth really varied
+    assert accepted_per_row > 0.5
+
+
+def test_adaptive_depth_choices_are_a_function_of_the_cost_table(pair):
+    """The reproducibility guarantee (depth.py): an engine that measures its cost table
+    during a call samples exactly what it samples on the next call with the table in place
+    (the measurement uses its own RNG and scratch caches); a second engine given a copy of
+    the table makes the same choices and the same samples; the table is frozen once
+    measured."""
+    model, arch, fitted = pair
+    from titan_spec.rollout.builtin.depth import RoundCosts
+
+    prompts = random_prompts(3, seed=8)
+    sp = SamplingParams(1.0, top_k=12, top_p=0.9, max_new_tokens=16, seed=5)
+    e1 = _adaptive(model, fitted, RoundCosts(), K=3)
+    first = e1.generate(prompts, sp)
+    table = e1.costs.state_dict()
+    assert set(table) == {"sample_topk_topp"} and sorted(table["sample_topk_topp"]) == ["1", "2", "4"]
+    for row in table["sample_topk_topp"].values():
+        assert len(row) == 4 and all(a <= b for a, b in zip(row, row[1:])) and row[0] > 0
+    d1 = list(e1.last_depths)
+    again = e1.generate(prompts, sp)
+    assert e1.costs.state_dict() == table  # frozen: no second measurement
+    assert [r.output_ids for r in again] == [r.output_ids for r in first] and e1.last_depths == d1
+    e2 = _adaptive(model, fitted, RoundCosts(table), K=3)
+    other = e2.generate(prompts, sp)
+    assert [r.output_ids for r in other] == [r.output_ids for r in first] and e2.last_depths == d1
+    # And the choices do depend on the table: speculation made expensive gives K = 0.
+    e3 = _adaptive(model, fitted, pinned_costs((1.0, 3.0, 5.0, 7.0)), K=3)
+    e3.generate(prompts, sp)
+    assert set(e3.last_depths) == {0}, e3.last_depths
+
+
+def test_depth_choice_and_estimate_by_hand():
+    from titan_spec.rollout.builtin.depth import AcceptanceEstimate, RoundCosts, batch_buckets, choose_depth
+
+    # E[tokens | K] = 1 + a1 + a1 a2 + ...; rate = E / cost.
+    #   alphas (.9, .9), costs (1, 1.2, 1.4): rates 1, 1.9/1.2 = 1.58, 2.71/1.4 = 1.94 -> K = 2
+    assert choose_depth([0.9, 0.9], [10], [1.0, 1.2, 1.4]) == 2
+    #   costs (1, 2, 3): rates 1, .95, .90 -> K = 0
+    assert choose_depth([0.9, 0.9], [10], [1.0, 2.0, 3.0]) == 0
+    #   alphas (.5, .5), costs (1, 1.2, 1.6): rates 1, 1.25, 1.75/1.6 = 1.09 -> K = 1
+    assert choose_depth([0.5, 0.5], [10, 10], [1.0, 1.2, 1.6]) == 1
+    # One token of budget left: drafting gains nothing (ties go to the smaller K).
+    assert choose_depth([0.99, 0.99], [1, 1], [1.0, 1.01, 1.02]) == 0
+    # Budgets 2 and 10: K = 2 adds .81 for one row only: (2 + 2*.9 + .81) / 1.4 = 3.29
+    # against K = 1: 3.8 / 1.2 = 3.17.
+    assert choose_depth([0.9, 0.9], [2, 10], [1.0, 1.2, 1.4]) == 2
+    assert choose_depth([0.9, 0.9], [2, 2], [1.0, 1.2, 1.4]) == 1
+
+    est = AcceptanceEstimate(3, prior=0.5, prior_weight=2.0, decay=0.5, idle_decay=0.25)
+    assert est.alphas() == [0.5, 0.5, 0.5]
+    est.observe(3, [0, 3, 1])  # reached: d1 by 3 rows, d2 by 2, d3 by 1; accepted: 2, 1, 1
+    assert est.alphas() == pytest.approx([(2 + 1) / (3 + 2), (1 + 1) / (2 + 2), (1 + 1) / (1 + 2)])
+    est.observe(2, [2])  # decay by 0.5, then: reached d1, d2; accepted both (depth 3 not drafted)
+    assert est.alphas() == pytest.approx([(2 + 1) / (2.5 + 2), (1.5 + 1) / (2 + 2), (0.5 + 1) / (0.5 + 2)])
+    est.observe(0, [0, 0])  # K = 0: no observation, the counts decay by idle_decay
+    assert est.alphas() == pytest.approx([(0.5 + 1) / (0.625 + 2), (0.375 + 1) / (0.5 + 2), (0.125 + 1) / (0.125 + 2)])
+
+    assert batch_buckets(1) == [1] and batch_buckets(6) == [1, 2, 4, 8] and batch_buckets(8) == [1, 2, 4, 8]
+    c = RoundCosts({"greedy": {"1": [1.0, 2.0], "4": [4.0, 8.0]}})
+    assert c.costs("greedy", 2, 1) == pytest.approx([2.0, 4.0])  # a third of the way from 1 to 4
+    assert c.costs("greedy", 16, 1) == [4.0, 8.0] and c.costs("greedy", 1, 0) == [1.0]
+    with pytest.raises(ValueError, match="frozen"):
+        c.set("greedy", 4, [1.0, 1.0])
+    assert c.missing("greedy", [1, 2, 4], 1) == [2] and c.missing("greedy", [1], 2) == [1]
+    assert RoundCosts(c.state_dict(), pinned=True).missing("greedy", [1, 2, 4], 1) == []
+
+
+def test_adaptive_depth_drafts_from_every_position_after_plain_rounds(pair, monkeypatch):
+    """After K = 0 rounds the draft has not seen the committed positions; the next drafting
+    round must extend all of them (the pending segments). Reference: the same prompt with
+    those tokens appended, whose prefill gives the draft every position at once. The draft's
+    distribution for the first proposal (what its first extend returns) then agrees."""
+    import titan_spec.rollout.builtin.engine as engine_mod
+
+    model, arch, fitted = pair
+    plan = iter([0] * 5 + [3] * 100)
+    monkeypatch.setattr(engine_mod, "choose_depth", lambda *a: next(plan))
+
+    def first_extend(engine):
+        seen = []
+        real = engine._draft.extend
+
+        def record(*a, **k):
+            out = real(*a, **k)
+            seen.append(out[1].clone())  # logits_BVd of each row's last pending position
+            return out
+
+        engine._draft.extend = record
+        return seen
+
+    spec = _adaptive(model, fitted, pinned_costs(), K=3)
+    seen = first_extend(spec)
+    prompts = random_prompts(3, seed=12)
+    sp = SamplingParams(0.0, max_new_tokens=12)
+    got = spec.generate(prompts, sp)
+    assert spec.last_depths[:6] == [0, 0, 0, 0, 0, 3]
+    # The prefill and 5 plain rounds committed 6 tokens: the reference prompt holds 5 of them
+    # (the 6th is the pending token its prefill emits).
+    ref = TorchRolloutEngine(model, fitted, TorchEngineConfig(num_draft_tokens=3))
+    ref_seen = first_extend(ref)
+    ref.generate([p + r.output_ids[:5] for p, r in zip(prompts, got)], sp)
+    torch.testing.assert_close(seen[0], ref_seen[0], atol=1e-4, rtol=0)

@@ -261,7 +261,19 @@ class SpeculativeConfig:
     """Speculative decoding in rollouts (off = plain decoding, the no-spec baseline)."""
 
     num_draft_tokens: int = 4
-    """K: draft tokens proposed (chain) and verified in one target forward per round."""
+    """K: draft tokens proposed (chain) and verified in one target forward per round; with
+    depth = "adaptive" the most a round proposes."""
+
+    depth: Literal["fixed", "adaptive"] = "adaptive"
+    """How many draft tokens each round proposes. "adaptive" (built-in engine): before every
+    round the engine picks K in 0..num_draft_tokens maximising expected tokens per second,
+    from this call's per-depth acceptance and its own measured cost of a round at the
+    current batch size (measured once per run, then frozen, and kept in
+    <dump_folder>/rollout_costs.rank<R>.json, which a resumed run reads; docs/rollout_engine.md,
+    "Adaptive depth"), so a stale draft falls to K = 0 (plain decoding) and speculation is not
+    slower than plain decoding where a round costs more than it wins. "fixed": every round
+    proposes num_draft_tokens. The default is adaptive; with rollout.engine = "sglang" it
+    resolves to fixed (SGLang runs its own fixed chain) and an explicit "adaptive" is an error."""
 
 
 @dataclass(kw_only=True)

@@ -89,6 +89,21 @@ def _speculative(c: SpeculativeConfig) -> None:
           ">= 1 (turn speculation off with speculative.enabled = false)")
 
 
+def _speculative_depth(cfg: TitanSpecConfig) -> None:
+    """Adaptive depth is the built-in engine's. Left at its default it resolves to "fixed"
+    under SGLang (which runs the fixed chain it is given); set explicitly, it is an error."""
+    if cfg.rollout.engine != "sglang" or cfg.speculative.depth != "adaptive":
+        return
+    if "speculative.depth" in cfg.origins:
+        raise ConfigError(
+            "speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'; it must be 'fixed' "
+            "there (adaptive depth is the built-in engine's; SGLang 0.5.23's own speculative_adaptive, an EMA "
+            "of accepted length over per-batch-size candidate steps, is not wired up)",
+            key="speculative.depth",
+        )
+    cfg.speculative.depth = "fixed"
+
+
 def _sglang(c: SGLangConfig) -> None:
     check(0 <= c.port < 65536, "rollout.sglang.port", c.port, "0 (free port) or a port number")
     check(c.tp_size >= 1, "rollout.sglang.tp_size", c.tp_size, ">= 1")
@@ -220,6 +235,7 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                 f"parallelism.expert_parallel_degree = {ep} must divide the {dp_shard} FSDP ranks "
                 "(parallelism.data_parallel_shard_degree): the experts are split over a subset of them",
                 key="parallelism.expert_parallel_degree")
+    _speculative_depth(cfg)
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)

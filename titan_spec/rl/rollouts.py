@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torchtitan.tools.logging import logger
@@ -35,6 +38,7 @@ from torchtitan.tools.logging import logger
 from titan_spec.config import TitanSpecConfig
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import Rollout, SamplingParams
+from titan_spec.rollout.builtin.depth import RoundCosts
 from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
 from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
@@ -48,10 +52,17 @@ class RolloutStats:
     tokens: int
     verify_steps: int
     seconds: float
+    drafted_tokens: int = 0
+    """Draft tokens proposed (Rollout.drafted_tokens summed)."""
+    rounds: int = 0
+    """Verify rounds after the prefills (verify_steps - one per request): drafted_tokens /
+    rounds is the mean depth, ``rollout/draft_k``."""
 
     @classmethod
     def of(cls, rollouts: list[Rollout], seconds: float) -> "RolloutStats":
-        return cls(sum(len(r.output_ids) for r in rollouts), sum(r.verify_steps for r in rollouts), seconds)
+        steps = sum(r.verify_steps for r in rollouts)
+        return cls(sum(len(r.output_ids) for r in rollouts), steps, seconds,
+                   sum(r.drafted_tokens for r in rollouts), steps - len(rollouts))
 
     @classmethod
     def combined(cls, shares: list["RolloutStats"]) -> "RolloutStats":
@@ -78,9 +89,13 @@ class RolloutWorker:
         arch,
         device: torch.device,
         draft: torch.nn.Module | None,
+        costs_dir: str | None = None,
     ):
         """``draft``: the draft before RL (unsharded; None without speculation; any draft kind
-        the engine has a proposer for, rollout/builtin/kv_cache.PROPOSERS)."""
+        the engine has a proposer for, rollout/builtin/kv_cache.PROPOSERS).
+        ``costs_dir``: where adaptive depth's round-cost table lives
+        (rollout_costs.rank<R>.json): read when it exists (a resumed run makes the
+        interrupted run's choices), written when it grows; None = kept in memory only."""
         self.cfg = cfg
         # What a rerun would do, for the stop message; the trainer sets it (only it knows
         # whether a verified checkpoint exists).
@@ -88,6 +103,17 @@ class RolloutWorker:
         spec = cfg.mode.speculates
         self.co_train = cfg.mode.trains_draft
         self.frozen = self.nospec = None
+        # One cost table for the main engine, its rebuilds and the frozen-draft engine (same
+        # models, same shapes): they make the same depth choices from the same acceptance.
+        self.costs = RoundCosts()
+        self._costs_file = None
+        if costs_dir is not None and cfg.rollout.engine != "sglang":
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self._costs_file = os.path.join(costs_dir, f"rollout_costs.rank{rank}.json")
+            if os.path.isfile(self._costs_file):
+                with open(self._costs_file) as f:
+                    self.costs.load_state_dict(json.load(f))
+        self._costs_saved = len(self.costs)
         if cfg.rollout.engine == "sglang":
             self.main = SGLangRolloutEngine.from_config(cfg)
             self._rebuild = None  # the SGLang engine restarts its server itself
@@ -104,13 +130,26 @@ class RolloutWorker:
         quiet = dataclasses.replace(self._engine_cfg, progress=False)
         baselines = spec and cfg.rl.baseline_interval > 0
         self.frozen = (
-            TorchRolloutEngine(target, copy.deepcopy(draft).to(device), quiet)
+            TorchRolloutEngine(target, copy.deepcopy(draft).to(device), quiet, costs=self.costs)
             if baselines and self.co_train else None
         )
         self.nospec = TorchRolloutEngine(target, None, dataclasses.replace(quiet, num_draft_tokens=0)) if baselines else None
 
     def _build_main(self) -> TorchRolloutEngine:
-        return TorchRolloutEngine(self._target, self._draft, self._engine_cfg)
+        return TorchRolloutEngine(self._target, self._draft, self._engine_cfg, costs=self.costs)
+
+    def _save_costs(self) -> None:
+        """Writes the cost table when a call measured new entries (atomically: a kill leaves
+        the old file or the new one). Entries never change once measured, so a resumed run
+        that reads the file makes the choices the interrupted run made."""
+        if self._costs_file is None or len(self.costs) == self._costs_saved:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self._costs_file)), exist_ok=True)
+        tmp = f"{self._costs_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.costs.state_dict(), f, indent=1)
+        os.replace(tmp, self._costs_file)
+        self._costs_saved = len(self.costs)
 
     def push(self, policy_state: dict[str, torch.Tensor], draft_state: dict[str, torch.Tensor] | None, version: int):
         """New weights for the next rollouts (full tensors, trainer names / draft export names)."""
@@ -128,7 +167,9 @@ class RolloutWorker:
             try:
                 t0 = time.perf_counter()
                 out = self.main.generate(prompts, sampling)
-                return out, RolloutStats.of(out, time.perf_counter() - t0)
+                stats = RolloutStats.of(out, time.perf_counter() - t0)
+                self._save_costs()
+                return out, stats
             except (RuntimeError, ValueError, MemoryError) as e:
                 if attempt == retries:
                     raise RuntimeError(
@@ -151,6 +192,7 @@ class RolloutWorker:
                 t0 = time.perf_counter()
                 rollouts = engine.generate(prompts, sampling)
                 out[name] = RolloutStats.of(rollouts, time.perf_counter() - t0)
+        self._save_costs()
         return out
 
     def close(self) -> None:

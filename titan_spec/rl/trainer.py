@@ -87,7 +87,7 @@ class RLTrainer(SpecTrainer):
             if not spec.draft.init_from:
                 counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, config.arch.vocab_size)
             draft = initial_draft(spec.draft, config.draft_arch, counts, config.debug.seed or 0)
-        self.worker = RolloutWorker(spec, config.arch, self.device, draft)
+        self.worker = RolloutWorker(spec, config.arch, self.device, draft, costs_dir=spec.job.dump_folder)
         self.worker.resume_hint = self._resume_hint
         # The ranks that hold this rank's data-parallel rank (its CP ranks) share each
         # step's generation (rl/sharing.py); None when it is alone.
@@ -441,11 +441,14 @@ class RLTrainer(SpecTrainer):
             "reward": float(record.rewards_PG.sum()), "completions": len(b.rollouts),
             "stopped": sum(r.finish_reason == "stop" for r in b.rollouts),
             "tokens": stats.tokens, "verify": stats.verify_steps,
+            "drafted": stats.drafted_tokens, "rounds": stats.rounds,
         }
         for n in names:
             base = b.baselines.get(n)
             rollout_sums[f"{n}_tokens"], rollout_sums[f"{n}_verify"] = (
                 (base.tokens, base.verify_steps) if base is not None else (0, 0))
+            rollout_sums[f"{n}_drafted"], rollout_sums[f"{n}_rounds"] = (
+                (base.drafted_tokens, base.rounds) if base is not None else (0, 0))
         # ... the PPO stats are per token of this rank's shard: token-weighted, summed over
         # every rank that trains on data (dp x cp), means over all completion tokens ...
         token_sums = {
@@ -475,11 +478,15 @@ class RLTrainer(SpecTrainer):
             "time/train_s": maxes["train"],
             "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
         })
+        if self.config.spec.rollout.engine != "sglang":  # SGLang does not report its rounds' depths
+            # Mean draft tokens proposed per verify round (speculative.depth = "adaptive" varies it).
+            out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
         if len(record.updates) > 1:
             out["rl/updates"] = len(record.updates)
         if "frozen" in b.baselines:
             out["rollout/accept_len_frozen"] = sums["frozen_tokens"] / max(sums["frozen_verify"], 1)
             out["rollout/tokens_per_s_frozen"] = sums["frozen_tokens"] / max(maxes["frozen"], 1e-9)
+            out["rollout/draft_k_frozen"] = sums["frozen_drafted"] / max(sums["frozen_rounds"], 1)
         if "nospec" in b.baselines:
             out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
             out["time/rollout_s_nospec"] = maxes["nospec"]

@@ -85,6 +85,10 @@ class Rollout:
     """Target forwards that emitted tokens for this request (the prefill counts as one)."""
     accepted_tokens: int = 0
     """Emitted tokens that were drafted and accepted (<= num_draft_tokens * verify_steps)."""
+    drafted_tokens: int = 0
+    """Draft tokens proposed for this request, over its verify rounds after the prefill:
+    K per round, so drafted_tokens / (verify_steps - 1) is its mean depth (adaptive depth
+    varies K from round to round; fixed depth gives num_draft_tokens)."""
     policy_version: int = 0
     draft_version: int = 0
 

@@ -19,11 +19,21 @@ This is Leviathan et al. / Chen et al. speculative sampling, so the output follo
 target's (tempered, top-k/top-p filtered) distribution exactly, whatever the draft; the
 draft only changes how many tokens one target forward yields. K = 0 is plain
 autoregressive decoding in the same code path (verify a single token, no draft).
+
+Depth: ``TorchEngineConfig.depth = "fixed"`` runs every round at K = num_draft_tokens;
+"adaptive" picks K in 0..num_draft_tokens before each round (depth.py: live acceptance
+estimates of the call and the engine's measured, then frozen, cost of a round at the
+current batch size). All rows of a round share its K: they share one verify forward,
+whose cost is set by the longest window, so a shorter window for some rows would only
+lose their tokens. After K = 0 rounds the draft has not seen the committed positions yet:
+their trunk rows wait as pending segments and the next drafting round extends them all.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -34,6 +44,7 @@ from titan_spec.models.draft import draft_kind
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
+from titan_spec.rollout.builtin.depth import AcceptanceEstimate, RoundCosts, batch_buckets, choose_depth, sampling_mode
 from titan_spec.rollout.builtin.kv_cache import PROPOSERS, CachedTarget
 
 __all__ = ["TorchEngineConfig", "TorchRolloutEngine", "filtered_probs", "speculative_accept"]
@@ -44,7 +55,13 @@ class TorchEngineConfig:
     """Settings of the built-in engine (sampling settings come per call, in SamplingParams)."""
 
     num_draft_tokens: int = 4
-    """K: draft tokens proposed and verified per round (chain drafting); 0 = no speculation."""
+    """K: draft tokens proposed and verified per round (chain drafting); 0 = no speculation.
+    With depth = "adaptive" the most a round proposes."""
+    depth: Literal["fixed", "adaptive"] = "fixed"
+    """"fixed": every round proposes num_draft_tokens. "adaptive": each round picks K in
+    0..num_draft_tokens maximising expected tokens per second (rollout/builtin/depth.py);
+    its choices are a deterministic function of the cost table (``TorchRolloutEngine.costs``),
+    so engines sharing a table make the same choices."""
     max_batch_size: int = 0
     """Requests decoded together; larger calls are split. 0 = the whole call at once."""
     compile: bool = False
@@ -61,6 +78,7 @@ class TorchEngineConfig:
         (K = 0 when speculative.enabled is off)."""
         return cls(
             num_draft_tokens=speculative.num_draft_tokens if speculative.enabled else 0,
+            depth=speculative.depth,
             max_batch_size=rollout.max_batch_size,
             compile=rollout.compile,
             progress=rollout.progress,
@@ -129,14 +147,29 @@ def _behaviour_logprobs(logits_NLV: torch.Tensor, tokens_NL: torch.Tensor, sampl
 
 
 class _Request:
-    __slots__ = ("index", "prompt", "out", "logprobs", "verify_steps", "accepted", "finish")
+    __slots__ = ("index", "prompt", "out", "logprobs", "verify_steps", "accepted", "drafted", "finish")
 
     def __init__(self, index: int, prompt: list[int]):
         self.index, self.prompt = index, prompt
         self.out: list[int] = []
         self.logprobs: list[float] = []
-        self.verify_steps = self.accepted = 0
+        self.verify_steps = self.accepted = self.drafted = 0
         self.finish: str | None = None
+
+
+def _join_pending(segments: list[tuple]) -> tuple:
+    """Pending draft trunk rows of several rounds as one (taps, tokens, start, n). Each
+    segment's rows are contiguous positions that start where the previous segment's valid
+    rows end; a stable sort moves every row's valid entries to the front, in order."""
+    if len(segments) == 1:
+        return segments[0]
+    taps_BLCD = torch.cat([s[0] for s in segments], dim=1)
+    tok_BL = torch.cat([s[1] for s in segments], dim=1)
+    dev = tok_BL.device
+    valid_BL = torch.cat([torch.arange(s[1].shape[1], device=dev)[None, :] < s[3][:, None] for s in segments], dim=1)
+    order_BL = torch.sort((~valid_BL).long(), dim=1, stable=True).indices
+    taps_BLCD = taps_BLCD.gather(1, order_BL[:, :, None, None].expand_as(taps_BLCD))
+    return taps_BLCD, tok_BL.gather(1, order_BL), segments[0][2], sum(s[3] for s in segments)
 
 
 class TorchRolloutEngine:
@@ -147,12 +180,17 @@ class TorchRolloutEngine:
     them; the trainer pushes new weights with update_*_weights). Both are put in eval mode.
     """
 
-    def __init__(self, target: nn.Module, draft: nn.Module | None = None, config: TorchEngineConfig | None = None):
+    def __init__(self, target: nn.Module, draft: nn.Module | None = None, config: TorchEngineConfig | None = None,
+                 costs: RoundCosts | None = None):
+        """costs: the round-cost table of adaptive depth, shared with other engines over the
+        same models (measured into on first use; a new, empty one when None)."""
         config = config or TorchEngineConfig()
         if int(config.num_draft_tokens) != config.num_draft_tokens or config.num_draft_tokens < 0:
             raise ValueError(
                 f"num_draft_tokens = {config.num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)"
             )
+        if config.depth not in ("fixed", "adaptive"):
+            raise ValueError(f"depth = {config.depth!r} must be 'fixed' or 'adaptive'")
         if config.max_batch_size < 0:
             raise ValueError(f"max_batch_size = {config.max_batch_size} must be >= 0 (0 = no limit)")
         if config.num_draft_tokens > 0 and draft is None:
@@ -175,6 +213,10 @@ class TorchRolloutEngine:
             self._draft = PROPOSERS[draft.arch.kind](self.draft, self._target.embed)
         self.policy_version = 0
         self.draft_version = 0
+        self.adaptive = config.depth == "adaptive" and self.K > 0
+        self.costs = costs if costs is not None else RoundCosts()
+        self.last_depths: list[int] = []
+        """K of every round of the last generate call, in order (all its batches)."""
         self._closed = False
         if config.compile:
             # Only the model math is compiled; index/mask building and sampling stay eager.
@@ -251,9 +293,15 @@ class TorchRolloutEngine:
             gen.manual_seed(int(sampling.seed))
         chunk = self.config.max_batch_size or len(prompts)
         out: list[Rollout] = []
+        self.last_depths = []
         with torch.inference_mode():
+            est = None
+            if self.adaptive:
+                self._calibrate(min(chunk, len(prompts)), sampling)
+                # One estimate per call, carried across its batches (and nothing else).
+                est = AcceptanceEstimate(self.K)
             for s in range(0, len(prompts), chunk):
-                out += self._generate_batch(prompts[s : s + chunk], sampling, gen)
+                out += self._generate_batch(prompts[s : s + chunk], sampling, gen, est=est)
         return out
 
     def update_policy_weights(self, named_tensors: NamedTensors, version: int) -> None:
@@ -282,42 +330,51 @@ class TorchRolloutEngine:
 
     # --- one batch ----------------------------------------------------------------------
 
-    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator) -> list[Rollout]:
-        dev, K, B = self.device, self.K, len(prompts)
+    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator,
+                        est: AcceptanceEstimate | None = None, fixed_k: int | None = None,
+                        max_rounds: int = 0, round_s: list[float] | None = None) -> list[Rollout]:
+        """est: the call's acceptance estimate (adaptive depth); fixed_k: every round at this
+        K (calibration); max_rounds > 0: stop after that many rounds (calibration: the
+        unfinished requests are dropped); round_s: receives each round's seconds."""
+        dev, K_max, B = self.device, self.K, len(prompts)
         reqs = [_Request(i, p) for i, p in enumerate(prompts)]
         done: list[_Request] = []
         P_B = torch.tensor([len(p) for p in prompts], device=dev)
         P = int(max(len(p) for p in prompts))
         # Slots: prompt + completion, plus room for a final verify window that overshoots.
-        slots = P + sp.max_new_tokens + K + 1
+        slots = P + sp.max_new_tokens + K_max + 1
         self._target.new_cache(B, slots)
         # Fused weights and rotary tables, current for this batch (weights cannot change mid-call).
         tw = self._target.fused_weights()
         dw = None
-        if K:
+        if K_max:
             self._draft.new_cache(B, slots)
             dw = self._draft.weights()
+        mode = sampling_mode(sp.greedy, sp.top_k, sp.top_p)
         tokens_BP = torch.zeros(B, P, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             tokens_BP[b, : len(p)] = torch.tensor(p, device=dev)
         stop = set(sp.stop_token_ids or ())
-        bar = self._progress_bar(B * sp.max_new_tokens)
+        bar = self._progress_bar(B * sp.max_new_tokens) if round_s is None else None
+        rounds = 0
         try:
             # Prefill: the whole prompt, logits at its last token -> the first completion token.
             logits_BV, taps_BPCD = self._target.forward(tokens_BP, torch.zeros_like(P_B), P_B - 1, n_slots=P, fused=tw)
             y_B = self._pick(logits_BV, sp, gen)
             lp_B1 = _behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
             a_B = torch.zeros_like(P_B)
-            keep, a_host = self._emit(reqs, done, y_B[:, None], a_B, lp_B1, stop, sp, bar)
+            keep, a_host = self._emit(reqs, done, y_B[:, None], a_B, lp_B1, stop, sp, bar, 0)
             # Positions live twice: on the device (index math) and on the host (slot counts,
             # so no forward needs a sync); the host copy advances from _emit's one transfer.
             c_B, c_host = P_B, [len(p) for p in prompts]  # target positions processed; y_B sits at c_B
-            pend = None
-            if K:
+            # Draft trunk rows not in the draft's cache yet: segments (taps, tokens, start, n),
+            # one per round since the last drafting round (only K = 0 rounds make more than one).
+            pend: list[tuple] = []
+            if K_max:
                 # The draft's pending trunk rows t = 0..P-1 read x[t+1]: the prompt shifted by one, then y.
                 pend_tok_BP = torch.roll(tokens_BP, -1, dims=1)
                 pend_tok_BP[torch.arange(B, device=dev), P_B - 1] = y_B
-                pend = (taps_BPCD, pend_tok_BP, torch.zeros_like(P_B), P_B)
+                pend = [(taps_BPCD, pend_tok_BP, torch.zeros_like(P_B), P_B)]
                 pend_slots = P  # host bound on the pending rows' last position + 1
             while reqs:
                 if keep is not None:
@@ -326,30 +383,54 @@ class TorchRolloutEngine:
                     keep_B = torch.tensor(keep, dtype=torch.long, device=dev)
                     c_B, y_B = c_B[keep_B], y_B[keep_B]
                     self._target.cache.keep(keep_B)
-                    if K:
-                        pend = tuple(x[keep_B] for x in pend)
+                    if K_max:
+                        pend = [tuple(x[keep_B] for x in _join_pending(pend))]
                         self._draft.cache.keep(keep_B)
                     if not reqs:
                         break
+                if fixed_k is not None:
+                    K = fixed_k
+                elif est is not None:
+                    K = choose_depth(est.alphas(), [sp.max_new_tokens - len(r.out) for r in reqs],
+                                     self.costs.costs(mode, len(reqs), K_max))
+                else:
+                    K = K_max
+                t0 = self._round_clock() if round_s is not None else 0.0
                 c_max = max(c_host)
                 d_BK = q_BKVd = d_idx_BK = None
                 if K:
-                    d_BK, d_idx_BK, q_BKVd = self._propose(pend, pend_slots, c_B, c_max, sp, gen, dw)
+                    d_BK, d_idx_BK, q_BKVd = self._propose(_join_pending(pend), pend_slots, c_B, c_max, K, sp, gen, dw)
                     verify_BL = torch.cat([y_B[:, None], d_BK], dim=1)
                 else:
                     verify_BL = y_B[:, None]
+                    if len(pend) > 32:
+                        pend = [_join_pending(pend)]  # a long K = 0 streak: keep the list short
                 logits_BLV, taps_BLCD = self._target.forward(verify_BL, c_B, n_slots=c_max + K + 1, fused=tw)
                 a_B, new_BL = self._accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, sp, gen)
                 lp_BL = _behaviour_logprobs(logits_BLV, new_BL, sp)
-                keep, a_host = self._emit(reqs, done, new_BL, a_B, lp_BL, stop, sp, bar)
-                if K:
-                    pend, pend_slots = (taps_BLCD, new_BL, c_B, a_B + 1), c_max + K + 1
+                keep, a_host = self._emit(reqs, done, new_BL, a_B, lp_BL, stop, sp, bar, K)
+                if K_max:
+                    seg = (taps_BLCD, new_BL, c_B, a_B + 1)
+                    if K:
+                        pend, pend_slots = [seg], c_max + K + 1
+                    else:
+                        pend.append(seg)
+                        pend_slots = max(pend_slots, c_max + 1)
                 y_B = new_BL.gather(1, a_B[:, None])[:, 0]
                 c_B = c_B + a_B + 1
                 c_host = [c + a + 1 for c, a in zip(c_host, a_host)]
+                if est is not None:
+                    est.observe(K, a_host)
+                if round_s is not None:
+                    round_s.append(self._round_clock() - t0)
+                else:
+                    self.last_depths.append(K)
+                rounds += 1
+                if max_rounds and rounds >= max_rounds:
+                    break
         finally:
             self._target.cache = None
-            if K:
+            if K_max:
                 self._draft.cache = None
             if bar is not None:
                 bar.close()
@@ -357,22 +438,83 @@ class TorchRolloutEngine:
         return [
             Rollout(
                 prompt_ids=r.prompt, output_ids=r.out, logprobs=r.logprobs, finish_reason=r.finish,
-                verify_steps=r.verify_steps, accepted_tokens=r.accepted,
-                policy_version=self.policy_version, draft_version=self.draft_version if K else 0,
+                verify_steps=r.verify_steps, accepted_tokens=r.accepted, drafted_tokens=r.drafted,
+                policy_version=self.policy_version, draft_version=self.draft_version if K_max else 0,
             )
             for r in done
         ]
 
+    # --- adaptive depth: the cost table -----------------------------------------------------
+
+    CALIBRATION_ROUNDS = 2
+    """Rounds per (bucket, K) and pass when measuring costs (the first, which also extends
+    the draft over the prompt, is not timed)."""
+    CALIBRATION_PASSES = 5
+    """Passes over every (bucket, K), interleaved: each pass times every K of a bucket back
+    to back, and the table keeps the median over passes of each K's ratio to K = 0, so a
+    burst of other load that hits one pass does not move a choice."""
+
+    def _round_clock(self) -> float:
+        """The clock a round's cost is read on. CPU: this process's CPU time, which other
+        processes' load on a shared machine does not inflate (their wall time is what
+        it is, but the ratio between two depths is what the choice needs); the round
+        ends with a host transfer, so all its work is done when the clock is read. GPU:
+        wall time (the same transfer synchronizes the stream)."""
+        return time.process_time() if self.device.type == "cpu" else time.perf_counter()
+
+    def _calibrate(self, batch: int, sp: SamplingParams) -> None:
+        """Measures the cost table's missing entries for ``sp``'s sampling mode and every
+        batch bucket up to ``batch`` (depth.batch_buckets): synthetic rounds at each fixed K
+        on scratch caches, with a private RNG. Touches nothing a generate call reads (the
+        caches are rebuilt per batch), so whether a call calibrates does not change its
+        rollouts. Cost: CALIBRATION_PASSES x CALIBRATION_ROUNDS x (K_max + 1) rounds per
+        bucket. Entry (bucket, K) = median over passes of the K = 0 round, times the median
+        over passes of K's ratio to K = 0 in the same pass; then lowered where a deeper round
+        or a larger batch measured cheaper (neither can really cost less), and frozen into
+        ``self.costs``."""
+        mode = sampling_mode(sp.greedy, sp.top_k, sp.top_p)
+        todo = self.costs.missing(mode, batch_buckets(batch), self.K)
+        if not todo:
+            return
+        R = self.CALIBRATION_ROUNDS
+        new = max(2, R * (self.K + 1) + 1)  # enough budget for R rounds even if all drafts pass
+        plen = max(1, min(16, self._target.max_seq_len - new - self.K - 1))
+        cal_sp = SamplingParams(sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=new)
+        V = self._target.vocab_size
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(0)
+        per_pass = {b: [] for b in todo}  # bucket -> per pass: fastest timed round of each K
+        for _ in range(self.CALIBRATION_PASSES):
+            for bucket in todo:
+                prompts = [[(7 * i + 3 * b + 1) % V for i in range(plen)] for b in range(bucket)]
+                row = []
+                for k in range(self.K + 1):
+                    s: list[float] = []
+                    self._generate_batch(prompts, cal_sp, gen, fixed_k=k, max_rounds=R, round_s=s)
+                    row.append(max(min(s[1:]), 1e-7))
+                per_pass[bucket].append(row)
+        best = {}
+        for bucket, rows in per_pass.items():
+            base = _median([r[0] for r in rows])
+            best[bucket] = [base * _median([r[k] / r[0] for r in rows]) for k in range(self.K + 1)]
+        for i in range(len(todo) - 2, -1, -1):  # a smaller batch costs at most a larger one
+            best[todo[i]] = [min(a, b) for a, b in zip(best[todo[i]], best[todo[i + 1]])]
+        for bucket in todo:
+            row = best[bucket]
+            for k in range(self.K - 1, -1, -1):  # a shallower round costs at most a deeper one
+                row[k] = min(row[k], row[k + 1])
+            self.costs.set(mode, bucket, row)
+
     # --- draft, verify, emit --------------------------------------------------------------
 
-    def _propose(self, pend, pend_slots: int, c_B, c_max: int, sp: SamplingParams, gen, dw):
+    def _propose(self, pend, pend_slots: int, c_B, c_max: int, K: int, sp: SamplingParams, gen, dw):
         """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy).
         pend_slots, c_max: host-side slot bounds (no sync); dw: the draft's batch weights."""
         taps_BLCD, tok_BL, start_B, n_B = pend
         d2t_Vd = self.draft.draft_to_target_ids()
         h_BH, logits_BVd = self._draft.extend(taps_BLCD, tok_BL, start_B, n_B, n_slots=pend_slots, weights=dw)
         d, d_idx, q = [], [], []
-        for j in range(self.K):
+        for j in range(K):
             if j:
                 # Step j of the row at c-1 sits at position c-1+j (its branch slot).
                 h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j, n_slots=c_max + j, weights=dw)
@@ -412,7 +554,7 @@ class TorchRolloutEngine:
             return logits_NV.argmax(-1)
         return self._sample(filtered_probs(logits_NV, sp), gen)
 
-    def _emit(self, reqs, done, new_BL, a_B, lp_BL, stop: set[int], sp: SamplingParams, bar):
+    def _emit(self, reqs, done, new_BL, a_B, lp_BL, stop: set[int], sp: SamplingParams, bar, k: int):
         """Appends each row's committed tokens (cut after a stop token or at the budget).
         Returns (the rows still running, or None when all are; accepted drafts per row).
 
@@ -434,6 +576,7 @@ class TorchRolloutEngine:
             r.logprobs += row[L + 1 : L + 1 + n]
             r.verify_steps += 1
             r.accepted += min(a, n)
+            r.drafted += k
             emitted += n
             a_host.append(a)
             if cut is not None or len(r.out) >= sp.max_new_tokens:
@@ -454,6 +597,12 @@ class TorchRolloutEngine:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, unit="tok", desc="rollout", dynamic_ncols=True)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def _d2t_ok(d2t: torch.Tensor, vocab_size: int) -> bool:

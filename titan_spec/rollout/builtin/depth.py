@@ -1,0 +1,179 @@
+"""Adaptive speculation depth for the built-in engine: how many draft tokens (K in 0..K_max)
+the next round proposes.
+
+A round at depth K costs the draft's K proposals plus one target forward over K+1 tokens
+(K = 0 is a plain decode step), and yields 1 + (accepted drafts) tokens per request. The
+engine picks, before every round, the K that maximises expected tokens per second:
+
+    K* = argmax_K  sum_b E_b[tokens | K] / cost(K, B)
+
+  - E_b[tokens | K] = sum_{i=0..min(K, R_b - 1)} alpha_1 ... alpha_i, with alpha_j the
+    conditional acceptance rate of draft j given drafts 1..j-1 were accepted and R_b the
+    request's remaining token budget (tokens past the budget are not worth drafting);
+  - alpha_j: ``AcceptanceEstimate``, counts of this call's rounds (reached depth j, accepted
+    at depth j) decayed by ``decay`` per round, smoothed by a Beta prior. A slower decay
+    applies in K = 0 rounds, so the prior regains weight and a stale draft is probed again
+    now and then (one short round every few dozen to a hundred rounds);
+  - cost(K, B): ``RoundCosts``, the engine's own measured cost of a round, measured ONCE
+    per (sampling mode, batch-size bucket) on first use, then frozen.
+
+Reproducibility: the choice is a deterministic function of (the frozen cost table, the
+acceptance counts of this generate call, the remaining budgets). Nothing else carries over
+between calls, so a call's rollouts are a function of (weights, prompts, SamplingParams and
+seed, the cost table): two engines given the same table make the same choices and the
+same samples, a rebuilt engine over the same table repeats a call exactly, and a resumed
+run that loads its table repeats the original run's rollouts. The measurement itself runs
+on scratch caches with its own RNG, so it changes no state a call reads (a call that
+calibrates samples what the same call does later with the table in place). What is NOT
+exact: two fresh runs measure their own tables, so their sampled rollouts may differ
+(greedy ones never do: greedy output is the policy's argmax chain whatever K is).
+
+Losslessness does not depend on the choice: K is fixed before the round from the past only,
+and speculative sampling emits each token from the target's distribution for any K.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+
+__all__ = ["AcceptanceEstimate", "RoundCosts", "choose_depth", "batch_buckets", "sampling_mode"]
+
+
+def sampling_mode(greedy: bool, top_k: int, top_p: float) -> str:
+    """The cost table's key for a sampling setting: the accept step's cost depends on it
+    (greedy: argmax only; sampled: softmax, plus a top-k and a top-p sort when set)."""
+    if greedy:
+        return "greedy"
+    return "sample" + ("_topk" if top_k > 0 else "") + ("_topp" if top_p < 1.0 else "")
+
+
+def batch_buckets(batch: int) -> list[int]:
+    """Batch sizes whose cost is measured for a batch of ``batch`` rows (the batch only
+    shrinks while it decodes): the powers of two up to the first one >= batch."""
+    out, b = [1], 1
+    while b < batch:
+        b *= 2
+        out.append(b)
+    return out
+
+
+class RoundCosts:
+    """Seconds of one round at K = 0..K_max, per sampling mode and batch bucket (on CPU the
+    engine's process CPU seconds: TorchRolloutEngine._round_clock).
+
+    Measured once per entry by the engine (``TorchRolloutEngine._calibrate``), then never
+    changed: ``cost`` reads it, interpolating linearly between buckets. Share one object
+    between engines over the same models (the RL worker's main and frozen-draft engines and
+    their rebuilds); ``state_dict`` / ``load_state_dict`` carry it to a resumed run.
+    """
+
+    def __init__(self, table: dict | None = None, pinned: bool = False):
+        """table: a ``state_dict()``; pinned: never measure into this table (a batch size
+        between or beyond its buckets reads the interpolation or the nearest bucket), e.g.
+        a table carried from another run so that a fresh run makes that run's choices."""
+        self.table: dict[str, dict[int, list[float]]] = {}
+        self.pinned = pinned
+        if table:
+            self.load_state_dict(table)
+
+    def missing(self, mode: str, buckets: list[int], k_max: int) -> list[int]:
+        """The buckets to measure for ``mode`` (none when pinned and the mode is known)."""
+        if self.pinned:
+            if not any(self.has(mode, b, k_max) for b in self.table.get(mode, {})):
+                raise ValueError(f"the pinned round-cost table has no {mode!r} entry for K up to {k_max}")
+            return []
+        return [b for b in buckets if not self.has(mode, b, k_max)]
+
+    def has(self, mode: str, bucket: int, k_max: int) -> bool:
+        row = self.table.get(mode, {}).get(bucket)
+        return row is not None and len(row) >= k_max + 1
+
+    def set(self, mode: str, bucket: int, seconds: list[float]) -> None:
+        if self.has(mode, bucket, len(seconds) - 1):
+            raise ValueError(f"round costs of {mode} at batch {bucket} are already measured (they are frozen)")
+        if not seconds or min(seconds) <= 0:
+            raise ValueError(f"round costs must be positive seconds, got {seconds}")
+        self.table.setdefault(mode, {})[int(bucket)] = [float(s) for s in seconds]
+
+    def costs(self, mode: str, batch: int, k_max: int) -> list[float]:
+        """cost(K) for K = 0..k_max at ``batch`` rows: linear between the measured buckets
+        around it (the nearest one outside them)."""
+        rows = self.table[mode]
+        sizes = sorted(b for b, r in rows.items() if len(r) >= k_max + 1)
+        i = bisect.bisect_left(sizes, batch)
+        if i < len(sizes) and sizes[i] == batch:
+            return rows[batch][: k_max + 1]
+        if i == 0 or i == len(sizes):
+            return rows[sizes[min(i, len(sizes) - 1)]][: k_max + 1]
+        lo, hi = sizes[i - 1], sizes[i]
+        w = (batch - lo) / (hi - lo)
+        return [(1 - w) * a + w * b for a, b in zip(rows[lo][: k_max + 1], rows[hi][: k_max + 1])]
+
+    def state_dict(self) -> dict[str, dict[str, list[float]]]:
+        """JSON-ready: {mode: {str(bucket): [seconds per K]}}."""
+        return {m: {str(b): list(r) for b, r in rows.items()} for m, rows in self.table.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.table = {m: {int(b): [float(s) for s in r] for b, r in rows.items()} for m, rows in state.items()}
+
+    def copy(self, pinned: bool | None = None) -> "RoundCosts":
+        return RoundCosts(copy.deepcopy(self.state_dict()), self.pinned if pinned is None else pinned)
+
+    def __len__(self) -> int:
+        return sum(len(rows) for rows in self.table.values())
+
+
+class AcceptanceEstimate:
+    """Per-depth acceptance alpha_1..alpha_Kmax of one generate call's rounds.
+
+    Counts: reached_j (rows whose round drafted >= j tokens and accepted the first j-1)
+    and accepted_j (those that also accepted draft j), decayed by ``decay`` every round;
+    alpha_j = (accepted_j + w m) / (reached_j + w), a Beta prior of mean ``prior`` and
+    weight ``prior_weight``. The prior is optimistic (0.8), so a call's first round
+    speculates and its own outcomes decide the rest. A K = 0 round observes nothing and
+    decays the counts by the slower ``idle_decay``: after a few dozen such rounds the prior
+    has regained enough weight for one probing round."""
+
+    def __init__(self, k_max: int, prior: float = 0.8, prior_weight: float = 1.0, decay: float = 0.9,
+                 idle_decay: float = 0.98):
+        self.k_max, self.prior, self.w, self.decay, self.idle_decay = k_max, prior, prior_weight, decay, idle_decay
+        self.reached = [0.0] * (k_max + 1)  # index j = 1..k_max (0 unused)
+        self.accepted = [0.0] * (k_max + 1)
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        """One round at depth k, with each row's accepted draft count (before any stop or
+        budget cut: what the draft achieved)."""
+        d = self.decay if k else self.idle_decay
+        self.reached = [x * d for x in self.reached]
+        self.accepted = [x * d for x in self.accepted]
+        for a in accepted if k else ():
+            for j in range(1, min(a + 1, k) + 1):  # reached depths 1..a+1 (<= k)
+                self.reached[j] += 1.0
+            for j in range(1, a + 1):
+                self.accepted[j] += 1.0
+
+    def alphas(self) -> list[float]:
+        """[alpha_1, ..., alpha_Kmax]."""
+        w, m = self.w, self.prior
+        return [(self.accepted[j] + w * m) / (self.reached[j] + w) for j in range(1, self.k_max + 1)]
+
+
+def choose_depth(alphas: list[float], remaining: list[int], costs: list[float]) -> int:
+    """argmax_K sum_b E_b[tokens | K] / costs[K] over K = 0..len(costs)-1; ties go to the
+    smaller K. remaining: each running request's token budget left (>= 1)."""
+    k_max = len(costs) - 1
+    # n_i = rows that can still use an i-th extra token (budget > i); P_i = alpha_1..alpha_i.
+    n = [0] * (k_max + 1)
+    for r in remaining:
+        n[min(r, k_max + 1) - 1] += 1
+    for i in range(k_max - 1, -1, -1):
+        n[i] += n[i + 1]
+    best_k, best, tokens, p = 0, n[0] / costs[0], float(n[0]), 1.0
+    for k in range(1, k_max + 1):
+        p *= alphas[k - 1]
+        tokens += p * n[k]
+        rate = tokens / costs[k]
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
