@@ -43,6 +43,7 @@ from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.tasks import exact_match_reward
 from titan_spec.draft_training import initial_draft
 from titan_spec.models.registry import build_target_config
+from titan_spec.rl.drift import DriftMeter, percentile_from_counts
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
@@ -51,6 +52,14 @@ from titan_spec.rollout.base import SamplingParams
 from titan_spec.trainer import SpecTrainer
 
 __all__ = ["RLTrainer"]
+
+
+def _length_counts(rollouts, max_new_tokens: int) -> dict[str, float]:
+    """len_<n>: completions of n tokens (a histogram summed over ranks: the p90 length)."""
+    counts = {f"len_{n}": 0.0 for n in range(max_new_tokens + 1)}
+    for r in rollouts:
+        counts[f"len_{min(len(r.output_ids), max_new_tokens)}"] += 1.0
+    return counts
 
 DEGENERATE_WARN_STEPS = 5
 """Steps in a row in which every group's rewards are identical (all advantages 0, so the
@@ -79,12 +88,15 @@ class RLTrainer(SpecTrainer):
         self.worker = RolloutWorker(spec, config.arch, self.device, draft)
         self.worker.resume_hint = self._resume_hint
         self._degenerate_steps = 0
-        self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
+        # The starting policy, for the KL penalty and the drift metrics (rl/drift.py).
+        self.reference = self._build_reference() if self.rl.kl_beta > 0 or self.rl.drift_metrics else None
+        self.drift = DriftMeter()
         self.last_step: StepRecord | None = None
         """The latest step's record (its metrics are logged from it)."""
 
     def _build_reference(self) -> torch.nn.Module:
-        """A frozen full copy of the initial policy for the KL term (built before any resume)."""
+        """A frozen full copy of the initial policy for the KL term and the drift metrics
+        (built before any resume)."""
         with torch.device(self.device):
             ref = build_target_config(self.config.arch).build()
         ref.load_state_dict(full_policy_state(self.model_parts))
@@ -120,6 +132,7 @@ class RLTrainer(SpecTrainer):
                 record.updates.append(self.update(mb))
         self.lr_schedulers.step()  # the policy's and the draft's schedules, once per RL step
         record.train_s = time.perf_counter() - record.rollout_done
+        record.drift = self.drift.take()
         self.last_step = record
         if self.metrics_processor.should_log(self.step):
             self.log_step(record, lr_metrics)
@@ -223,7 +236,10 @@ class RLTrainer(SpecTrainer):
             with self.train_context(), torch.no_grad():
                 ref_logp_BL = token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, self.rl.temperature)
         dev = labels_BL.device
-        return PPOPolicyLoss(mb.behaviour_logp_BL.to(dev), mb.advantages_BL.to(dev), self.rl, ref_logp_BL)
+        loss = PPOPolicyLoss(mb.behaviour_logp_BL.to(dev), mb.advantages_BL.to(dev), self.rl, ref_logp_BL)
+        if ref_logp_BL is not None:  # the same forward measures the drift (rl/drift.py)
+            self.drift.add(loss.behaviour_logp_BL, ref_logp_BL, labels_BL)
+        return loss
 
     def _warn_if_degenerate(self, rewards_PG: torch.Tensor) -> None:
         """A logged warning when no group on any rank has two different rewards for
@@ -283,12 +299,14 @@ class RLTrainer(SpecTrainer):
             "policy_tokens": sum(u.policy_tokens for u in record.updates),
             "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
             "kl": sum(u.policy_tokens * u.kl for u in record.updates),
+            **record.drift, **_length_counts(b.rollouts, self.rl.max_new_tokens),
         }
         for n in names:
             base = b.baselines.get(n)
             sums[f"{n}_tokens"], sums[f"{n}_verify"] = (base.tokens, base.verify_steps) if base is not None else (0, 0)
         # ... and the slowest rank's seconds.
         maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s,
+                 "len_max": max((len(r.output_ids) for r in b.rollouts), default=0),
                  **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names}}
         sums, maxes = self._reduce(sums, dist.ReduceOp.SUM), self._reduce(maxes, dist.ReduceOp.MAX)
         tokens, ppo_tokens = sums["tokens"], max(sums["policy_tokens"], 1.0)
@@ -308,9 +326,17 @@ class RLTrainer(SpecTrainer):
         })
         if len(record.updates) > 1:
             out["rl/updates"] = len(record.updates)
+        counts = [sums[f"len_{n}"] for n in range(self.rl.max_new_tokens + 1)]
+        out.update({"rollout/completion_len": tokens / sums["completions"],
+                    "rollout/completion_len_p90": percentile_from_counts(counts, 0.9),
+                    "rollout/completion_len_max": maxes["len_max"]})
+        if sums.get("drift_tokens"):
+            out["drift/kl"] = sums["drift_k1"] / sums["drift_tokens"]
+            out["drift/kl_k3"] = sums["drift_k3"] / sums["drift_tokens"]
         if "frozen" in b.baselines:
             out["rollout/accept_len_frozen"] = sums["frozen_tokens"] / max(sums["frozen_verify"], 1)
             out["rollout/tokens_per_s_frozen"] = sums["frozen_tokens"] / max(maxes["frozen"], 1e-9)
+            out["time/rollout_s_frozen"] = maxes["frozen"]
         if "nospec" in b.baselines:
             out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
             out["time/rollout_s_nospec"] = maxes["nospec"]
