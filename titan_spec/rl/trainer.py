@@ -53,6 +53,10 @@ from titan_spec.trainer import SpecTrainer
 
 __all__ = ["RLTrainer"]
 
+DEGENERATE_WARN_STEPS = 5
+"""Steps in a row in which every group's rewards are identical (all advantages 0, so the
+policy gradient is 0: nothing is learned) before a warning, repeated every as many steps."""
+
 
 def _length_counts(rollouts, max_new_tokens: int) -> dict[str, float]:
     """len_<n>: completions of n tokens (a histogram summed over ranks: the p90 length)."""
@@ -60,10 +64,6 @@ def _length_counts(rollouts, max_new_tokens: int) -> dict[str, float]:
     for r in rollouts:
         counts[f"len_{min(len(r.output_ids), max_new_tokens)}"] += 1.0
     return counts
-
-DEGENERATE_WARN_STEPS = 5
-"""Steps in a row in which every group's rewards are identical (all advantages 0, so the
-policy gradient is 0: nothing is learned) before a warning, repeated every as many steps."""
 
 
 class RLTrainer(SpecTrainer):
