@@ -51,6 +51,9 @@ def _parse_args(argv):
     p.add_argument("--dump", default=str(REPO_ROOT / "outputs/bench_rl"))
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_baselines.json"))
     p.add_argument("--extra", default="", help="more overrides for every variant, space-separated")
+    p.add_argument("--reuse", action="store_true",
+                   help="a variant whose dump folder holds a finished run (DONE) is read, not rerun "
+                        "(run the variants in parallel, then once more with --reuse for the table)")
     return p.parse_args(argv)
 
 
@@ -108,7 +111,12 @@ def main(argv=None) -> int:
     extra = args.extra.split() if args.extra else []
     results, rows = {}, {}
     for name in args.variants.split(","):
-        rows[name] = _run(name, os.path.join(args.dump, name), args.steps, extra)
+        dump = os.path.join(args.dump, name)
+        if args.reuse and os.path.isfile(os.path.join(dump, "DONE")):
+            print(f"[{name}] reusing the finished run in {dump}", flush=True)
+            rows[name] = read_metrics(dump)
+        else:
+            rows[name] = _run(name, dump, args.steps, extra)
         results[name] = summarize(name, rows[name])
     ns = results.get("no-spec")
     print("\n| variant | reward start | reward end | accept start | accept end | push s | rollout s | train s "

@@ -54,7 +54,7 @@ def test_report_tables_and_plots(tmp_path, draft_k):
     assert "| rollout s/step | 1.000 | 1.500 | 2.000 |" in lines
     assert "| rollout vs no-spec | 0.50x | 0.75x | 1.00x |" in lines
     assert "| acceptance length, start -> end | 3.00 -> 3.00 | 2.97 -> 2.00 | 1.00 -> 1.00 |" in lines
-    names = {"reward", "acceptance", "drift", "rollout_time", "rollout_tps", "overview"} | ({"draft_k"} if draft_k else set())
+    names = {"reward", "acceptance", "completion_len", "kl", "rollout_time", "rollout_tps", "overview"} | ({"draft_k"} if draft_k else set())
     assert {n[:-4] for n in os.listdir(tmp_path / "plots")} == names
     for n in names:
         assert os.path.getsize(tmp_path / "plots" / f"{n}.png") > 5000

@@ -3,10 +3,11 @@
 ``overview.png`` holds every panel; each panel is also its own file:
   reward.png       reward per step (points) and its smoothed line (EMA), per variant
   acceptance.png   acceptance length, co-trained vs frozen draft on the same prompts
-  drift.png        completion length (mean, p90, max) and KL(policy || start) over steps
+  completion_len.png  completion length over steps (mean, p90, max)
+  kl.png           KL(policy || starting policy) per token over steps (rl/drift.py)
   rollout_time.png rollout seconds per step: co-trained, frozen, no speculation
-  rollout_tps.png  rollout tokens/s of the three
   draft_k.png      draft tokens proposed per verify round (adaptive K), when logged
+  rollout_tps.png  rollout tokens/s of the three (not in the overview when draft_k is)
 A panel whose metrics are absent says so instead of failing. Shape-free: rows are the
 metrics.jsonl dicts.
 """
@@ -86,32 +87,32 @@ def panel_acceptance(ax, rows, runs):
     _finish(ax, "Acceptance length (tokens per target forward)", "tokens")
 
 
-def panel_drift(ax, rows, runs):
+def panel_length(ax, rows, runs):
     xs, mean = _series(rows, "rollout/completion_len")
-    if not xs:
+    if xs:
+        mx, mxv = _series(rows, "rollout/completion_len_max")
+        px, p90 = _series(rows, "rollout/completion_len_p90")
+        if mx:
+            ax.plot(mx, mxv, "-", lw=0.8, color="0.65", label="max")
+        if px:
+            ax.plot(px, ema(p90, _span(len(p90))), "--", lw=1.5, color="#2ca02c", label="p90 (smoothed)")
+        _smoothed(ax, xs, mean, "mean (smoothed)", "#2ca02c")
+        ax.set_ylim(bottom=0)
+    else:
         _empty(ax, "completion length")
-        _finish(ax, "Completion length", "tokens")
-        return
-    px, p90 = _series(rows, "rollout/completion_len_p90")
-    mx, mxv = _series(rows, "rollout/completion_len_max")
-    if mx:
-        ax.plot(mx, mxv, "-", lw=0.8, color="0.6", label="max")
-    if px:
-        ax.plot(px, ema(p90, _span(len(p90))), "--", lw=1.5, color="#2ca02c", label="p90 (smoothed)")
-    _smoothed(ax, xs, mean, "mean (smoothed)", "#2ca02c")
-    _finish(ax, "Completion length and drift from the start", "tokens")
-    kx, kl = _series(rows, "drift/kl_k3")
+    _finish(ax, "Completion length (tokens)", "tokens")
+
+
+def panel_kl(ax, rows, runs):
     k1x, k1 = _series(rows, "drift/kl")
-    if kx or k1x:
-        ax2 = ax.twinx()
-        if k1x:
-            ax2.plot(k1x, ema(k1, _span(len(k1))), "-", lw=1.5, color="#9467bd", alpha=0.6, label="KL, log-ratio")
-        if kx:
-            ax2.plot(kx, ema(kl, _span(len(kl))), "-", lw=2, color="#9467bd", label="KL, k3")
-        ax2.set_ylabel("KL(policy || start) per token", color="#9467bd")
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=8, frameon=False, loc="upper left")
+    kx, k3 = _series(rows, "drift/kl_k3")
+    if k1x:
+        _smoothed(ax, k1x, k1, "sampled log-ratio (smoothed)", "#c5b0d5")
+    if kx:
+        _smoothed(ax, kx, k3, "k3 (smoothed)", "#9467bd")
+    if not (kx or k1x):
+        _empty(ax, "drift (rl.drift_metrics off)")
+    _finish(ax, "Drift: KL(policy || starting policy) per token", "nats / token")
 
 
 def panel_rollout_time(ax, rows, runs):
@@ -157,8 +158,11 @@ def panel_draft_k(ax, rows, runs):
     _finish(ax, "Draft tokens per verify round (adaptive K)", "K")
 
 
-PANELS = (("reward", panel_reward), ("acceptance", panel_acceptance), ("drift", panel_drift),
-          ("rollout_time", panel_rollout_time), ("rollout_tps", panel_tps), ("draft_k", panel_draft_k))
+PANELS = (("reward", panel_reward), ("acceptance", panel_acceptance), ("completion_len", panel_length),
+          ("kl", panel_kl), ("rollout_time", panel_rollout_time), ("draft_k", panel_draft_k),
+          ("rollout_tps", panel_tps))
+OVERVIEW = 6
+"""Panels in overview.png: the first six present (rollout_tps only when draft_k is absent)."""
 
 
 def write_plots(folder: str, rows: list[dict], runs: dict[str, list[dict]] | None = None) -> list[str]:
@@ -180,6 +184,7 @@ def write_plots(folder: str, rows: list[dict], runs: dict[str, list[dict]] | Non
         paths.append(os.path.join(folder, f"{name}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
+    panels = panels[:OVERVIEW]
     cols = 3
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(6.0 * cols, 3.8 * nrows), squeeze=False)
