@@ -158,10 +158,10 @@ def variants_table(variants: dict[str, dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def write_report(dump_folder: str, runs: dict[str, list[dict]] | None = None) -> str:
-    """Writes summary.md and plots/*.png under ``dump_folder``; returns the summary text.
-    ``runs``: whole runs of the variants by name (bench/rl_baselines.py), in addition to the
-    run in ``dump_folder`` (whose in-run baselines are used without them)."""
+def write_report(dump_folder: str, runs: dict[str, list[dict]] | None = None, plots: bool = True) -> str:
+    """Writes summary.md and (``plots``) plots/*.png under ``dump_folder``; returns the summary
+    text. ``runs``: whole runs of the variants by name (bench/rl_baselines.py), in addition to
+    the run in ``dump_folder`` (whose in-run baselines are used without them)."""
     rows = read_metrics(dump_folder)
     parts = [summary_table(rows)]
     parts.append(variants_table(inrun_variants(rows),
@@ -170,7 +170,8 @@ def write_report(dump_folder: str, runs: dict[str, list[dict]] | None = None) ->
         parts.append(variants_table({n: variant_summary(r) for n, r in runs.items()},
                                     "Whole runs, same seeds (bench/rl_baselines.py): seconds are medians over steps 2.."))
     text = "\n\n".join(parts)
-    write_plots(os.path.join(dump_folder, "plots"), rows, runs)
+    if plots:
+        write_plots(os.path.join(dump_folder, "plots"), rows, runs)
     with open(os.path.join(dump_folder, "summary.md"), "w") as f:
         f.write(text + "\n")
     return text
