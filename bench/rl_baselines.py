@@ -19,7 +19,7 @@
 # run's in-run baselines (same prompts, same seed, back to back) are the side-by-side
 # acceptance comparison.
 #
-# Usage: PYTHONPATH=. python bench/rl_baselines.py [--steps 80] [--out bench/results/rl_baselines.json]
+# Usage: PYTHONPATH=. python bench/rl_baselines.py [--steps 50] [--out bench/results/rl_baselines.json]
 
 import argparse
 import json
@@ -46,7 +46,7 @@ most of a step generating)."""
 
 def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--steps", type=int, default=50)
     p.add_argument("--variants", default="co-trained,frozen,no-spec")
     p.add_argument("--dump", default=str(REPO_ROOT / "outputs/bench_rl"))
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_baselines.json"))

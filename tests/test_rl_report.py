@@ -78,6 +78,8 @@ def test_whole_runs_side_by_side_with_a_missing_variant(tmp_path):
     text = write_report(str(tmp_path), runs={"co-trained": co, "no-spec": nospec}, plots=False)
     whole = text.split("Whole runs")[1].splitlines()
     assert "| | co-trained | no-spec |" in whole
+    r0, r1 = f"{0.2 + 0.5 * 5.5 / 30:.3f}", f"{0.2 + 0.5 * 25.5 / 30:.3f}"  # means of steps 1-10, 21-30
+    assert f"| reward, start -> end | {r0} -> {r1} | {r0} -> {r1} |" in whole
     assert "| rollout vs no-spec | 0.25x | 1.00x |" in whole
     assert f"| step vs no-spec | {3.1 / 6.1:.2f}x | 1.00x |" in whole
     assert variants_table({"frozen": variant_summary(co)}, "t").splitlines()[-1] == "| step vs no-spec | - |"

@@ -68,7 +68,8 @@ def panel_reward(ax, rows, runs):
             drawn = True
     if not drawn:
         _empty(ax, "reward")
-    ax.set_ylim(-0.02, 1.02)
+    top = max((v for rs in (runs or {"": rows}).values() for v in _series(rs, "rl/reward")[1]), default=1.0)
+    ax.set_ylim(0, min(1.02, 1.2 * top + 0.05))
     _finish(ax, "Reward (exact match of the final answer)", "mean reward")
 
 
