@@ -63,7 +63,7 @@ def _task(c: TaskConfig) -> None:
     if c.name == "trace":
         check(c.min_count >= 1, "task.min_count", c.min_count, ">= 1")
         check(c.max_count >= c.min_count, "task.max_count", c.max_count, f">= task.min_count ({c.min_count})")
-        check(set(c.operators) & set("+-") != set(), "task.operators", c.operators, "'+', '-' or '+-' for task 'trace'")
+        check(set(c.operators) <= set("+-"), "task.operators", c.operators, "'+', '-' or '+-' for task 'trace'")
         check(0 <= c.trace_fraction <= 1, "task.trace_fraction", c.trace_fraction, "in [0, 1]")
     if c.name == "jsonl" and not c.path.strip():
         raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file", key="task.path")

@@ -96,7 +96,7 @@ class TraceTask:
                  wrong_answer_rate: float = 0.0, operators: str = "+-"):
         self.counts = list(range(min_count, max(min_count, max_count) + 1))
         self.weights = [self.COUNT_DECAY ** k for k in range(len(self.counts))]
-        self.max_operand, self.operators = max_operand, "".join(o for o in operators if o in "+-") or "+"
+        self.max_operand, self.operators = max_operand, operators
         self.trace_fraction, self.wrong_answer_rate = trace_fraction, wrong_answer_rate
 
     @staticmethod
