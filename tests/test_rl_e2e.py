@@ -11,6 +11,9 @@ SFT warm start -> offline draft -> GRPO with the draft co-trained from the same 
 - several optimizer steps per rollout batch: rl.ppo_epochs = 2 x rl.minibatches = 2 (a real
   RLTrainer driven step by step, tests/helpers/rl_updates.py);
 - the DAPO and GSPO losses (rl.loss) run real RL steps the same way.
+- the drift metrics (rl.drift_metrics): KL(policy || start) is 0 before any update and equals
+  an independent float64 computation on the step's rollouts after one; the completion-length
+  metrics equal the rollouts' (tests/helpers/rl_drift.py).
 """
 
 import json
@@ -21,7 +24,10 @@ import sys
 
 import pytest
 
-TASK = ("--task.seed", "5",)
+TASK = ("--task.name", "arithmetic", "--task.max_operand", "12", "--task.num_operands", "2", "--task.show_work", "true",
+        "--task.wrong_answer_rate", "0.3", "--task.seed", "5")
+"""The test-size task: 2-operand arithmetic with short completions (the embedded default's
+trace task needs ~100-token completions, too slow here)."""
 SMALL = ("--training.seq_len", "128", "--training.local_batch_size", "8", "--checkpoint.enable", "false")
 
 
@@ -161,3 +167,42 @@ def test_dapo_and_gspo_run_real_rl_steps(warm_start, tmp_path, loss):
         dev = step["ratio_dev"]
         assert len(dev) == 2 and dev[0] < ON_POLICY and dev[1] > MOVED, step
         assert step["policy_adam_steps"] == step["draft_adam_steps"] == [adam_steps], step
+
+
+KL_TOL = 2e-5
+"""|logged - independent| allowed for the per-token KL estimates: the logged ones use the
+engine's fp32 behaviour log-probs and the trainer's fp32 packed forward of the reference,
+the independent ones fp64 unpacked forwards (~1e-6 per token apart, see ON_POLICY); a wrong
+mask, a wrong sign or the wrong policy moves them by far more (the step-2 KL is ~1e-2)."""
+
+
+def test_drift_metrics_are_zero_at_the_start_and_match_an_independent_computation(warm_start, tmp_path):
+    hf, draft = warm_start
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [
+        "--config", os.path.join(root, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
+        "--model.hf_checkpoint", hf, "--draft.init_from", draft, "--draft.export_dir", "", *TASK,
+        "--training.seq_len", "128", "--training.steps", "2", "--rl.drift_metrics", "true", "--rl.minibatches", "2",
+        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12", "--optimizer.lr", "1e-3",
+        "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
+        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           os.path.join(root, "tests/helpers/rl_drift.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    line = next(x for x in out.stdout.splitlines() if "rl_drift: " in x)
+    first, second = json.loads(line.split("rl_drift: ", 1)[1])
+    for step in (first, second):
+        got, ref = step["logged"], step["independent"]
+        assert got["drift/kl"] == pytest.approx(ref["kl"], abs=KL_TOL), step
+        assert got["drift/kl_k3"] == pytest.approx(ref["kl_k3"], abs=KL_TOL), step
+        assert got["rollout/completion_len"] == pytest.approx(ref["len_mean"], rel=1e-12)
+        assert got["rollout/completion_len_max"] == ref["len_max"]
+        lengths = ref["lengths"]  # sorted; p90 = the smallest length with >= 90% at or below it
+        assert got["rollout/completion_len_p90"] == next(v for v in lengths if sum(x <= v for x in lengths) >= 0.9 * len(lengths))
+    # Before any update the policy is the starting one: both estimates vanish.
+    assert abs(first["logged"]["drift/kl"]) < KL_TOL and first["logged"]["drift/kl_k3"] < KL_TOL, first
+    # Two AdamW steps at lr 1e-3 later the policy has moved: k3 > 0 clearly, on the same scale as k1.
+    assert second["independent"]["kl_k3"] > 50 * KL_TOL, second

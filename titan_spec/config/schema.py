@@ -129,11 +129,13 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: Literal["arithmetic", "jsonl", "dataset"] = "arithmetic"
-    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer
-    after '####'); 'dataset': records of a local JSONL / JSON / Parquet file read with the HF
-    datasets library (GSM8K, MATH, DAPO-Math as distributed; the prompt_field / answer_field
-    keys), prompts through the tokenizer's chat template."""
+    name: Literal["arithmetic", "trace", "jsonl", "dataset"] = "arithmetic"
+    """'arithmetic': problems generated locally; 'trace': generated reasoning traces (a short
+    answer or a long step-by-step count, data/tasks.py TraceTask: the embedded default);
+    'jsonl': a GSM8K-style file (question, answer after '####'); 'dataset': records of a local
+    JSONL / JSON / Parquet file read with the HF datasets library (GSM8K, MATH, DAPO-Math as
+    distributed; the prompt_field / answer_field keys), prompts through the tokenizer's chat
+    template."""
 
     path: str = ""
     """The JSONL file (name = 'jsonl'), or the .jsonl / .json / .parquet file (name = 'dataset')."""
@@ -179,10 +181,22 @@ class TaskConfig:
     signature fn(completion: str, answer: str, record: dict) -> float."""
 
     max_operand: int = 99
-    """Largest operand of the generated problems (difficulty)."""
+    """Largest operand of the generated problems (difficulty; task 'trace': of a)."""
 
     num_operands: int = 2
     """Operands per generated problem."""
+
+    min_count: int = 3
+    """Task 'trace': the smallest second operand b, which the long style counts off one unit
+    per step (data/tasks.py TraceTask)."""
+
+    max_count: int = 16
+    """Task 'trace': the largest b (b = min_count + k with weight 0.88**k: the long tail of
+    trace lengths)."""
+
+    trace_fraction: float = 0.5
+    """Task 'trace': fraction of SFT demonstrations written step by step (always right); the
+    others give the result at once (off by 1-3 at task.wrong_answer_rate)."""
 
     operators: str = "+-"
     """Operators the generated problems use (subset of '+-*')."""
@@ -410,6 +424,12 @@ class RLConfig:
 
     kl_beta: float = 0.0
     """Weight of the k3 KL to the initial policy (a frozen copy is kept when > 0)."""
+
+    drift_metrics: bool = False
+    """Keep the frozen copy of the initial policy even when kl_beta = 0 and log, every step,
+    how far the policy has drifted from it on the step's rollouts (drift/kl: mean sampled
+    log-ratio, drift/kl_k3; titan_spec/rl/drift.py). Costs one no-grad forward per
+    minibatch and a full copy of the policy per rank (drift is always logged when kl_beta > 0)."""
 
     baseline_interval: int = 10
     """Every this many steps (and at the first), generate the step's prompts again with the

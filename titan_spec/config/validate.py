@@ -60,6 +60,11 @@ def _task(c: TaskConfig) -> None:
         "task.operators", c.operators, "a non-empty subset of '+-*'",
     )
     check(0 <= c.wrong_answer_rate < 1, "task.wrong_answer_rate", c.wrong_answer_rate, "in [0, 1)")
+    if c.name == "trace":
+        check(c.min_count >= 1, "task.min_count", c.min_count, ">= 1")
+        check(c.max_count >= c.min_count, "task.max_count", c.max_count, f">= task.min_count ({c.min_count})")
+        check(set(c.operators) <= set("+-"), "task.operators", c.operators, "'+', '-' or '+-' for task 'trace'")
+        check(0 <= c.trace_fraction <= 1, "task.trace_fraction", c.trace_fraction, "in [0, 1]")
     if c.name in ("jsonl", "dataset") and not c.path.strip():
         raise ConfigError(f"task.path is empty but task.name = {c.name!r} needs a "
                           f"{'JSONL' if c.name == 'jsonl' else 'JSONL or Parquet'} file", key="task.path")

@@ -45,7 +45,16 @@ class RewardError(RuntimeError):
     """A reward that raised or returned a non-finite value, phrased for the user (one line)."""
 
 
+ANSWER_MARK = "####"
+"""GSM8K's final-answer marker: a completion that writes it is judged on what follows it."""
+
+
 def exact_match(completion: str, answer: str, record: Mapping[str, Any] | None = None) -> float:
+    """1.0 when the completion's final answer equals ``answer``: the text after its last
+    '####' when it writes one (GSM8K's convention; the trace task's both styles), else the
+    whole completion (the arithmetic task, whose completions never contain '#')."""
+    if ANSWER_MARK in completion:
+        completion = completion.rsplit(ANSWER_MARK, 1)[-1]
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 

@@ -368,6 +368,11 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
             "whole reference model next to the logits on the last stage); RL under PP runs with rl.kl_beta = 0, "
             "or use pp = 1 for the KL term"
         )
+    if cfg.mode.trains == "rl" and cfg.rl.drift_metrics:
+        raise ConfigError(
+            "pipeline parallelism: rl.drift_metrics = true is not supported (the drift measure needs the frozen "
+            "starting policy's logits on the last stage, as the KL term does); set rl.drift_metrics = false under PP"
+        )
     if cfg.mode.trains == "rl" and cfg.rollout.engine != "torch":
         raise ConfigError(
             f"pipeline parallelism: rollout.engine = {cfg.rollout.engine!r} is not supported with rl.enable "

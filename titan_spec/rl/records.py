@@ -84,3 +84,6 @@ class StepRecord:
     """perf_counter() when the batch was packed (the training phase starts)."""
     train_s: float = 0.0
     """Seconds of all updates of the step."""
+    drift: dict[str, float] = field(default_factory=dict)
+    """Sums of the drift estimates over the step's updates (rl/drift.py; empty without a
+    reference policy)."""

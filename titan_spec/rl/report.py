@@ -1,16 +1,32 @@
-"""The end-of-run RL report: a summary table and PNG plots from the run's metrics.jsonl.
+"""The end-of-run RL report: summary tables and PNG plots from the run's metrics.jsonl.
 
-Written next to the TensorBoard logs (``<dump_folder>/plots``): reward over steps,
-acceptance length of the co-trained vs the frozen draft, rollout tokens/s of the three
-engines. A resumed run appends to metrics.jsonl; the last row of each step wins.
+Written next to the TensorBoard logs: ``<dump_folder>/summary.md`` and
+``<dump_folder>/plots/*.png`` (rl/plots.py draws them). Two tables:
+
+- start vs end of the run: reward, acceptance length, completion length and its tail,
+  the drift from the starting policy (rl/drift.py), the time split;
+- the three rollout variants side by side (co-trained draft / frozen draft / no
+  speculation): reward, acceptance length, rollout and step seconds, each with its ratio to
+  no speculation. From one run these are the in-run baselines (the step's prompts again
+  through the frozen pre-RL draft and without speculation, at rl.baseline_interval steps:
+  acceptance and rollout time only, the other cells "-"); bench/rl_baselines.py passes
+  three whole runs (``runs``) and every cell is filled.
+
+A missing metric or variant prints "-" rather than failing (tests/test_rl_report.py).
+A resumed run appends to metrics.jsonl; the last row of each step wins.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 
-__all__ = ["read_metrics", "summary_table", "write_report"]
+from titan_spec.rl.plots import write_plots
+
+__all__ = ["read_metrics", "summary_table", "variant_summary", "variants_table", "inrun_variants", "write_report"]
+
+VARIANTS = ("co-trained", "frozen", "no-spec")
 
 
 def read_metrics(dump_folder: str) -> list[dict]:
@@ -22,13 +38,26 @@ def read_metrics(dump_folder: str) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+def _vals(rows: list[dict], key: str) -> list[float]:
+    return [r[key] for r in rows if r.get(key) is not None]  # null: a non-finite value
+
+
 def _mean(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if r.get(key) is not None]  # null: a non-finite value (nonfinite)
+    vals = _vals(rows, key)
     return sum(vals) / len(vals) if vals else None
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    vals = _vals(rows, key)
+    return statistics.median(vals) if vals else None
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _baseline_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "rollout/accept_len_frozen" in r or "rollout/tokens_per_s_nospec" in r]
 
 
 def summary_table(rows: list[dict], window: int = 10) -> str:
@@ -37,73 +66,112 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     if not rl:
         return "(no RL steps logged)"
     head, tail = rl[:window], rl[-window:]
-    base = [r for r in rl if "rollout/accept_len_frozen" in r or "rollout/tokens_per_s_nospec" in r]
+    base = _baseline_rows(rl)
     b_head, b_tail = base[:1], base[-1:]
+
+    def row(name, key, src=(head, tail), spec=".3f"):
+        return f"| {name} | {_fmt(_mean(src[0], key), spec)} | {_fmt(_mean(src[1], key), spec)} |"
+
     lines = [
         f"RL steps {rl[0]['step']}..{rl[-1]['step']} (start = first {len(head)}, end = last {len(tail)}; "
-        f"baselines at the first and last measured step)",
+        f"acceptance on the same prompts at the first and last baseline step)",
         "| metric | start | end |",
         "| --- | --- | --- |",
-        f"| reward | {_fmt(_mean(head, 'rl/reward'))} | {_fmt(_mean(tail, 'rl/reward'))} |",
-        f"| acceptance length, co-trained draft (same prompts) | {_fmt(_mean(b_head, 'rollout/accept_len'))} "
-        f"| {_fmt(_mean(b_tail, 'rollout/accept_len'))} |",
-        f"| acceptance length, frozen draft | {_fmt(_mean(b_head, 'rollout/accept_len_frozen'))} "
-        f"| {_fmt(_mean(b_tail, 'rollout/accept_len_frozen'))} |",
-        "| acceptance length, no speculation | 1.000 | 1.000 |",
-        f"| rollout tokens/s, co-trained | {_fmt(_mean(head, 'rollout/tokens_per_s'), '.0f')} "
-        f"| {_fmt(_mean(tail, 'rollout/tokens_per_s'), '.0f')} |",
-        f"| rollout tokens/s, frozen draft | {_fmt(_mean(b_head, 'rollout/tokens_per_s_frozen'), '.0f')} "
-        f"| {_fmt(_mean(b_tail, 'rollout/tokens_per_s_frozen'), '.0f')} |",
-        f"| rollout tokens/s, no speculation | {_fmt(_mean(b_head, 'rollout/tokens_per_s_nospec'), '.0f')} "
-        f"| {_fmt(_mean(b_tail, 'rollout/tokens_per_s_nospec'), '.0f')} |",
+        row("reward", "rl/reward"),
+        row("acceptance length, co-trained draft (same prompts)", "rollout/accept_len", (b_head, b_tail)),
+        row("acceptance length, frozen draft (same prompts)", "rollout/accept_len_frozen", (b_head, b_tail)),
+        row("acceptance length, co-trained draft (every step)", "rollout/accept_len"),
+        row("completion length, mean tokens", "rollout/completion_len", spec=".1f"),
+        row("completion length, p90 tokens", "rollout/completion_len_p90", spec=".1f"),
+        row("completion length, max tokens", "rollout/completion_len_max", spec=".0f"),
+        row("KL(policy || start) per token, sampled log-ratio", "drift/kl", spec=".4f"),
+        row("KL(policy || start) per token, k3", "drift/kl_k3", spec=".4f"),
+        row("draft tokens per round (adaptive K)", "rollout/draft_k", spec=".2f"),
     ]
+    if not any(r.get("rollout/draft_k") is not None for r in rl):
+        lines.pop()
     for key, name in (("time/push_s", "weight push"), ("time/rollout_s", "rollout"), ("time/train_s", "train"),
                       ("time/step_s", "step")):
-        lines.append(f"| {name} s/step | {_fmt(_mean(head, key))} | {_fmt(_mean(tail, key))} |")
+        lines.append(row(f"{name} s/step", key))
     return "\n".join(lines)
 
 
-def _plot(path: str, title: str, ylabel: str, series: list[tuple[str, list[int], list[float]]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for label, xs, ys in series:
-        if xs:
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
-    ax.set_title(title)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def variant_summary(rows: list[dict], window: int = 10) -> dict:
+    """One variant's numbers from a whole run's rows (median seconds over steps 2.., step 1
+    paying one-off warm-up): reward start/end (means of the first/last ``window`` steps),
+    acceptance start/end, rollout and step seconds."""
+    rl = [r for r in rows if "rl/reward" in r]
+    body = rl[1:] or rl
+    return {
+        "reward_start": _mean(rl[:window], "rl/reward"), "reward_end": _mean(rl[-window:], "rl/reward"),
+        "accept_start": _mean(rl[:window], "rollout/accept_len"), "accept_end": _mean(rl[-window:], "rollout/accept_len"),
+        "rollout_s": _median(body, "time/rollout_s"), "step_s": _median(body, "time/step_s"),
+        "train_s": _median(body, "time/train_s"), "push_s": _median(body, "time/push_s"),
+        "completion_len_end": _mean(rl[-window:], "rollout/completion_len"),
+    }
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-    return [p[0] for p in pts], [p[1] for p in pts]
+def inrun_variants(rows: list[dict]) -> dict[str, dict]:
+    """The three variants from ONE run's in-run baselines (same prompts, same seed, back to
+    back, at the baseline steps): acceptance and rollout seconds; no reward or step time
+    (the baselines do not train)."""
+    base = _baseline_rows(rows)
+    if not base:
+        return {"co-trained": variant_summary(rows)}
+    b1, b2 = base[:1], base[-1:]
+    med = base[1:] or base
+
+    def v(accept, rollout_s):
+        return {"accept_start": _mean(b1, accept) if accept else 1.0, "accept_end": _mean(b2, accept) if accept else 1.0,
+                "rollout_s": _median(med, rollout_s)}
+
+    co = {**variant_summary(rows), **v("rollout/accept_len", "time/rollout_s")}
+    out = {"co-trained": co}
+    if any("rollout/accept_len_frozen" in r for r in base):
+        out["frozen"] = v("rollout/accept_len_frozen", "time/rollout_s_frozen")
+    if any("time/rollout_s_nospec" in r for r in base):
+        out["no-spec"] = v(None, "time/rollout_s_nospec")
+    return out
 
 
-def write_report(dump_folder: str) -> str:
-    """Writes summary.md and plots/*.png under ``dump_folder``; returns the table."""
+def variants_table(variants: dict[str, dict], title: str) -> str:
+    """Side by side: one column per variant (missing variants and cells print "-"), ratios to
+    no speculation where it was measured."""
+    names = [n for n in VARIANTS if n in variants] + [n for n in variants if n not in VARIANTS]
+    nospec = variants.get("no-spec", {})
+
+    def ratio(v, key):
+        a, b = v.get(key), nospec.get(key)
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
+    cells = [
+        ("reward, start -> end", lambda v: f"{_fmt(v.get('reward_start'))} -> {_fmt(v.get('reward_end'))}"),
+        ("acceptance length, start -> end", lambda v: f"{_fmt(v.get('accept_start'), '.2f')} -> {_fmt(v.get('accept_end'), '.2f')}"),
+        ("rollout s/step", lambda v: _fmt(v.get("rollout_s"))),
+        ("rollout vs no-spec", lambda v: ratio(v, "rollout_s")),
+        ("step s", lambda v: _fmt(v.get("step_s"))),
+        ("step vs no-spec", lambda v: ratio(v, "step_s")),
+    ]
+    lines = [title, "| | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for label, f in cells:
+        lines.append(f"| {label} | " + " | ".join(f(variants[n]) for n in names) + " |")
+    return "\n".join(lines)
+
+
+def write_report(dump_folder: str, runs: dict[str, list[dict]] | None = None, plots: bool = True) -> str:
+    """Writes summary.md and (``plots``) plots/*.png under ``dump_folder``; returns the summary
+    text. ``runs``: whole runs of the variants by name (bench/rl_baselines.py), in addition to
+    the run in ``dump_folder`` (whose in-run baselines are used without them)."""
     rows = read_metrics(dump_folder)
-    table = summary_table(rows)
-    plots = os.path.join(dump_folder, "plots")
-    os.makedirs(plots, exist_ok=True)
-    base = [r for r in rows if "rollout/accept_len_frozen" in r or "rollout/tokens_per_s_nospec" in r]
-    _plot(os.path.join(plots, "reward.png"), "Reward (exact match)", "mean reward",
-          [("reward", *_series(rows, "rl/reward"))])
-    _plot(os.path.join(plots, "acceptance.png"), "Acceptance length (tokens per verify step)", "tokens",
-          [("co-trained draft", *_series(base, "rollout/accept_len")),
-           ("frozen draft", *_series(base, "rollout/accept_len_frozen"))])
-    _plot(os.path.join(plots, "rollout_tps.png"), "Rollout throughput", "tokens/s",
-          [("co-trained draft", *_series(base, "rollout/tokens_per_s")),
-           ("frozen draft", *_series(base, "rollout/tokens_per_s_frozen")),
-           ("no speculation", *_series(base, "rollout/tokens_per_s_nospec"))])
+    parts = [summary_table(rows)]
+    parts.append(variants_table(inrun_variants(rows),
+                                "In-run baselines on the same prompts (no reward / step time: they do not train)"))
+    if runs:
+        parts.append(variants_table({n: variant_summary(r) for n, r in runs.items()},
+                                    "Whole runs, same seeds (bench/rl_baselines.py): seconds are medians over steps 2.."))
+    text = "\n\n".join(parts)
+    if plots:
+        write_plots(os.path.join(dump_folder, "plots"), rows, runs)
     with open(os.path.join(dump_folder, "summary.md"), "w") as f:
-        f.write(table + "\n")
-    return table
+        f.write(text + "\n")
+    return text

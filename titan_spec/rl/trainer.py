@@ -52,6 +52,7 @@ from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
 from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
+from titan_spec.rl.drift import DriftMeter, percentile_from_counts
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
 from titan_spec.rl.gspo import GSPOPolicyLoss
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
@@ -66,6 +67,14 @@ __all__ = ["RLTrainer"]
 DEGENERATE_WARN_STEPS = 5
 """Steps in a row in which every group's rewards are identical (all advantages 0, so the
 policy gradient is 0: nothing is learned) before a warning, repeated every as many steps."""
+
+
+def _length_counts(rollouts, max_new_tokens: int) -> dict[str, float]:
+    """len_<n>: completions of n tokens (a histogram summed over ranks: the p90 length)."""
+    counts = {f"len_{n}": 0.0 for n in range(max_new_tokens + 1)}
+    for r in rollouts:
+        counts[f"len_{min(len(r.output_ids), max_new_tokens)}"] += 1.0
+    return counts
 
 
 class RLTrainer(SpecTrainer):
@@ -94,12 +103,15 @@ class RLTrainer(SpecTrainer):
         self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
         self._degenerate_steps = 0
         self.reward = reward_fn(spec.task.reward)
-        self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
+        # The starting policy, for the KL penalty and the drift metrics (rl/drift.py).
+        self.reference = self._build_reference() if self.rl.kl_beta > 0 or self.rl.drift_metrics else None
+        self.drift = DriftMeter()
         self.last_step: StepRecord | None = None
         """The latest step's record (its metrics are logged from it)."""
 
     def _build_reference(self) -> torch.nn.Module:
-        """A frozen full copy of the initial policy for the KL term (built before any resume)."""
+        """A frozen full copy of the initial policy for the KL term and the drift metrics
+        (built before any resume)."""
         with torch.device(self.device):
             ref = build_target_config(self.config.arch).build()
         ref.load_state_dict(full_policy_state(self.model_parts))
@@ -135,6 +147,7 @@ class RLTrainer(SpecTrainer):
                 record.updates.append(self.update(mb))
         self.lr_schedulers.step()  # the policy's and the draft's schedules, once per RL step
         record.train_s = time.perf_counter() - record.rollout_done
+        record.drift = self.drift.take()
         self.last_step = record
         if self.metrics_processor.should_log(self.step):
             self.log_step(record, lr_metrics)
@@ -273,7 +286,10 @@ class RLTrainer(SpecTrainer):
             {k: v.to(dev) for k, v in mb.inputs.items()}, mb.labels_BL.to(dev)
         )
         ref_logp_BL = self.reference_logprobs(inputs, labels, extra)
-        policy_loss = self.policy_loss(self.token_values(mb), self.loss_counts(mb), ref_logp_BL)
+        values = self.token_values(mb)
+        if ref_logp_BL is not None:  # the same forward measures the drift (rl/drift.py)
+            self.drift.add(values["behaviour_logp"], ref_logp_BL, labels)
+        policy_loss = self.policy_loss(values, self.loss_counts(mb), ref_logp_BL)
         terms = self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra, policy_loss)
         loss = self.account_loss(terms.policy, global_valid_tokens, last=True)
         grad_norm = dist_utils.clip_grad_norm_(
@@ -353,8 +369,9 @@ class RLTrainer(SpecTrainer):
         return {}
 
     def reference_logprobs(self, inputs, labels_BL, extra_kwargs) -> torch.Tensor | None:
-        """With rl.kl_beta > 0: the frozen reference's log-probs of the label tokens (one
-        no-grad forward of the same, possibly CP-sharded, inputs); else None."""
+        """With a reference (rl.kl_beta > 0 or rl.drift_metrics): the frozen starting policy's
+        log-probs of the label tokens (one no-grad forward of the same, possibly CP-sharded,
+        inputs); else None."""
         if self.reference is None:
             return None
         with self.train_context(), torch.no_grad():
@@ -442,6 +459,7 @@ class RLTrainer(SpecTrainer):
             "stopped": sum(r.finish_reason == "stop" for r in b.rollouts),
             "tokens": stats.tokens, "verify": stats.verify_steps,
             "drafted": stats.drafted_tokens, "rounds": stats.rounds,
+            **_length_counts(b.rollouts, self.rl.max_new_tokens),
         }
         for n in names:
             base = b.baselines.get(n)
@@ -455,9 +473,11 @@ class RLTrainer(SpecTrainer):
             "policy_tokens": sum(u.policy_tokens for u in record.updates),
             "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
             "kl": sum(u.policy_tokens * u.kl for u in record.updates),
+            **record.drift,  # per token of this rank's shard, like the PPO stats
         }
         # ... and the slowest rank's seconds.
         maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s,
+                 "len_max": max((len(r.output_ids) for r in b.rollouts), default=0),
                  **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names}}
         pd = self.parallel_dims
         sums = {**self._reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
@@ -483,10 +503,18 @@ class RLTrainer(SpecTrainer):
             out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
         if len(record.updates) > 1:
             out["rl/updates"] = len(record.updates)
+        counts = [sums[f"len_{n}"] for n in range(self.rl.max_new_tokens + 1)]
+        out.update({"rollout/completion_len": tokens / sums["completions"],
+                    "rollout/completion_len_p90": percentile_from_counts(counts, 0.9),
+                    "rollout/completion_len_max": maxes["len_max"]})
+        if sums.get("drift_tokens"):
+            out["drift/kl"] = sums["drift_k1"] / sums["drift_tokens"]
+            out["drift/kl_k3"] = sums["drift_k3"] / sums["drift_tokens"]
         if "frozen" in b.baselines:
             out["rollout/accept_len_frozen"] = sums["frozen_tokens"] / max(sums["frozen_verify"], 1)
             out["rollout/tokens_per_s_frozen"] = sums["frozen_tokens"] / max(maxes["frozen"], 1e-9)
             out["rollout/draft_k_frozen"] = sums["frozen_drafted"] / max(sums["frozen_rounds"], 1)
+            out["time/rollout_s_frozen"] = maxes["frozen"]
         if "nospec" in b.baselines:
             out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
             out["time/rollout_s_nospec"] = maxes["nospec"]

@@ -1,0 +1,93 @@
+"""The end-of-run RL report (titan_spec/rl/report.py, rl/plots.py) from synthetic
+metrics.jsonl rows: the tables carry the numbers of the rows (start/end means, the
+variants side by side with their ratios to no speculation), every plot is written, with
+and without the adaptive engine's rollout/draft_k, and a missing baseline or metric prints
+"-" instead of failing."""
+
+import json
+import math
+import os
+
+import pytest
+
+from titan_spec.rl.plots import ema
+from titan_spec.rl.report import inrun_variants, variant_summary, variants_table, write_report
+
+
+def synthetic_rows(steps=30, draft_k=False, baselines=True, rollout_s=1.0):
+    rows = []
+    for s in range(1, steps + 1):
+        r = {"step": s, "rl/reward": 0.2 + 0.5 * s / steps, "rollout/accept_len": 3.0,
+             "rollout/completion_len": 30.0 + s, "rollout/completion_len_p90": 60.0 + s,
+             "rollout/completion_len_max": 100.0, "drift/kl": 0.01 * (s - 1), "drift/kl_k3": 0.008 * (s - 1),
+             "time/push_s": 0.1, "time/rollout_s": rollout_s, "time/train_s": 2.0, "time/step_s": 2.1 + rollout_s,
+             "rollout/tokens_per_s": 1000.0}
+        if draft_k:
+            r["rollout/draft_k"] = 4.0 - 3.0 * s / steps
+        if baselines and (s == 1 or s % 10 == 0):
+            r.update({"rollout/accept_len_frozen": 3.0 - s / steps, "time/rollout_s_frozen": 1.5,
+                      "rollout/tokens_per_s_frozen": 700.0, "time/rollout_s_nospec": 2.0,
+                      "rollout/tokens_per_s_nospec": 500.0})
+        rows.append(r)
+    return rows
+
+
+def _write(folder, rows):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+@pytest.mark.parametrize("draft_k", [False, True])
+def test_report_tables_and_plots(tmp_path, draft_k):
+    _write(tmp_path, synthetic_rows(draft_k=draft_k))
+    text = write_report(str(tmp_path))
+    lines = text.splitlines()
+    # start = mean of steps 1..10, end = mean of 21..30, computed here by hand.
+    reward = next(line for line in lines if line.startswith("| reward |"))
+    assert reward == f"| reward | {0.2 + 0.5 * 5.5 / 30:.3f} | {0.2 + 0.5 * 25.5 / 30:.3f} |"
+    kl = next(line for line in lines if line.startswith("| KL(policy || start) per token, k3"))
+    assert kl.endswith(f"| {0.008 * 4.5:.4f} | {0.008 * 24.5:.4f} |")
+    assert any(line.startswith("| draft tokens per round") for line in lines) == draft_k
+    # The in-run variants side by side: rollout seconds (medians over baseline steps 10..30) and ratios.
+    assert "| rollout s/step | 1.000 | 1.500 | 2.000 |" in lines
+    assert "| rollout vs no-spec | 0.50x | 0.75x | 1.00x |" in lines
+    assert "| acceptance length, start -> end | 3.00 -> 3.00 | 2.97 -> 2.00 | 1.00 -> 1.00 |" in lines
+    names = {"reward", "acceptance", "completion_len", "kl", "rollout_time", "rollout_tps", "overview"} | ({"draft_k"} if draft_k else set())
+    assert {n[:-4] for n in os.listdir(tmp_path / "plots")} == names
+    for n in names:
+        assert os.path.getsize(tmp_path / "plots" / f"{n}.png") > 5000
+
+
+def test_report_without_baselines_or_drift(tmp_path):
+    rows = synthetic_rows(baselines=False)
+    for r in rows:
+        del r["drift/kl"], r["drift/kl_k3"]
+    _write(tmp_path, rows)
+    text = write_report(str(tmp_path))
+    assert "| KL(policy || start) per token, k3 | - | - |" in text
+    assert "| acceptance length, frozen draft (same prompts) | - | - |" in text
+    assert "| rollout vs no-spec | - |" in text  # no no-spec column to divide by
+    assert os.path.getsize(tmp_path / "plots" / "acceptance.png") > 5000
+
+
+def test_whole_runs_side_by_side_with_a_missing_variant(tmp_path):
+    co, nospec = synthetic_rows(rollout_s=1.0), synthetic_rows(rollout_s=4.0)
+    _write(tmp_path, co)
+    text = write_report(str(tmp_path), runs={"co-trained": co, "no-spec": nospec}, plots=False)
+    whole = text.split("Whole runs")[1].splitlines()
+    assert "| | co-trained | no-spec |" in whole
+    r0, r1 = f"{0.2 + 0.5 * 5.5 / 30:.3f}", f"{0.2 + 0.5 * 25.5 / 30:.3f}"  # means of steps 1-10, 21-30
+    assert f"| reward, start -> end | {r0} -> {r1} | {r0} -> {r1} |" in whole
+    assert "| rollout vs no-spec | 0.25x | 1.00x |" in whole
+    assert f"| step vs no-spec | {3.1 / 6.1:.2f}x | 1.00x |" in whole
+    assert variants_table({"frozen": variant_summary(co)}, "t").splitlines()[-1] == "| step vs no-spec | - |"
+    assert set(inrun_variants(synthetic_rows(baselines=False))) == {"co-trained"}
+
+
+def test_ema_matches_a_hand_computation():
+    # alpha = 2 / (3 + 1) = 0.5; debiased: m_t / (1 - 0.5^t).
+    got = ema([1.0, 3.0, 2.0], span=3)
+    want = [1.0, (0.25 * 1 + 0.5 * 3) / 0.75, (0.125 * 1 + 0.25 * 3 + 0.5 * 2) / 0.875]
+    assert all(math.isclose(a, b) for a, b in zip(got, want))
