@@ -62,7 +62,7 @@ class ModelConfig:
     """Model family of the policy/target."""
 
     flavor: str = "tiny"
-    """Named size (qwen3: tiny, small, tiny16, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
+    """Named size (qwen3: tiny, small, tiny16, tiny_long, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
     hf_checkpoint is set (the checkpoint's config.json defines the architecture)."""
 
     hf_checkpoint: str = ""
@@ -104,8 +104,10 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer after '####')."""
+    name: Literal["arithmetic", "jsonl", "records"] = "arithmetic"
+    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer after '####');
+    'records': generated long-context lookups (data/long_context.py): a prompt of task.prompt_len tokens
+    listing key=value records and asking for two records a quarter of the prompt or more apart."""
 
     path: str = ""
     """The JSONL file when name = 'jsonl'."""
@@ -133,6 +135,11 @@ class TaskConfig:
     """Fraction of SFT demonstrations of the arithmetic task whose result is off by 1 or 2
     (noisy demonstrations, as real SFT data has; the RL reward always checks the true
     result, so RL has something to fix)."""
+
+    prompt_len: int = 2048
+    """Tokens (= characters: the character tokenizer) of every prompt of the 'records' task, <bos>
+    not counted; every prompt has exactly this length. Its document (<bos>, prompt, completion of
+    at most 16 tokens or rl.max_new_tokens in RL, <eos>) must fit training.seq_len."""
 
     document_multiple: int = 0
     """Pad every packed SFT document to a multiple of this many tokens (pad tokens continue

@@ -1,7 +1,8 @@
 """Verifiable tasks: prompts with exact-match answers, generated locally or read from JSONL.
 
 The default task is generated arithmetic ("37+5-12=" -> "30"), so the embedded default
-trains with no download. A user's GSM8K-style JSONL file ({"question": ..., "answer":
+trains with no download. The 'records' task is its long-context sibling: a lookup over a
+prompt of 2K-16K+ tokens whose answer needs two records far apart. A user's GSM8K-style JSONL file ({"question": ..., "answer":
 "... #### 42"}) is read with per-line errors.
 """
 
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 
 from torchtitan.tools.logging import logger
 
-from titan_spec.config import ConfigError, TaskConfig
+from titan_spec.config import ConfigError, TaskConfig, TitanSpecConfig
 
-__all__ = ["Problem", "ArithmeticTask", "JsonlTask", "build_task", "check_task_file", "exact_match_reward"]
+__all__ = [
+    "Problem", "ArithmeticTask", "JsonlTask", "LongRecordsTask", "build_task", "check_task_file", "check_records_fit",
+    "exact_match_reward",
+]
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,114 @@ class JsonlTask:
         return self.problems[rng.randrange(len(self.problems))]
 
 
+# ---------------------------------------------------------------------------
+# The long-context lookup task ('records')
+# ---------------------------------------------------------------------------
+#
+# A prompt of exactly prompt_len characters (= tokens of the character tokenizer):
+#
+#     ###0417=3;9051=5;2210=7;...;0638=1;?0417+2210=
+#
+# filler '#' (the remainder no whole record fills), then n records 'KKKK=V;' (distinct
+# 4-digit keys, values 0-9), then the question '?A+B='. The completion restates both
+# records and adds their values: '0417=3,2210=7,10'. The keys are in the question, so a
+# draft can predict them from nearby tokens; the values are only in the records, which is
+# where the whole context matters:
+# - record A is in the first quarter of the list, record B in the third quarter: at least a
+#   quarter of the prompt apart (2K tokens of an 8K prompt), the question far from both;
+# - under context parallelism's zigzag layout (rank r holds chunks r and 2cp-1-r of 2cp) at
+#   cp = 2, A is on rank 0, B on rank 1 and the question on rank 0 again: the answer needs
+#   keys that travel the ring.
+
+RECORD_LEN = 7
+"""Characters of one record, 'KKKK=V;'."""
+QUESTION_LEN = 11
+"""Characters of the question, '?KKKK+KKKK='."""
+ANSWER_MAX_LEN = 16
+"""Characters of the longest completion, 'KKKK=V,KKKK=V,18'."""
+MIN_RECORDS = 8
+"""At least two records per quarter of the list, so A and B have a quarter each to come from."""
+KEYS = 10_000
+"""Distinct 4-digit keys: the most records a prompt can hold."""
+
+
+def max_records(prompt_len: int) -> int:
+    """Records a prompt of ``prompt_len`` characters holds (before the KEYS cap)."""
+    return (prompt_len - QUESTION_LEN) // RECORD_LEN
+
+
+class LongRecordsTask:
+    """Prompts of exactly ``prompt_len`` characters holding ``max_records(prompt_len)`` records;
+    the format is in the comment above. ``wrong_answer_rate``: as ArithmeticTask's (the SFT
+    demonstration's sum off by 1 or 2)."""
+
+    def __init__(self, prompt_len: int, wrong_answer_rate: float = 0.0):
+        n = max_records(prompt_len)
+        if not MIN_RECORDS <= n <= KEYS:
+            raise ValueError(f"prompt_len {prompt_len} holds {n} records; allowed {MIN_RECORDS}..{KEYS}")
+        self.prompt_len, self.records = prompt_len, n
+        self.wrong_answer_rate = wrong_answer_rate
+
+    def positions(self, rng: random.Random) -> tuple[int, int]:
+        """The record indices asked about: A in [0, n/4), B in [n/2, 3n/4)."""
+        n = self.records
+        return rng.randrange(0, n // 4), rng.randrange(n // 2, 3 * n // 4)
+
+    def sample(self, rng: random.Random):
+        n = self.records
+        keys = rng.sample(range(KEYS), n)
+        values = [rng.randrange(10) for _ in range(n)]
+        a, b = self.positions(rng)
+        filler = "#" * (self.prompt_len - QUESTION_LEN - RECORD_LEN * n)
+        records = "".join(f"{k:04d}={v};" for k, v in zip(keys, values))
+        prompt = f"{filler}{records}?{keys[a]:04d}+{keys[b]:04d}="
+        total = values[a] + values[b]
+        # Drawn for every problem, so the problems themselves do not depend on the rate.
+        noisy = rng.random() < self.wrong_answer_rate
+        shown = max(total + rng.choice((-2, -1, 1, 2)), 0)
+        work = f"{keys[a]:04d}={values[a]},{keys[b]:04d}={values[b]},"
+        return Problem(prompt, f"{work}{total}", f"{work}{shown}" if noisy else "")
+
+
+def check_records_fit(cfg: TitanSpecConfig) -> None:
+    """A 'records' task fits the run: its prompts hold MIN_RECORDS..KEYS records, and a whole
+    document (<bos>, prompt, completion, <eos>) fits training.seq_len (the completion:
+    rl.max_new_tokens in RL, the longest answer otherwise). One ConfigError line, before any
+    process starts (train.check_inputs); the model's maximum length is checked against
+    training.seq_len by train.to_trainer_config."""
+    t = cfg.task
+    if t.name != "records":
+        return
+    n = max_records(t.prompt_len)
+    if n < MIN_RECORDS:
+        raise ConfigError(
+            f"task.prompt_len = {t.prompt_len} is not allowed; the 'records' task needs at least "
+            f"{QUESTION_LEN + RECORD_LEN * MIN_RECORDS} tokens ({MIN_RECORDS} records of {RECORD_LEN} and the question)",
+            key="task.prompt_len",
+        )
+    if n > KEYS:
+        raise ConfigError(
+            f"task.prompt_len = {t.prompt_len} is not allowed; {n} records cannot fit in {KEYS} distinct "
+            f"4-digit keys: it must be at most {QUESTION_LEN + RECORD_LEN * (KEYS + 1) - 1}",
+            key="task.prompt_len",
+        )
+    # An RL document is <bos> + prompt + up to rl.max_new_tokens generated ids (<eos> one of
+    # them); an SFT document is <bos> + prompt + answer + <eos>.
+    rl = cfg.mode.trains == "rl"
+    doc = 1 + t.prompt_len + (cfg.rl.max_new_tokens if rl else ANSWER_MAX_LEN + 1)
+    if doc > cfg.training.seq_len:
+        what = f"rl.max_new_tokens {cfg.rl.max_new_tokens}" if rl else f"the longest answer {ANSWER_MAX_LEN} + <eos>"
+        raise ConfigError(
+            f"task.prompt_len = {t.prompt_len} does not fit training.seq_len = {cfg.training.seq_len}: a document "
+            f"is <bos> + {t.prompt_len} prompt tokens + {what} = {doc} tokens; raise training.seq_len "
+            f"to at least {doc} or lower task.prompt_len",
+            key="task.prompt_len",
+        )
+
+
 def build_task(task_cfg):
+    if task_cfg.name == "records":
+        return LongRecordsTask(task_cfg.prompt_len, task_cfg.wrong_answer_rate)
     if task_cfg.name == "arithmetic":
         return ArithmeticTask(
             task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators, task_cfg.show_work,
