@@ -74,8 +74,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
-    """Optimizer of the policy."""
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer of the policy (the optimizers torchtitan builds)."""
 
     lr: float = 3e-3
     """Peak learning rate."""

@@ -128,11 +128,17 @@ class RLTrainer(SpecTrainer):
         """1: the trainer's full weights into this rank's engine (collective under FSDP),
         versioned; returns the seconds it took."""
         t0 = time.perf_counter()
-        policy_state = full_policy_state(self.model_parts)
-        draft_state = self.draft_training.full_state_dict() if self.draft_training is not None else None
+        policy_state, draft_state = self.full_weights()
         self.worker.push(policy_state, draft_state, self._policy_version())
         del policy_state, draft_state
         return time.perf_counter() - t0
+
+    def full_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """The policy's and the draft's full tensors by plain name, on every rank (collective:
+        every rank calls it); the draft's is None without a trained draft."""
+        policy_state = full_policy_state(self.model_parts)
+        draft_state = self.draft_training.full_state_dict() if self.draft_training is not None else None
+        return policy_state, draft_state
 
     def _policy_version(self) -> int:
         """Optimizer steps the weights have seen before this step: (step - 1) RL steps of
