@@ -247,7 +247,7 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
         fake.reference, fake.co_loss = reference if kl_beta else None, CoTrainingLoss(dt, weight=0.5)
         mb = Minibatch({"input": b.input_BL, "positions": b.positions_BL}, b.labels_BL,
                        b.values_BL["behaviour_logp"], b.values_BL["advantages"])
-        policy_loss = RLTrainer.policy_loss(fake, mb, b.input_BL, b.labels_BL, extra)
+        policy_loss = RLTrainer.policy_loss(fake, mb.behaviour_logp_BL, mb.advantages_BL, b.input_BL, b.labels_BL, extra)
         terms = SpecTrainer.co_train_forward_backward(fake, b.input_BL, b.labels_BL, N, extra, policy_loss)
         draft_grads = [p.grad.clone() for p in dt.draft.parameters() if p.grad is not None]
         return [p.grad.clone() for p in model.parameters()], draft_grads, terms.policy_stats

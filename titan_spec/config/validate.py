@@ -184,11 +184,6 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                 f"must be a multiple of 2 * context_parallel_degree = {2 * cp} (or 0 = automatic), so every "
                 "CP shard of a microbatch has the pipeline's static length"
             )
-        # rl.enable alone makes the mode train 'rl' (mode.py); read as the key here because the
-        # mode's contradictions are checked last, in the order the checks always ran.
-        if cfg.rl.enable:
-            raise ConfigError("parallelism.context_parallel_degree > 1 with rl.enable = true is not "
-                              "supported yet (the RL loop does not shard its batches); use cp = 1")
     m = document_multiple(cfg)
     check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
     for name in ("tensor_parallel_degree", "expert_parallel_degree"):

@@ -15,7 +15,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.parallelisms.context_parallel import CPMetadata, ZigzagLayout, zigzag_shard
 
-__all__ = ["shard_batch", "without_torch_cp"]
+__all__ = ["shard_batch", "shard_values", "without_torch_cp"]
 
 
 def shard_batch(
@@ -29,8 +29,7 @@ def shard_batch(
     """
     tokens_BL, positions_BL = input_dict["input"], input_dict["positions"]
     rank, group = cp_mesh.get_local_rank(), cp_mesh.get_group()
-    meta = doc_metadata_from_positions(positions_BL)
-    layout = ZigzagLayout.from_cu_seqlens(meta.cu_seqlens_cpu.tolist(), cp_mesh.size())
+    layout = _layout(positions_BL, cp_mesh)
     tokens_R = zigzag_shard(tokens_BL.reshape(-1), layout, rank, pad_value=0)
     labels_R = zigzag_shard(labels_BL.reshape(-1), layout, rank, pad_value=IGNORE_INDEX)
     positions_R = layout.local_positions(rank).to(positions_BL.device)
@@ -39,6 +38,20 @@ def shard_batch(
         "attention_masks": CPMetadata.build(layout, group, tokens_BL.device),
     }
     return tokens_R.unsqueeze(0), labels_R.unsqueeze(0), extra
+
+
+def shard_values(values_BL: dict[str, torch.Tensor], positions_BL: torch.Tensor, cp_mesh) -> dict[str, torch.Tensor]:
+    """Per-token values of a packed batch (RL: behaviour log-probs, advantages), each [B, L],
+    on this CP rank's rows, [1, R]: sharded exactly as ``shard_batch`` shards the labels of
+    the batch with these positions, so every value stays with its token; pad rows get 0."""
+    layout, rank = _layout(positions_BL, cp_mesh), cp_mesh.get_local_rank()
+    return {k: zigzag_shard(v.reshape(-1), layout, rank, pad_value=0).unsqueeze(0) for k, v in values_BL.items()}
+
+
+def _layout(positions_BL: torch.Tensor, cp_mesh) -> ZigzagLayout:
+    """The zigzag split of the batch's documents (found from its positions) over cp_mesh."""
+    meta = doc_metadata_from_positions(positions_BL)
+    return ZigzagLayout.from_cu_seqlens(meta.cu_seqlens_cpu.tolist(), cp_mesh.size())
 
 
 class without_torch_cp:

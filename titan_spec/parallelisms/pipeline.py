@@ -25,8 +25,12 @@ last stage.
 
 ``pipeline_forward_backward`` replaces torchtitan's ``pp_forward_backward_step``: each
 microbatch's target carries its labels, positions and document metadata (the draft
-loss needs them on the last stage), and the channel is opened and closed around the
-schedule's step. The schedule itself is torch's, unchanged.
+loss needs them on the last stage) and, in RL, its own policy loss (PPO-clip built from
+that microbatch's behaviour log-probs and advantages), and the channel is opened and
+closed around the schedule's step. The schedule itself is torch's, unchanged.
+
+``gather_over_stages`` / ``broadcast_from_last_stage``: the RL weight push's exchange over
+the pp group (every stage's part of the policy, the draft of the last stage, on every rank).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.pipeline_parallel import (
     _build_get_mesh_callback,
@@ -62,6 +67,8 @@ __all__ = [
     "stage_module_names",
     "check_pipeline_split",
     "check_pipeline_config",
+    "gather_over_stages",
+    "broadcast_from_last_stage",
 ]
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
@@ -82,6 +89,9 @@ class Microbatch(NamedTuple):
     attention_masks: Any
     draft_count_S: torch.Tensor | None
     """The draft loss's normalizer over the whole step (DraftTraining.normalizer)."""
+    policy_loss: Any = None
+    """This microbatch's own policy loss (a co_training.PolicyLoss: RL's PPO-clip carries the
+    microbatch's behaviour log-probs and advantages); None = the schedule's loss_fn."""
 
 
 # ---------------------------------------------------------------------------
@@ -108,7 +118,15 @@ def check_pipeline_split(names: list[list[str]], tap_ids: tuple[int, ...], draft
             "the draft trains on the last pipeline stage, next to the logits it learns from, so that stage "
             f"must hold norm and lm_head; it holds {names[-1]}"
         )
-    held = {n for stage in names for n in stage}
+    seen: dict[str, int] = {}
+    for s, stage in enumerate(names):
+        for n in stage:
+            if n in seen:
+                # Two copies of one module: a tap layer among them would tap twice and the
+                # TapChannel would deliver whichever arrived last.
+                raise ValueError(f"{n} is on pipeline stages {seen[n]} and {s}; every module must be on exactly one stage")
+            seen[n] = s
+    held = set(seen)
     lost = [k for k in tap_ids if f"layers.{k}" not in held]
     if lost:
         raise ValueError(
@@ -164,6 +182,8 @@ class PipelineLoss:
         self.loss_fn, self.channel, self.tap_ids = loss_fn, channel, tap_ids
         self.co_loss = None
         self.policy_losses: list[torch.Tensor] = []
+        self.policy_stats: dict[int, tuple[Any, int]] = {}
+        """Microbatch index -> (its policy loss's stats, its valid label count) of the last step."""
 
     def attach(self, co_loss) -> None:
         """``co_loss``: a co_training.CoTrainingLoss with a draft."""
@@ -174,18 +194,23 @@ class PipelineLoss:
         return self.co_loss.draft if self.co_loss is not None else None
 
     def __call__(self, logits_BLV: torch.Tensor, mb: Microbatch, global_valid_tokens: torch.Tensor):
+        policy_loss = mb.policy_loss if mb.policy_loss is not None else self.loss_fn
         if self.co_loss is None:
-            policy, _ = self.loss_fn(logits_BLV, mb.labels_BL, global_valid_tokens)
-            self.policy_losses.append(policy.detach())
+            policy, stats = policy_loss(logits_BLV, mb.labels_BL, global_valid_tokens)
+            self._record(mb, policy, stats)
             return policy, None
         got = self.channel.take(mb.index)
         taps = Taps(got[EMBEDS_TAP], tuple(got[k] for k in self.tap_ids))
         terms = self.co_loss(
-            self.loss_fn, logits_BLV, taps, mb.labels_BL, global_valid_tokens,
+            policy_loss, logits_BLV, taps, mb.labels_BL, global_valid_tokens,
             positions_BL=mb.positions_BL, attention_meta=mb.attention_masks, draft_count_S=mb.draft_count_S,
         )
-        self.policy_losses.append(terms.policy.detach())
+        self._record(mb, terms.policy, terms.policy_stats)
         return terms.total, None
+
+    def _record(self, mb: Microbatch, policy: torch.Tensor, stats) -> None:
+        self.policy_losses.append(policy.detach())
+        self.policy_stats[mb.index] = (stats, int((mb.labels_BL != IGNORE_INDEX).sum()))
 
 
 # ---------------------------------------------------------------------------
@@ -270,18 +295,23 @@ def pipeline_spec(
 # ---------------------------------------------------------------------------
 
 
-def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_tokens) -> torch.Tensor:
+def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_tokens,
+                              policy_loss_mbs: list | None = None) -> torch.Tensor:
     """One pipelined forward+backward of the local batch; returns the policy loss (the sum
     of the microbatches' losses, each normalized by the global token count) on the last
-    stage, -1 elsewhere, like torchtitan."""
+    stage, -1 elsewhere, like torchtitan. ``policy_loss_mbs``: each microbatch's own policy
+    loss (RL), in microbatch order; None = the schedule's loss_fn for all."""
     schedule = trainer.pp_schedule
     loss: PipelineLoss = schedule.titan_spec_loss
     arg_mbs, kwarg_mbs, targets = [], [], []
+    if policy_loss_mbs is not None and len(policy_loss_mbs) != len(label_mbs):
+        raise ValueError(f"{len(policy_loss_mbs)} policy losses for {len(label_mbs)} microbatches")
     for i, (input_dict, labels) in enumerate(zip(input_dict_mbs, label_mbs, strict=True)):
         inputs, labels, extra = trainer.post_dataloading_process(input_dict, labels)
         arg_mbs.append((inputs,))
         kwarg_mbs.append(extra)
-        targets.append(Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None))
+        own = policy_loss_mbs[i] if policy_loss_mbs is not None else None
+        targets.append(Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None, own))
     if loss.draft is not None:
         count_S = loss.draft.normalizer(
             [t.positions_BL for t in targets], [t.labels_BL for t in targets], [t.attention_masks for t in targets]
@@ -289,7 +319,7 @@ def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_t
         targets = [t._replace(draft_count_S=count_S) for t in targets]
     if loss.channel is not None:
         loss.channel.begin_step(len(targets))
-    loss.policy_losses = []
+    loss.policy_losses, loss.policy_stats = [], {}
     with trainer.train_context():
         schedule.step(
             arg_mbs=arg_mbs if trainer.pp_has_first_stage else None,
@@ -310,9 +340,22 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
     """Everything about PP that the config alone decides, as one-line ConfigErrors raised
     before any process starts (``python -m titan_spec.train --check`` runs this)."""
     p = cfg.parallelism
+    n_layers = len(model_config.layers)
+    if p.pipeline_parallel_degree > n_layers:
+        raise ConfigError(
+            f"pipeline parallelism: parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree} is larger than "
+            f"the {n_layers} decoder layers of model {cfg.model.name}/{cfg.model.flavor}; every stage needs at least "
+            f"one layer, so pp must be at most {n_layers}"
+        )
     try:
         check_schedule(p, cfg.training.local_batch_size)
-        names = stage_module_names(p, len(model_config.layers), model_config)
+        names = stage_module_names(p, n_layers, model_config)
+        empty = [s for s, stage in enumerate(names) if not any(n.startswith("layers.") for n in stage)]
+        if empty:
+            raise ValueError(
+                f"pipeline stages {empty} of {len(names)} hold no decoder layer (model {cfg.model.name}/"
+                f"{cfg.model.flavor} has {n_layers}); use fewer stages or parallelism.module_fqns_per_model_part"
+            )
         check_pipeline_split(names, tap_ids, draft=cfg.mode.has_draft)
     except ValueError as e:
         raise ConfigError(f"pipeline parallelism: {e}") from None
@@ -325,9 +368,18 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
     if cfg.mode.trains == "draft":
         raise ConfigError("pipeline parallelism: draft.offline (a frozen target) is not supported; the pipeline "
                           "backward needs a trainable target (run offline draft training with pp = 1)")
-    if cfg.mode.trains == "rl":
-        raise ConfigError("pipeline parallelism: rl.enable is not supported yet (the pipelined step computes "
-                          "the SFT loss, not the GRPO one); run RL with pp = 1")
+    if cfg.mode.trains == "rl" and cfg.rl.kl_beta > 0:
+        raise ConfigError(
+            f"pipeline parallelism: rl.kl_beta = {cfg.rl.kl_beta:g} is not supported (the KL term needs a frozen "
+            "whole reference model next to the logits on the last stage); RL under PP runs with rl.kl_beta = 0, "
+            "or use pp = 1 for the KL term"
+        )
+    if cfg.mode.trains == "rl" and cfg.rollout.engine != "torch":
+        raise ConfigError(
+            f"pipeline parallelism: rollout.engine = {cfg.rollout.engine!r} is not supported with rl.enable "
+            "(every stage's rank pushes the gathered weights into its own built-in engine); use "
+            "rollout.engine = 'torch' under PP"
+        )
     if cfg.job.export_hf:
         raise ConfigError("pipeline parallelism: job.export_hf is not supported (each stage holds part of the "
                           "policy); export from a checkpoint with pp = 1")
@@ -362,3 +414,39 @@ def check_schedule(parallelism, local_batch_size: int) -> None:
                 f"schedule {name} needs the microbatch count to be a multiple of max(1, microbatches // pp) = "
                 f"{rounds}; {n} microbatches (local_batch_size {local_batch_size} / microbatch_size {mb}) is not"
             )
+
+
+# ---------------------------------------------------------------------------
+# The RL weight push: whole models out of the stages, on every rank
+# ---------------------------------------------------------------------------
+
+
+def gather_over_stages(local: dict[str, torch.Tensor], pp_mesh, device) -> dict[str, torch.Tensor]:
+    """Every stage's ``local`` tensors (its full, FSDP-gathered part of the model, names
+    disjoint across stages) on every rank of the pp group (collective over it)."""
+    return _share_over_pp(local, pp_mesh, device, sources=range(pp_mesh.size()))
+
+
+def broadcast_from_last_stage(local: dict[str, torch.Tensor] | None, pp_mesh, device) -> dict[str, torch.Tensor]:
+    """The last pipeline rank's ``local`` tensors (the draft: it lives there) on every rank
+    of the pp group (collective over it; the other ranks pass None)."""
+    return _share_over_pp(local, pp_mesh, device, sources=[pp_mesh.size() - 1])
+
+
+def _share_over_pp(local, pp_mesh, device, sources) -> dict[str, torch.Tensor]:
+    # One object all-gather for the names, shapes and dtypes, then one broadcast per tensor
+    # from the pp rank that holds it (device tensors: NCCL moves no CPU tensors).
+    group, me = pp_mesh.get_group(), pp_mesh.get_local_rank()
+    ranks = dist.get_process_group_ranks(group)
+    mine = {k: (tuple(v.shape), v.dtype) for k, v in (local or {}).items()} if me in sources else {}
+    every: list = [None] * pp_mesh.size()
+    dist.all_gather_object(every, mine, group=group)
+    out: dict[str, torch.Tensor] = {}
+    for src in sources:
+        for name, (shape, dtype) in every[src].items():
+            if name in out:
+                raise RuntimeError(f"pipeline ranks {sorted(s for s in sources if name in every[s])} both hold {name}")
+            t = local[name].detach().to(device).contiguous() if src == me else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=ranks[src], group=group)
+            out[name] = t
+    return out

@@ -53,6 +53,14 @@ class RolloutStats:
     def of(cls, rollouts: list[Rollout], seconds: float) -> "RolloutStats":
         return cls(sum(len(r.output_ids) for r in rollouts), sum(r.verify_steps for r in rollouts), seconds)
 
+    @classmethod
+    def combined(cls, shares: list["RolloutStats"]) -> "RolloutStats":
+        """Shares generated side by side (rl/sharing.py): their tokens and verify steps
+        add up, their seconds are the slowest share's."""
+        if len(shares) == 1:
+            return shares[0]
+        return cls(sum(s.tokens for s in shares), sum(s.verify_steps for s in shares), max(s.seconds for s in shares))
+
 
 def full_policy_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """The policy's full tensors by plain state-dict name, on every rank (collective under

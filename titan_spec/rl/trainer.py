@@ -43,10 +43,13 @@ from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.tasks import exact_match_reward
 from titan_spec.draft_training import initial_draft
 from titan_spec.models.registry import build_target_config
+from titan_spec.parallelisms.cp_batch import shard_values
+from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
-from titan_spec.rl.rollouts import RolloutWorker, full_policy_state
+from titan_spec.rl.rollouts import RolloutStats, RolloutWorker, full_policy_state
+from titan_spec.rl.sharing import same_data_group, share_work
 from titan_spec.rollout.base import SamplingParams
 from titan_spec.trainer import SpecTrainer
 
@@ -78,6 +81,9 @@ class RLTrainer(SpecTrainer):
             draft = initial_draft(spec.draft, config.draft_arch, counts, config.debug.seed or 0)
         self.worker = RolloutWorker(spec, config.arch, self.device, draft)
         self.worker.resume_hint = self._resume_hint
+        # The ranks that hold this rank's data-parallel rank (its CP ranks) share each
+        # step's generation (rl/sharing.py); None when it is alone.
+        self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
         self._degenerate_steps = 0
         self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
         self.last_step: StepRecord | None = None
@@ -138,6 +144,14 @@ class RLTrainer(SpecTrainer):
         every rank calls it); the draft's is None without a trained draft."""
         policy_state = full_policy_state(self.model_parts)
         draft_state = self.draft_training.full_state_dict() if self.draft_training is not None else None
+        pd = self.parallel_dims
+        if pd.pp_enabled:
+            # Each rank holds its stage's part (gathered over its FSDP group just above) and
+            # only the last stage's ranks hold the draft: exchange both over the pp group.
+            pp_mesh = pd.get_mesh("pp")
+            policy_state = gather_over_stages(policy_state, pp_mesh, self.device)
+            if self.config.spec.mode.trains_draft:
+                draft_state = broadcast_from_last_stage(draft_state, pp_mesh, self.device)
         return policy_state, draft_state
 
     def _policy_version(self) -> int:
@@ -146,20 +160,36 @@ class RLTrainer(SpecTrainer):
         return (self.step - 1) * self.rl.ppo_epochs * self.rl.minibatches
 
     def generate(self, push_s: float) -> RolloutBatch:
-        """2: this rank's prompts of the step, G completions each (and the baselines)."""
+        """2: this rank's data-parallel share of the step's prompts, G completions each (and
+        the baselines). The ranks that hold the same data-parallel rank (its CP ranks) each
+        generate a share of those completions and exchange them (rl/sharing.py), so each
+        ends with all of them: one call of ``rollout_share`` per rank."""
         tok, rl = self.tokenizer, self.rl
         step_index = self.dataloader.batch_index
         problems = self.dataloader.next_problems(rl.prompts_per_step)
         prompts = [tok.encode(p.prompt, add_bos=True) for p in problems for _ in range(rl.group_size)]
-        sampling = SamplingParams(
-            temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, stop_token_ids=(tok.eos_id,),
-            seed=(self.config.spec.task.seed * 1_000_003 + step_index) * 4096 + self.dataloader.dp_rank,
-        )
+        baselines = bool(rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0))
+        seed_base = (self.config.spec.task.seed * 1_000_003 + step_index) * 4096
+        n = 1 if self.generation_group is None else dist.get_world_size(self.generation_group)
+
+        def work(share: list[list[int]], k: int):
+            # Share k of data-parallel rank d is generation rank d * n + k: a dp = D x cp = C
+            # run's calls are a dp = D * C run's (the same prompts, seed and batch shape).
+            return self.rollout_share(share, seed_base + self.dataloader.dp_rank * n + k, baselines)
+
+        shares = share_work(prompts, work, self.generation_group)
+        rollouts = [r for share in shares for r in share[0]]
+        stats = RolloutStats.combined([share[1] for share in shares])
+        base = {name: RolloutStats.combined([share[2][name] for share in shares]) for name in shares[0][2]}
+        return RolloutBatch(problems, rollouts, stats, base, self._policy_version(), push_s)
+
+    def rollout_share(self, prompts: list[list[int]], seed: int, baselines: bool):
+        """One rank's share of the step's generation: (rollouts, stats, baseline stats)."""
+        rl, tok = self.rl, self.tokenizer
+        sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
+                                  stop_token_ids=(tok.eos_id,), seed=seed)
         rollouts, stats = self.worker.generate(prompts, sampling)
-        baselines = {}
-        if rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0):
-            baselines = self.worker.baselines(prompts, sampling)
-        return RolloutBatch(problems, rollouts, stats, baselines, self._policy_version(), push_s)
+        return rollouts, stats, self.worker.baselines(prompts, sampling) if baselines else {}
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """3: rewards_PG of the batch's completions."""
@@ -180,12 +210,24 @@ class RLTrainer(SpecTrainer):
             for r, a in zip(batch.rollouts, adv)
         ]
         n = len(docs) // self.rl.minibatches  # config validation: it divides
+        # Under PP the schedule's microbatches have static shapes: a minibatch fills exactly
+        # training.local_batch_size rows (empty rows carry no labels).
+        rows = self.config.training.local_batch_size if self.parallel_dims.pp_enabled else None
         out = []
         for i in range(self.rl.minibatches):
+            share = docs[i * n:(i + 1) * n]
             try:
-                packed, _ = pack_documents(docs[i * n:(i + 1) * n], None, self.config.training.seq_len, self.tokenizer.pad_id)
+                packed, used = pack_documents(share, rows, self.config.training.seq_len, self.tokenizer.pad_id,
+                                              self.dataloader.document_multiple)
             except ValueError as e:
                 raise ValueError(f"{e}: raise training.seq_len or lower rl.max_new_tokens") from None
+            if used < len(share):
+                raise ValueError(
+                    f"under pipeline parallelism a minibatch is packed into training.local_batch_size = {rows} rows "
+                    f"of {self.config.training.seq_len} tokens (the schedule's microbatches), but only {used} of its "
+                    f"{len(share)} completions fit: raise training.local_batch_size (a multiple of "
+                    "parallelism.pipeline_parallel_microbatch_size), training.seq_len or rl.minibatches"
+                )
             out.append(Minibatch(
                 {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
                 packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
@@ -193,27 +235,42 @@ class RLTrainer(SpecTrainer):
         return out
 
     def update(self, mb: Minibatch) -> UpdateStats:
-        """6: one forward/backward of a minibatch and the optimizer steps of both models."""
+        """6: one forward/backward of a minibatch and the optimizer steps of both models.
+
+        Under context parallelism every CP rank holds the whole minibatch of its data-parallel
+        rank (generate's exchange) and trains on its zigzag shard of it: the tokens, labels
+        and positions through post_dataloading_process, the behaviour log-probs and
+        advantages with them (cp_batch.shard_values); the loss sums the shard's tokens over
+        the global count, so the shards' losses and gradients add up to the whole batch's.
+
+        Under pipeline parallelism: ``pipelined_update``."""
+        if self.parallel_dims.pp_enabled:
+            return self.pipelined_update(mb)
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         self.begin_update()
-        dev = self.device
+        dev, pd = self.device, self.parallel_dims
         local_valid_tokens = (mb.labels_BL != IGNORE_INDEX).sum()
+        # The count of the unsharded minibatch, summed over the data-parallel ranks: the
+        # global count (every CP rank of a data-parallel rank holds the same minibatch).
         global_valid_tokens = local_valid_tokens.to(dev)
-        if self.parallel_dims.dp_enabled:
-            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, self.parallel_dims.get_mesh("batch"))
+        if pd.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, pd.get_mesh("batch"))
         inputs, labels, extra = self.post_dataloading_process(
             {k: v.to(dev) for k, v in mb.inputs.items()}, mb.labels_BL.to(dev)
         )
-        policy_loss = self.policy_loss(mb, inputs, labels, extra)
+        values = {"behaviour_logp": mb.behaviour_logp_BL, "advantages": mb.advantages_BL}
+        if pd.cp_enabled:
+            values = shard_values(values, mb.inputs["positions"], pd.get_mesh("cp"))
+        policy_loss = self.policy_loss(values["behaviour_logp"], values["advantages"], inputs, labels, extra)
         terms = self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra, policy_loss)
         loss = self.account_loss(terms.policy, global_valid_tokens, last=True)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
-            pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled,
+            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
         )
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
-        n = float((labels != IGNORE_INDEX).sum())
+        n = float((labels != IGNORE_INDEX).sum())  # this rank's (shard's) completion tokens
         stats = terms.policy_stats
         return UpdateStats(
             loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
@@ -221,15 +278,58 @@ class RLTrainer(SpecTrainer):
             ratio_dev=float(stats.ratio_dev),
         )
 
-    def policy_loss(self, mb: Minibatch, inputs, labels_BL, extra_kwargs) -> PPOPolicyLoss:
-        """The minibatch's PPO-clip loss; with rl.kl_beta > 0 it carries the frozen
-        reference's log-probs of the same tokens (one no-grad forward)."""
+    def pipelined_update(self, mb: Minibatch) -> UpdateStats:
+        """6 under pipeline parallelism: the minibatch's rows in the schedule's microbatches,
+        each with its own PPO-clip loss built from ITS rows' behaviour log-probs and
+        advantages, computed on the last stage (parallelisms/pipeline.py PipelineLoss, with
+        the draft's loss on the taps the TapChannel brings) and normalized by the token count
+        of the whole minibatch over the data-parallel ranks, as ``update`` does; then the
+        same clip and guarded optimizer steps (the draft's on the last stage)."""
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        self.begin_update()
+        dev, pd = self.device, self.parallel_dims
+        local_valid_tokens = (mb.labels_BL != IGNORE_INDEX).sum()
+        global_valid_tokens = local_valid_tokens.to(dev)
+        if pd.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, pd.get_mesh("batch"))
+        rows = self.config.parallelism.pipeline_parallel_microbatch_size
+        input_mbs, label_mbs, loss_mbs = [], [], []
+        for lo in range(0, mb.labels_BL.shape[0], rows):
+            part = slice(lo, lo + rows)
+            input_mbs.append({k: v[part].to(dev) for k, v in mb.inputs.items()})
+            label_mbs.append(mb.labels_BL[part].to(dev))
+            values = {"behaviour_logp": mb.behaviour_logp_BL[part], "advantages": mb.advantages_BL[part]}
+            if pd.cp_enabled:  # with the tokens: post_dataloading_process shards them the same way
+                values = shard_values(values, mb.inputs["positions"][part], pd.get_mesh("cp"))
+            loss_mbs.append(PPOPolicyLoss(values["behaviour_logp"].to(dev), values["advantages"].to(dev), self.rl))
+        loss = pipeline_forward_backward(self, input_mbs, label_mbs, global_valid_tokens, loss_mbs)
+        loss = self.account_loss(loss, global_valid_tokens, last=True)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
+            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
+        # The PPO stats of the microbatches (on the last stage; empty elsewhere), token-weighted.
+        got = list(self.pp_schedule.titan_spec_loss.policy_stats.values())
+        n = float(sum(count for _, count in got))
+        weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
+        return UpdateStats(
+            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
+            grad_norm=grad_norm, policy_tokens=n, clip_fraction=weighted("clip_fraction"), kl=weighted("kl"),
+            ratio_dev=max((float(st.ratio_dev) for st, _ in got), default=0.0),
+        )
+
+    def policy_loss(self, behaviour_logp_BL, advantages_BL, inputs, labels_BL, extra_kwargs) -> PPOPolicyLoss:
+        """The PPO-clip loss of the (sharded) minibatch whose label rows ``behaviour_logp_BL``
+        and ``advantages_BL`` hold; with rl.kl_beta > 0 it carries the frozen reference's
+        log-probs of the same tokens (one no-grad forward of the same, sharded, inputs)."""
         ref_logp_BL = None
         if self.reference is not None:
             with self.train_context(), torch.no_grad():
                 ref_logp_BL = token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, self.rl.temperature)
         dev = labels_BL.device
-        return PPOPolicyLoss(mb.behaviour_logp_BL.to(dev), mb.advantages_BL.to(dev), self.rl, ref_logp_BL)
+        return PPOPolicyLoss(behaviour_logp_BL.to(dev), advantages_BL.to(dev), self.rl, ref_logp_BL)
 
     def _warn_if_degenerate(self, rewards_PG: torch.Tensor) -> None:
         """A logged warning when no group on any rank has two different rewards for
@@ -280,23 +380,31 @@ class RLTrainer(SpecTrainer):
             return out
         b, names = record.batch, ("frozen", "nospec")
         stats = b.stats
-        # Summed over the data-parallel ranks (token-weighted PPO stats: means over all
-        # ranks' completion tokens) ...
-        sums = {
+        # The rollouts are the same on every rank of a data-parallel rank (its CP ranks hold
+        # the group's exchanged rollouts): counted once, summed over the data-parallel ranks ...
+        rollout_sums = {
             "reward": float(record.rewards_PG.sum()), "completions": len(b.rollouts),
             "stopped": sum(r.finish_reason == "stop" for r in b.rollouts),
             "tokens": stats.tokens, "verify": stats.verify_steps,
+        }
+        for n in names:
+            base = b.baselines.get(n)
+            rollout_sums[f"{n}_tokens"], rollout_sums[f"{n}_verify"] = (
+                (base.tokens, base.verify_steps) if base is not None else (0, 0))
+        # ... the PPO stats are per token of this rank's shard: token-weighted, summed over
+        # every rank that trains on data (dp x cp), means over all completion tokens ...
+        token_sums = {
             "policy_tokens": sum(u.policy_tokens for u in record.updates),
             "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
             "kl": sum(u.policy_tokens * u.kl for u in record.updates),
         }
-        for n in names:
-            base = b.baselines.get(n)
-            sums[f"{n}_tokens"], sums[f"{n}_verify"] = (base.tokens, base.verify_steps) if base is not None else (0, 0)
         # ... and the slowest rank's seconds.
         maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s,
                  **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names}}
-        sums, maxes = self._reduce(sums, dist.ReduceOp.SUM), self._reduce(maxes, dist.ReduceOp.MAX)
+        pd = self.parallel_dims
+        sums = {**self._reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
+                **self._reduce(token_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("loss"))}
+        maxes = self._reduce(maxes, dist.ReduceOp.MAX, pd.get_optional_mesh("loss"))
         tokens, ppo_tokens = sums["tokens"], max(sums["policy_tokens"], 1.0)
         out.update({
             "rl/reward": sums["reward"] / sums["completions"],
@@ -322,11 +430,11 @@ class RLTrainer(SpecTrainer):
             out["time/rollout_s_nospec"] = maxes["nospec"]
         return out
 
-    def _reduce(self, values: dict[str, float], op) -> dict[str, float]:
-        """``values`` reduced over the data-parallel ranks (float64, one collective)."""
+    def _reduce(self, values: dict[str, float], op, mesh) -> dict[str, float]:
+        """``values`` reduced over ``mesh`` (float64, one collective; None: this rank alone)."""
         t = torch.tensor(list(values.values()), dtype=torch.float64)
-        if self.parallel_dims.dp_enabled:
-            dist.all_reduce(t, op=op, group=self.parallel_dims.get_mesh("batch").get_group())
+        if mesh is not None:
+            dist.all_reduce(t, op=op, group=mesh.get_group())
         return dict(zip(values, t.tolist()))
 
     def train(self):
