@@ -11,14 +11,15 @@
 # RLTrainer (as `python -m titan_spec.train` builds it: train_configs/long_context_cpu.toml,
 # tiny_long policy from its init, a fresh draft) and drives its train_step with a FIXED
 # rollout batch injected at the generate seam: P = 1 'records' prompt of S - 18 tokens, its
-# G = 2 completions (the right answer and a wrong one: advantages +-0.71), rl.minibatches = 2,
-# so each of the step's two optimizer steps trains on ONE document of ~S tokens. Per rank,
+# G = 2 completions (the right answer and a wrong one: advantages +-0.71), rl.minibatches = 2
+# (one document of ~S tokens each), of which the step keeps the first (the real pack, its
+# first minibatch): the measured step is ONE optimizer update on ONE S-token document. Per rank,
 # peak memory = the RSS high-water mark during the step (VmHWM, reset through
 # /proc/self/clear_refs right before it) minus the RSS before it (the built trainer, its
 # weights and the rollout engine's copy exist already; the step's activations, gradients,
 # optimizer states, logits, ring buffers and the draft's branch keys count), as
 # bench/cp_memory.py counts; the table shows the largest rank. Time: the step's training
-# phase (both updates; push + the injected generate are ~0), wall seconds of the slowest
+# phase (the update; push + the injected generate are ~0), wall seconds of the slowest
 # rank, and the CPU seconds of all ranks (time.process_time summed).
 #
 # Part 2 (--pp-microbatches): the TapChannel's overhead inside the RL step at pp = 2, as
@@ -136,7 +137,7 @@ def _fixed_batch(trainer, task_cfg, seed: int):
     return generate
 
 
-def _build(argv_overrides):
+def _build(argv_overrides, one_update: bool = False):
     import titan_spec  # noqa: F401  (CPU shims before torchtitan)
     from titan_spec.config import load_config
     from titan_spec.train import to_trainer_config
@@ -144,6 +145,10 @@ def _build(argv_overrides):
     cfg = load_config(str(CONFIG), argv_overrides)
     trainer = to_trainer_config(cfg).build()
     trainer.generate = _fixed_batch(trainer, cfg.task, cfg.task.seed)
+    if one_update:
+        # One optimizer update per step, on ONE document: the real pack, first minibatch only.
+        pack = trainer.pack
+        trainer.pack = lambda batch, advantages_PG: pack(batch, advantages_PG)[:1]
     return trainer
 
 
@@ -152,7 +157,7 @@ def _step_worker(args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    trainer = _build(_overrides(args, args.seqlen, args.cp))
+    trainer = _build(_overrides(args, args.seqlen, args.cp), one_update=True)
     rows = []
     for step in range(1, args.steps + 1):
         trainer.step = step  # what torchtitan's train() does before each train_step
@@ -270,7 +275,7 @@ def _step_row(S: int, cp: int, args) -> dict:
 
 def _print_steps(rows: list[dict], args) -> None:
     print(f"One RL co-training step (PPO-clip + EAGLE-3 draft, {args.ttt_steps} TTT steps, full AC), "
-          f"{args.flavor} policy, 2 updates of one S-token document each, fp32, CPU, gloo, 1 thread/rank.")
+          f"{args.flavor} policy, one update on one S-token document, fp32, CPU, gloo, 1 thread/rank.")
     print(f"peak: max over ranks and the {args.steps} measured step(s) of (VmHWM - RSS before the step); "
           "train s: the slowest rank's training phase of the last step; CPU s: all ranks' CPU seconds of it")
     ones = {r["seqlen"]: r for r in rows if r["cp"] == 1 and r["status"] == "ok"}

@@ -110,9 +110,8 @@ def test_records_rl_prompt_that_does_not_fit_stops_the_chain_before_it_starts(tm
     """`--plan` of the long-context chain (what run_train.sh runs first): an RL prompt whose
     document (<bos> + 8200 + rl.max_new_tokens 24 = 8225) does not fit training.seq_len 8224 is
     one line, exit 2, with no run started (the SFT run it requires included)."""
-    # RL at cp = 2 is a config error until RL runs under context parallelism: cp = 1 here.
     cmd = [sys.executable, "-m", "titan_spec.train", "--plan", "--config", LONG, "--task.prompt_len", "8200",
-           "--parallelism.context_parallel_degree", "1", "--job.dump_folder", str(tmp_path / "never")]
+           "--job.dump_folder", str(tmp_path / "never")]
     env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 2, out.stderr
