@@ -29,6 +29,7 @@
 #
 # Usage: PYTHONPATH=. python bench/rl_scale.py [--seqlens 4096,8192,16384,32768] [--cps 1,2,4]
 #        PYTHONPATH=. python bench/rl_scale.py --seqlens '' --pp-microbatches 2,4
+#        PYTHONPATH=. python bench/rl_scale.py --merge A.json,B.json   (print the step rows of earlier runs)
 
 import argparse
 import json
@@ -59,6 +60,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pp-block", type=int, default=2)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per (S, cp) launch")
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_scale.json"))
+    p.add_argument("--merge", default="", help="comma-separated result JSONs: print their step rows, run nothing")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--seqlen", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
@@ -300,6 +302,14 @@ def main(argv=None) -> None:
         return
     if args.worker == "pp":
         _pp_worker(args)
+        return
+    if args.merge:
+        # Later files win for the same (S, cp): reruns replace failed rows.
+        merged = {}
+        for path in args.merge.split(","):
+            for r in json.loads(Path(path).read_text()).get("steps", []):
+                merged[(r["seqlen"], r["cp"])] = r
+        _print_steps([merged[k] for k in sorted(merged)], args)
         return
     report = {"config": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_before": os.getloadavg()}
     if args.seqlens:
