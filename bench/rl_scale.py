@@ -58,6 +58,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pp-seq-len", type=int, default=1024)
     p.add_argument("--pp-steps", type=int, default=16, help="part 2: measured steps per mode")
     p.add_argument("--pp-block", type=int, default=2)
+    p.add_argument("--mmap-threshold", type=int, default=0,
+                   help="MALLOC_MMAP_THRESHOLD_ for the workers (bytes; 0 = glibc's dynamic default): a fixed "
+                        "threshold returns every freed large block to the OS, so RSS tracks live tensors")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per (S, cp) launch")
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_scale.json"))
     p.add_argument("--merge", default="", help="comma-separated result JSONs: print their step rows, run nothing")
@@ -242,8 +245,12 @@ def _pp_worker(args) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _launch(nproc: int, worker_args: list[str], timeout: int) -> tuple[object, str]:
+def _launch(nproc: int, worker_args: list[str], timeout: int, mmap_threshold: int = 0) -> tuple[object, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if mmap_threshold:
+        # glibc otherwise raises its threshold after the first large free (up to 32 MiB), and
+        # freed heap blocks below it stay in the RSS: peaks then depend on tensor sizes.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
            *worker_args]
     try:
@@ -259,7 +266,8 @@ def _launch(nproc: int, worker_args: list[str], timeout: int) -> tuple[object, s
 
 def _step_row(S: int, cp: int, args) -> dict:
     ranks, why = _launch(cp, ["--worker", "step", "--seqlen", str(S), "--cp", str(cp),
-                              "--ttt-steps", str(args.ttt_steps), "--flavor", args.flavor, "--steps", str(args.steps)], args.timeout)
+                              "--ttt-steps", str(args.ttt_steps), "--flavor", args.flavor, "--steps", str(args.steps)], args.timeout,
+                        args.mmap_threshold)
     row = {"seqlen": S, "cp": cp}
     if ranks is None:
         return {**row, "status": "failed", "note": why}
