@@ -18,7 +18,9 @@
 # /proc/self/clear_refs right before it) minus the RSS before it (the built trainer, its
 # weights and the rollout engine's copy exist already; the step's activations, gradients,
 # optimizer states, logits, ring buffers and the draft's branch keys count), as
-# bench/cp_memory.py counts; the table shows the largest rank. Time: the step's training
+# bench/cp_memory.py counts; the table shows the largest rank. The workers run with a fixed
+# MALLOC_MMAP_THRESHOLD_ (--mmap-threshold, 64 KiB): with glibc's dynamic threshold, freed
+# heap blocks stay in the RSS and the peaks depend on tensor sizes (1.5-2x too high here). Time: the step's training
 # phase (the update; push + the injected generate are ~0), wall seconds of the slowest
 # rank, and the CPU seconds of all ranks (time.process_time summed).
 #
@@ -58,9 +60,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pp-seq-len", type=int, default=1024)
     p.add_argument("--pp-steps", type=int, default=16, help="part 2: measured steps per mode")
     p.add_argument("--pp-block", type=int, default=2)
-    p.add_argument("--mmap-threshold", type=int, default=0,
-                   help="MALLOC_MMAP_THRESHOLD_ for the workers (bytes; 0 = glibc's dynamic default): a fixed "
-                        "threshold returns every freed large block to the OS, so RSS tracks live tensors")
+    p.add_argument("--mmap-threshold", type=int, default=65536,
+                   help="MALLOC_MMAP_THRESHOLD_ for the workers (bytes; 0 = glibc's dynamic default, whose "
+                        "freed heap blocks stay in the RSS): a fixed threshold returns every freed block "
+                        "over it to the OS, so the RSS tracks live tensors")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per (S, cp) launch")
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_scale.json"))
     p.add_argument("--merge", default="", help="comma-separated result JSONs: print their step rows, run nothing")
