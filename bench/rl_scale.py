@@ -21,8 +21,8 @@
 # bench/cp_memory.py counts; the table shows the largest rank. The workers run with a fixed
 # MALLOC_MMAP_THRESHOLD_ (--mmap-threshold, 64 KiB): with glibc's dynamic threshold, freed
 # heap blocks stay in the RSS and the peaks depend on tensor sizes (1.5-2x too high here).
-# Time: the step's training phase (the update; push + the injected generate are ~0), wall seconds of the slowest
-# rank, and the CPU seconds of all ranks (time.process_time summed).
+# Time: the step's training phase (the update; push + the injected generate are ~0), wall
+# seconds of the slowest rank, and the CPU seconds of all ranks (time.process_time summed).
 #
 # Part 2 (--pp-microbatches): the TapChannel's overhead inside the RL step at pp = 2, as
 # bench/pp_taps.py measures it for SFT (same trainer, modes alternating in blocks: the real
