@@ -65,13 +65,28 @@ MALFORMED = [
     ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
     ("[rollout]\nengine = 'vllm'\n", [], 1, ["rollout.engine", "'torch', 'sglang'"]),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
-    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2, ["tensor_parallel_degree = 2 is not supported yet"]),
+    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2,
+     ["tensor_parallel_degree = 2 needs parallelism.spmd_backend = 'partial_dtensor'", "not 'spmd_types'"]),
+    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\n[training]\nseq_len = 129\n", [], 2,
+     ["training.seq_len = 129", "a multiple of 2 = parallelism.tensor_parallel_degree 2 under sequence parallelism"]),
+    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\ncontext_parallel_degree = 2\n[training]\nseq_len = 132\n", [], 4,
+     ["training.seq_len = 132", "a multiple of 8 = parallelism.tensor_parallel_degree 2 x 2 * context_parallel_degree 2"]),
+    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\npipeline_parallel_degree = 2\n", [], 4,
+     ["tensor_parallel_degree = 2 with pipeline_parallel_degree = 2 is not supported", "composes with FSDP and context parallelism"]),
+    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 2\nspmd_backend = 'partial_dtensor'\n[rl]\nenable = true\nprompts_per_step = 3\n[speculative]\nenabled = false\n", [], 4, ["rl.prompts_per_step = 3", "multiple of the 2 data-parallel ranks"]),
     ("[parallelism]\ncontext_parallel_degree = 2\n", [], 3, ["cp = 2 does not divide the 3 processes"]),
     ("[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 130\n", [], 2,
      ["training.seq_len = 130", "a multiple of 2 * parallelism.context_parallel_degree = 4"]),
     ("[parallelism]\ncontext_parallel_degree = 2\npipeline_parallel_degree = 2\n[task]\ndocument_multiple = 2\n",
      [], 4, ["task.document_multiple = 2 under pipeline x context parallelism", "a multiple of 2 * context_parallel_degree = 4"]),
     ("[task]\ndocument_multiple = -1\n", [], 1, ["task.document_multiple = -1", ">= 0"]),
+    ("[rl]\nloss = 'ppo'\n", [], 1, ["rl.loss", "'grpo', 'dapo', 'gspo'"]),
+    ("[rl]\noverlong_filter = true\n", [], 1, ["rl.overlong_filter = True is DAPO's: it needs rl.loss = 'dapo'"]),
+    ("[rl]\nloss = 'dapo'\nmax_new_tokens = 8\noverlong_buffer = 8\n", [], 1,
+     ["rl.overlong_buffer = 8", "< rl.max_new_tokens = 8"]),
+    ("[parallelism]\nexpert_parallel_degree = 2\n[rl]\nenable = true\n", [], 2,
+     ["expert_parallel_degree = 2 with rl.enable is not supported"]),
+    ("[model]\nmoe_load_balance_coeff = -1.0\n", [], 1, ["model.moe_load_balance_coeff = -1.0", ">= 0"]),
     ("[task]\ndocument_multiple = 3\n[training]\nseq_len = 128\n", [], 1, ["training.seq_len = 128", "document multiple 3"]),
 ]
 
@@ -146,6 +161,22 @@ def test_tap_ids_out_of_range_is_a_config_error():
     cfg = load_config(DEFAULT, ["--draft.tap_layer_ids", "[1, 3, 8]"])
     with pytest.raises(ConfigError, match=r"out of range: the target has 8 layers"):
         to_trainer_config(cfg)
+
+
+@pytest.mark.parametrize("tp,why", [(3, "does not divide the target's 4 query heads"),
+                                    (4, "does not divide the target's 2 key/value heads")])
+def test_tp_not_dividing_the_heads_is_one_line_before_any_process(tp, why, monkeypatch, capsys):
+    """torchtitan's TP plan shards q and k/v heads: `--check` (run_train.sh's pre-flight, no process
+    group) refuses a degree that does not divide them, naming the allowed sizes."""
+    from titan_spec.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", str(tp))
+    argv = ["--check", "--config", os.path.join(os.path.dirname(DEFAULT), "debug_cpu_sft.toml"),
+            "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree", "1",
+            "--training.seq_len", str(48 * tp)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and why in err and "allowed: a divisor of n_heads 4, n_kv_heads 2" in err, err
 
 
 def test_draft_vocab_larger_than_target_is_an_error():

@@ -1,8 +1,10 @@
-"""Co-training under context parallelism through the real entry point (torchrun, gloo):
-one step of policy + draft with cp = 2 (and dp x cp) gives the losses and gradients of cp = 1."""
+"""Co-training under context and tensor parallelism through the real entry point (torchrun,
+gloo): two steps of policy + draft with cp = 2 (and dp x cp), dp x tp and cp x tp, and offline
+draft training under dp x tp, give the losses and gradients of one process."""
 
 import pytest
 
+from conftest import train_many
 from numerics import assert_same_draft_accuracy
 
 COMMON = ("--training.steps", "2", "--lr_scheduler.total_steps", "2", "--checkpoint.enable", "false",
@@ -26,10 +28,23 @@ def _assert_same_run(a_rows, b_rows, what, same_dp=True):
         assert_same_draft_accuracy(a, b, 3, what)  # the ring reduces in another order: one argmax flip
 
 
-def test_cp_co_training_matches_cp1(tmp_path, train):
+OFFLINE = ("--draft.offline", "true")
+TP = ("--parallelism.tensor_parallel_degree", "2")
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """The one-process runs (co-training, offline draft training), in one launch."""
+    d = tmp_path_factory.mktemp("one")
+    cotrain, offline = train_many(1, [(str(d / "cp1"), COMMON), (str(d / "off1"), (*COMMON, *OFFLINE))],
+                                  config="debug_cpu_sft.toml")
+    return {"cotrain": cotrain, "offline": offline}
+
+
+def test_cp_co_training_matches_cp1(tmp_path, train, one):
     """cp = 2 alone, and FSDP over the dp x cp mesh (2 data-parallel groups of 2 context-parallel
     ranks, 2 rows each), see the 4-row global batch of the single-process run."""
-    one = train(str(tmp_path / "cp1"), 1, COMMON)
+    one = one["cotrain"]
     two = train(str(tmp_path / "cp2"), 2, (*COMMON, "--parallelism.context_parallel_degree", "2",
                                            "--parallelism.data_parallel_shard_degree", "1"))
     _assert_same_run(one, two, "cp=2")
@@ -37,3 +52,22 @@ def test_cp_co_training_matches_cp1(tmp_path, train):
                                                "--parallelism.data_parallel_shard_degree", "2",
                                                "--training.local_batch_size", "2"))
     _assert_same_run(one, four, "dp=2 x cp=2", same_dp=False)
+
+
+def test_tp_co_training_matches_one_process(tmp_path, one):
+    """torchtitan's TP plan (sequence parallel) on 2 ranks under FSDP over 2 data-parallel groups
+    (2 rows each), and under cp = 2 (the ring over each tp rank's local heads), in one 4-process
+    launch; and offline draft training (a frozen teacher) under dp x tp. The draft, replicated
+    over the tp group, trains on the taps gathered from their sequence shards and the gathered
+    logits; its data-parallel mesh and normalizer exclude tp (draft/tokens_j below equal)."""
+    dp2tp2, cp2tp2, offline = train_many(4, [
+        (str(tmp_path / "dp2tp2"), (*COMMON, *TP, "--parallelism.data_parallel_shard_degree", "2",
+                                    "--training.local_batch_size", "2")),
+        (str(tmp_path / "cp2tp2"), (*COMMON, *TP, "--parallelism.context_parallel_degree", "2",
+                                    "--parallelism.data_parallel_shard_degree", "1")),
+        (str(tmp_path / "offdp2tp2"), (*COMMON, *OFFLINE, *TP, "--parallelism.data_parallel_shard_degree", "2",
+                                       "--training.local_batch_size", "2")),
+    ], config="debug_cpu_sft.toml")
+    _assert_same_run(one["cotrain"], dp2tp2, "dp=2 x tp=2", same_dp=False)
+    _assert_same_run(one["cotrain"], cp2tp2, "cp=2 x tp=2")
+    _assert_same_run(one["offline"], offline, "offline draft, dp=2 x tp=2", same_dp=False)

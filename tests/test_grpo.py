@@ -247,7 +247,9 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
         fake.reference, fake.co_loss = reference if kl_beta else None, CoTrainingLoss(dt, weight=0.5)
         mb = Minibatch({"input": b.input_BL, "positions": b.positions_BL}, b.labels_BL,
                        b.values_BL["behaviour_logp"], b.values_BL["advantages"])
-        policy_loss = RLTrainer.policy_loss(fake, mb.behaviour_logp_BL, mb.advantages_BL, b.input_BL, b.labels_BL, extra)
+        ref_logp = RLTrainer.reference_logprobs(fake, b.input_BL, b.labels_BL, extra)
+        values = {"behaviour_logp": mb.behaviour_logp_BL, "advantages": mb.advantages_BL}
+        policy_loss = RLTrainer.policy_loss(fake, values, {}, ref_logp)
         terms = SpecTrainer.co_train_forward_backward(fake, b.input_BL, b.labels_BL, N, extra, policy_loss)
         draft_grads = [p.grad.clone() for p in dt.draft.parameters() if p.grad is not None]
         return [p.grad.clone() for p in model.parameters()], draft_grads, terms.policy_stats
@@ -284,3 +286,45 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
     assert len(draft_kl) == len(draft_0) > 0
     for a, c in zip(draft_kl, draft_0):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+
+
+def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titan_spec.rl.grpo import token_logprobs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        logits_BLV = torch.randn(2, 5, 10, generator=gen) * 3
+        labels_BL = torch.randint(0, 10, (2, 5), generator=gen)
+        labels_BL[0, 0] = labels_BL[1, 3] = -100  # ignored: log-prob 0, no gradient
+        T = 0.7
+        # Reference: fp64 log_softmax on the whole vocabulary, in one process.
+        ref = logits_BLV.double().requires_grad_()
+        want = torch.log_softmax(ref / T, -1).gather(-1, labels_BL.clamp(min=0)[..., None])[..., 0]
+        want = want.masked_fill(labels_BL == -100, 0.0)
+        w_BL = torch.arange(10.0).view(2, 5)
+        (want_grad,) = torch.autograd.grad((want * w_BL).sum(), ref)
+        # torchtitan's lm_head layout: the vocabulary sharded over the tp mesh (5 columns each).
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        sharded = distribute_tensor(logits_BLV.clone(), mesh, [Shard(2)]).requires_grad_()
+        got = token_logprobs(sharded, labels_BL, T)
+        assert not isinstance(got, type(sharded)) and got.shape == labels_BL.shape
+        torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=1e-5)
+        (got * w_BL).sum().backward()
+        torch.testing.assert_close(sharded.grad.full_tensor().double(), want_grad, rtol=0, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_token_logprobs_of_vocab_sharded_logits_match_the_whole_vocabulary(tmp_path):
+    """Under tensor parallelism the PPO log-probs come from the vocab-sharded logits through
+    torchtitan's loss-parallel cross-entropy (no vocab all-gather): values and gradients equal
+    an fp64 log-softmax over the whole vocabulary, at a temperature != 1, ignored labels 0."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_vocab_parallel_worker, args=(2, str(tmp_path / "init")), nprocs=2)

@@ -103,6 +103,13 @@ BAD = [
     (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], "must be one of 1F1B, GPipe, Interleaved1F1B"),
     (["--model.name", "qwen3"], "ties its embedding and lm_head"),
     (["--draft.offline", "true"], "draft.offline (a frozen target) is not supported"),
+    # A module on two stages: its tap would be computed (and sent) twice.
+    (["--parallelism.module_fqns_per_model_part",
+      "[['tok_embeddings', 'layers.0', 'layers.1', 'layers.2', 'layers.3'], ['layers.3', 'layers.4', 'layers.5', 'layers.6', 'layers.7', 'norm', 'lm_head']]"],
+     "layers.3 is on pipeline stages 0 and 1; every module must be on exactly one stage"),
+    # RL runs under PP; what it does not support there says what it does.
+    (["--rl.enable", "true", "--rl.kl_beta", "0.1"], "rl.kl_beta = 0.1 is not supported"),
+    (["--rl.enable", "true", "--rollout.engine", "sglang"], "use rollout.engine = 'torch' under PP"),
 ]
 
 
@@ -115,3 +122,15 @@ def test_bad_pipeline_config_is_one_line_before_any_step(args, needle):
     with pytest.raises(ConfigError) as info:
         to_trainer_config(cfg)
     assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_pp_larger_than_the_layers_is_one_line_before_any_step():
+    """pp = 9 on llama3/tiny's 8 layers (9 processes: the degrees fit the world)."""
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "train_configs/debug_cpu_pp.toml"), [
+        "--model.name", "llama3", "--parallelism.pipeline_parallel_degree", "9",
+        "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "9",
+        "--parallelism.pipeline_parallel_microbatch_size", "1"], world_size=9)
+    with pytest.raises(ConfigError) as info:
+        to_trainer_config(cfg)
+    msg = str(info.value)
+    assert "pipeline_parallel_degree = 9 is larger than the 8 decoder layers" in msg and "\n" not in msg, msg

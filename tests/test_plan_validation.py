@@ -72,7 +72,7 @@ def inputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("inputs")
     torch.manual_seed(0)
     arch = with_vocab(flavor_arch("qwen3", "tiny"), CharTokenizer().get_vocab_size())
-    save_hf(build_target_config(arch).build(), str(base / "hf"), arch)
+    save_hf(build_target_config(arch).build(), str(base / "hf"), arch, tokenizer=CharTokenizer())
     d = DraftArch.from_target(arch, (1, 3, 4), 32)
     save_draft(Eagle3Draft(d), str(base / "draft"))
     # Another target width (qwen3/small: 128): its draft does not fit a 64-wide target.
@@ -105,7 +105,7 @@ def inputs(tmp_path_factory):
     def drop_tensor(p):
         sd = load_file(str(p / "model.safetensors"))
         del sd["model.layers.3.mlp.up_proj.weight"]
-        write_safetensors_dir(str(p), sd, json.loads((p / "config.json").read_text()))
+        write_safetensors_dir(str(p), sd, json.loads((p / "config.json").read_text()), extra=CharTokenizer().save)
 
     def wider_mlp(p):  # config.json says intermediate_size 256; the tensors are 192
         cfg = json.loads((p / "config.json").read_text())

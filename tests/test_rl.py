@@ -310,3 +310,20 @@ def test_one_grpo_step_makes_above_average_completions_likelier():
             p -= 0.5 * p.grad
     delta = logps() - before
     assert delta[mask & (adv > 0)].sum() > 0 and delta[mask & (adv < 0)].sum() < 0
+
+
+def test_generation_shares_partition_the_completions_in_order_and_differ_by_at_most_one():
+    # rl/sharing.py: rank k of n generates items[lo:hi) of its data-parallel rank's
+    # completions; concatenated in rank order the shares are the list itself, whatever
+    # the count (fewer items than ranks included), and no share idles while another holds
+    # two more.
+    from titan_spec.rl.sharing import share_bounds, share_work
+
+    for count in range(0, 12):
+        for n in (1, 2, 3, 4):
+            bounds = [share_bounds(count, k, n) for k in range(n)]
+            assert [lo for lo, _ in bounds] == [0] + [hi for _, hi in bounds[:-1]] and bounds[-1][1] == count
+            sizes = [hi - lo for lo, hi in bounds]
+            assert max(sizes) - min(sizes) <= 1, (count, n, sizes)
+    # Alone (no group): one call over every item, as share 0.
+    assert share_work(list("abc"), lambda items, k: (items, k), None) == [(list("abc"), 0)]

@@ -9,7 +9,8 @@ SFT warm start -> offline draft -> GRPO with the draft co-trained from the same 
   draft restored from the checkpoint);
 - the report (summary table, PNG plots) is written;
 - several optimizer steps per rollout batch: rl.ppo_epochs = 2 x rl.minibatches = 2 (a real
-  RLTrainer driven step by step, tests/helpers/rl_updates.py).
+  RLTrainer driven step by step, tests/helpers/rl_updates.py);
+- the DAPO and GSPO losses (rl.loss) run real RL steps the same way.
 """
 
 import json
@@ -106,23 +107,7 @@ def test_two_ppo_epochs_of_two_minibatches_take_four_optimizer_steps_on_one_roll
     one that sampled the rollouts, and clearly not 1 on every later update; the policy's and
     the draft's AdamW take four steps per rollout batch; the second step's rollouts come from
     the weights after those four (version 4, pushed to the engine)."""
-    hf, draft = warm_start
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    args = [
-        "--config", os.path.join(root, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
-        "--model.hf_checkpoint", hf, "--draft.init_from", draft, "--draft.export_dir", "", *TASK,
-        "--training.seq_len", "128", "--training.steps", "2", "--rl.ppo_epochs", "2", "--rl.minibatches", "2",
-        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
-        "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0",
-    ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(root, "tests/helpers/rl_updates.py"), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    line = next(x for x in out.stdout.splitlines() if "rl_updates: " in x)
-    first, second = json.loads(line.split("rl_updates: ", 1)[1])
+    first, second = rl_updates(warm_start, tmp_path, "--rl.ppo_epochs", "2", "--rl.minibatches", "2")
     for step, adam_steps in ((first, 4.0), (second, 8.0)):
         dev = step["ratio_dev"]
         assert len(dev) == 4, dev  # 2 epochs x 2 minibatches
@@ -132,3 +117,40 @@ def test_two_ppo_epochs_of_two_minibatches_take_four_optimizer_steps_on_one_roll
         assert step["draft_adam_steps"] == [adam_steps], step
     assert (first["policy_version"], first["engine_version"]) == (0, 0)
     assert (second["policy_version"], second["engine_version"]) == (4, 4)
+
+
+def rl_updates(warm_start, tmp_path, *extra) -> list[dict]:
+    """Two RL steps of a real RLTrainer on the warm start (tests/helpers/rl_updates.py): what
+    each step did."""
+    hf, draft = warm_start
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [
+        "--config", os.path.join(root, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
+        "--model.hf_checkpoint", hf, "--draft.init_from", draft, "--draft.export_dir", "", *TASK,
+        "--training.seq_len", "128", "--training.steps", "2",
+        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
+        "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
+        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0", *extra,
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           os.path.join(root, "tests/helpers/rl_updates.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    line = next(x for x in out.stdout.splitlines() if "rl_updates: " in x)
+    return json.loads(line.split("rl_updates: ", 1)[1])
+
+
+@pytest.mark.parametrize("loss", [
+    ("--rl.loss", "dapo", "--rl.clip_high", "0.28", "--rl.overlong_filter", "true", "--rl.overlong_buffer", "4"),
+    ("--rl.loss", "gspo", "--rl.clip_low", "3e-4", "--rl.clip_high", "4e-4"),
+], ids=["dapo", "gspo"])
+def test_dapo_and_gspo_run_real_rl_steps(warm_start, tmp_path, loss):
+    """rl.loss = dapo (clip-higher, overlong filtering and shaping) and gspo (sequence ratios
+    with the paper's clip ranges) through RLTrainer.policy_loss: two RL steps of 2 PPO epochs
+    each. The first update after a push is on-policy (GSPO: every sequence ratio 1), the second
+    sees the moved policy, both models' AdamW step twice per RL step."""
+    for step, adam_steps in zip(rl_updates(warm_start, tmp_path, "--rl.ppo_epochs", "2", *loss), (2.0, 4.0)):
+        dev = step["ratio_dev"]
+        assert len(dev) == 2 and dev[0] < ON_POLICY and dev[1] > MOVED, step
+        assert step["policy_adam_steps"] == step["draft_adam_steps"] == [adam_steps], step

@@ -38,18 +38,20 @@ RL = (
     "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
     "--rl.baseline_interval", "0", "--task.seed", "5",
 )
+TP2 = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
 SCALARS = ("loss", "grad_norm", "draft/loss", "draft/grad_norm", "rl/reward", "rl/clip_fraction")
 
 
 def fixed_batch_run(dump: str, nproc: int, overrides: tuple[str, ...] = (), batch: str | None = None,
-                    record: bool = False, timeout: int = 600) -> dict:
+                    record: bool = False, timeout: int = 600, generate: bool = False) -> dict:
     """One RL step of tests/helpers/rl_fixed_batch.py; returns {"row": metrics row,
-    "policy": tensors, "draft": tensors}."""
+    "policy": tensors, "draft": tensors, "draft_ranks": {rank: tensors} of the other ranks,
+    "rollouts": {rank: its really generated rollouts} with ``generate``}."""
     batch = batch or os.path.join(dump, "batch.json")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         os.path.join(ROOT, "tests/helpers/rl_fixed_batch.py"), "--batch", batch, "--out", dump,
-        *(["--record"] if record else []), *RL, "--job.dump_folder", dump, *overrides,
+        *(["--record"] if record else []), *(["--generate"] if generate else []), *RL, "--job.dump_folder", dump, *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -58,17 +60,28 @@ def fixed_batch_run(dump: str, nproc: int, overrides: tuple[str, ...] = (), batc
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1], rows
+    ranks = range(1, nproc)
+    found = {r: os.path.join(dump, f"draft_rank{r}.safetensors") for r in ranks}
+    rollouts = {}
+    for r in range(nproc) if generate else ():
+        with open(os.path.join(dump, f"rollouts_rank{r}.json")) as f:
+            rollouts[r] = json.load(f)
     return {"row": rows[0], "batch": batch, "policy": load_file(os.path.join(dump, "policy.safetensors")),
-            "draft": load_file(os.path.join(dump, "draft.safetensors"))}
+            "draft": load_file(os.path.join(dump, "draft.safetensors")),
+            "draft_ranks": {r: load_file(p) for r, p in found.items() if os.path.exists(p)}, "rollouts": rollouts}
+
+
+def assert_same_weights(ref: dict, got: dict, what: str) -> None:
+    assert sorted(got) == sorted(ref), what
+    for name, want in ref.items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=2e-6, msg=f"{what} {name}")
 
 
 def assert_same_step(ref: dict, got: dict, what: str) -> None:
     for key in SCALARS:
         assert got["row"][key] == pytest.approx(ref["row"][key], rel=1e-5, abs=1e-7), (what, key)
     for model in ("policy", "draft"):
-        assert sorted(got[model]) == sorted(ref[model]), (what, model)
-        for name, want in ref[model].items():
-            torch.testing.assert_close(got[model][name], want, rtol=0, atol=2e-6, msg=f"{what}: {model} {name}")
+        assert_same_weights(ref[model], got[model], f"{what}: {model}")
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +221,22 @@ def test_pp2_x_cp2_step_equals_one_process(reference, tmp_path):
     got = fixed_batch_run(str(tmp_path / "pp2cp2"), 4, (*PP2, *CP2), batch=reference["batch"])
     assert_same_step(reference, got, "pp=2 x cp=2")
     assert got["row"]["pp/taps_delivered"] == 2 * 4
+
+
+
+
+def test_tp2_step_equals_one_process(reference, tmp_path):
+    """Tensor parallelism over 2 ranks of ONE data-parallel group (torchtitan's Qwen3 plan,
+    sequence parallel): the attention runs on each rank's heads, the taps reach the draft
+    gathered from their sequence shards, the PPO log-probs come from the vocab-sharded logits
+    (loss parallel), the push gathers the TP shards. The draft is replicated over the tp group
+    and must end equal on both ranks (identical inputs, so identical gradients: no reduction).
+    The tp ranks of the data-parallel rank share its generation (rl/sharing.py: each generates
+    half from the same pushed, gathered weights, then they exchange): both hold the same 16
+    rollouts, generated for real here."""
+    got = fixed_batch_run(str(tmp_path / "tp2"), 2, TP2, batch=reference["batch"], generate=True)
+    assert_same_step(reference, got, "tp=2")
+    assert sorted(got["draft_ranks"]) == [1], "every rank holds the replicated draft"
+    for rank, draft in got["draft_ranks"].items():
+        assert_same_weights(reference["draft"], draft, f"tp=2: the draft on rank {rank}")
+    assert len(got["rollouts"][0]) == 16 and got["rollouts"][1] == got["rollouts"][0]

@@ -25,6 +25,7 @@ from sglang_stub import V, StubSGLang
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, load_config
+from titan_spec.data.tokenizer import CharTokenizer
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, save_draft
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
@@ -72,7 +73,7 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang")
     model, arch = _target()
     draft = _draft(arch)
-    save_hf(model, str(root / "policy"), arch)
+    save_hf(model, str(root / "policy"), arch, tokenizer=CharTokenizer())
     save_draft(draft, str(root / "draft"))
     return types.SimpleNamespace(policy=str(root / "policy"), draft=str(root / "draft"), model=model, arch=arch, d=draft)
 
@@ -492,9 +493,11 @@ def test_gpu_recipe_checks(dirs, capsys, monkeypatch, tmp_path):
     gsm.write_text('{"question": "What is 2+2?", "answer": "It is 4. #### 4"}\n')
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "qwen3_8b_sglang.toml")
     monkeypatch.setenv("WORLD_SIZE", "8")
-    # The recipe with this machine's tiny policy and draft in place of Qwen3-8B's.
+    # The recipe with this machine's tiny policy and draft in place of Qwen3-8B's (its tokenizer
+    # is the character one, without a chat template; tests/test_recipes.py checks the recipe
+    # against Qwen3-8B's structure).
     tiny = ["--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft, "--draft.draft_vocab_size", "16",
-            "--training.seq_len", "1024", "--task.path", str(gsm)]
+            "--training.seq_len", "1024", "--task.path", str(gsm), "--task.chat_template", "off"]
     assert main(["--check", "--config", path, *tiny]) == 0
     capsys.readouterr()
     assert main(["--check", "--config", path]) == 2  # its /models paths are not on this machine

@@ -11,6 +11,12 @@ this object injected and so does not import it).
 
 The policy loss reads the logits; the draft loss (DraftTraining.loss) reads the DETACHED
 taps and logits, so each loss's gradient reaches only its own model.
+
+Under tensor parallelism the logits arrive vocab-sharded (a DTensor, ``Shard(-1)`` on the tp
+mesh: torchtitan's lm_head plan): the policy loss takes them as they are (loss-parallel
+cross-entropy / log-probs, no vocab all-gather), the draft, replicated over the tp group,
+gets them gathered and detached (its targets are a softmax over the draft vocabulary and
+the target's argmax over the whole one); the taps are already full (models/target.py).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from titan_spec.draft_training import DraftTraining
-from titan_spec.models.target import Taps
+from titan_spec.models.target import Taps, full_local
 
 __all__ = ["CoTrainingLoss", "LossTerms", "PolicyLoss"]
 
@@ -74,7 +80,9 @@ class CoTrainingLoss:
         policy, stats = policy_loss(logits_BLV, labels_BL, global_valid_tokens)
         total, draft = (policy if self.trains_policy else None), None
         if self.draft is not None:
-            draft = self.draft.loss(logits_BLV, taps, positions_BL, labels_BL, attention_meta, draft_count_S)
+            with torch.no_grad():
+                draft_logits_BLV = full_local(logits_BLV.detach())
+            draft = self.draft.loss(draft_logits_BLV, taps, positions_BL, labels_BL, attention_meta, draft_count_S)
             weighted = self.weight * draft.loss
             total = weighted if total is None else total + weighted
         return LossTerms(total=total, policy=policy, policy_stats=stats, draft=draft)

@@ -73,13 +73,21 @@ def inject_nan_grad(params: list[torch.nn.Parameter]) -> bool:
 @torch.no_grad()
 def global_grad_norm(params: list[torch.nn.Parameter], device: torch.device, pp_mesh=None) -> torch.Tensor:
     """The 2-norm of all gradients, reduced like torchtitan's clip_grad_norm_ (DTensor
-    shards over their mesh, then the pipeline stages), so every rank gets the same value."""
+    shards over their mesh, then the pipeline stages), so every rank gets the same value.
+    Under expert parallelism the experts' gradients live on another mesh than the rest:
+    each mesh's norm is reduced on its own and the two combined, as torchtitan's
+    ``_clip_grad_norm_with_ep`` does (one mesh: the single reduction, as before)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm(group, 2.0, False, True)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    norm = norms[0] if len(norms) == 1 else sum(n**2 for n in norms) ** 0.5
     if pp_mesh is not None:
         norm = norm**2
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())

@@ -20,7 +20,7 @@ from typing import Any
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, register_moe_load_balancing_hook
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import init_logger
@@ -31,14 +31,19 @@ from titan_spec.config import (
     ConfigError, TitanSpecConfig, check_paths, document_multiple, load_config, locate, quiet_torchtitan,
 )
 from titan_spec.data.loader import TaskDataLoader
+from titan_spec.data.prompts import PromptFormat
+from titan_spec.data.rewards import RewardError, check_reward
 from titan_spec.data.tasks import check_records_fit, check_task_file
-from titan_spec.data.tokenizer import CharTokenizer
+from titan_spec.data.tokenizer import build_tokenizer, tokenizer_config, tokenizer_source
 from titan_spec.draft_training import under_dump_folder
 from titan_spec.finite import NonFiniteStop
 from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.models.draft import DraftKind, draft_kind
 from titan_spec.models.hf_io import check_hf_weights, read_hf_arch
-from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, with_vocab
+from titan_spec.models.registry import (
+    active_parameter_count, arch_from_hf_config, arch_to_hf_config, build_target_config, flavor_arch, parameter_count,
+    with_vocab,
+)
 from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_spec
 from titan_spec.rl.trainer import RLTrainer
@@ -47,7 +52,7 @@ from titan_spec.trainer import SpecTrainer
 
 __all__ = [
     "to_trainer_config", "resolve_arch", "check_inputs", "validate_run", "plan_runs", "main",
-    "train_and_close",
+    "train_and_close", "weightless_inputs",
 ]
 
 
@@ -63,10 +68,29 @@ class Made:
     """Arch of the policy it exports there (job.export_hf), or None."""
     draft: Any = None
     """Arch of the draft it exports there (draft.export_dir; its draft kind's arch), or None."""
+    tokenizer: tuple[str, str] | None = None
+    """The tokenizer it saves with its policy export: (kind, source directory), or None."""
 
 
 def _made(made: dict[str, Made] | None, path: str) -> Made | None:
     return (made or {}).get(os.path.abspath(path)) if path else None
+
+
+def resolve_tokenizer(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> tuple[str, str]:
+    """(kind, directory) of the run's tokenizer (data/tokenizer.py ``tokenizer_source``); a
+    directory an earlier run of the chain exports to holds that run's tokenizer (``Made``)."""
+    t = cfg.tokenizer
+    where = t.path or cfg.model.hf_checkpoint
+    promise = _made(made, where)
+    if promise is not None and t.kind != "char":
+        if promise.tokenizer is None:
+            key = "tokenizer.path" if t.path else "model.hf_checkpoint"
+            raise ConfigError(f"{key} {where!r} is where {promise.run} exports its draft, which carries no "
+                              "tokenizer", key=key)
+        return promise.tokenizer
+    if promise is not None:
+        return "char", ""
+    return tokenizer_source(t.kind, t.path, cfg.model.hf_checkpoint)
 
 
 def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | None = None):
@@ -87,9 +111,11 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
                 f"model.name = {cfg.model.name!r} but {path} holds a {arch.family} model", key="model.name"
             )
         if arch.vocab_size < vocab_size:
+            src = cfg.tokenizer.path or path
             raise ConfigError(
-                f"{path} has a vocabulary of {arch.vocab_size}, smaller than the "
-                f"tokenizer's {vocab_size}", key="model.hf_checkpoint"
+                f"the tokenizer of {src} has ids up to {vocab_size - 1}, but {path} has a vocabulary of "
+                f"{arch.vocab_size} (ids >= {arch.vocab_size} have no embedding): the tokenizer does not fit the model",
+                key="tokenizer.path" if cfg.tokenizer.path else "model.hf_checkpoint"
             )
         if promise is None:
             try:
@@ -98,7 +124,13 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
                 raise ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint") from None
         return arch
     arch = flavor_arch(cfg.model.name, cfg.model.flavor)
-    return with_vocab(arch, vocab_size) if cfg.model.vocab_from_tokenizer else arch
+    arch = with_vocab(arch, vocab_size) if cfg.model.vocab_from_tokenizer else arch
+    if arch.vocab_size < vocab_size:
+        raise ConfigError(
+            f"the tokenizer has ids up to {vocab_size - 1}, but model.flavor {cfg.model.flavor!r} has a vocabulary of "
+            f"{arch.vocab_size} with model.vocab_from_tokenizer = false: the tokenizer does not fit the model",
+            key="model.vocab_from_tokenizer")
+    return arch
 
 
 def tap_ids_for(cfg: TitanSpecConfig, n_layers: int, kind: DraftKind | None = None) -> tuple[int, ...]:
@@ -151,6 +183,20 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
     return d
 
 
+def _check_tensor_parallel(arch, tp: int) -> None:
+    """torchtitan's TP plan shards the query and key/value heads (attention runs on each
+    rank's local heads) and the FFN's hidden dimension over the tp ranks: tp must divide each."""
+    if tp <= 1:
+        return
+    for what, n in (("query heads", arch.n_heads), ("key/value heads", arch.n_kv_heads), ("FFN hidden size", arch.hidden_dim)):
+        if n % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree = {tp} does not divide the target's {n} {what}; "
+                f"allowed: a divisor of n_heads {arch.n_heads}, n_kv_heads {arch.n_kv_heads} and hidden_dim {arch.hidden_dim}",
+                key="parallelism.tensor_parallel_degree",
+            )
+
+
 def _parallelize(parallelize_fn):
     def parallelize(model, **kwargs):
         if kwargs["parallel_dims"].cp_enabled:  # titan_spec's ring, not torch's CP
@@ -165,7 +211,15 @@ def _parallelize(parallelize_fn):
 def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
     """titan_spec's TOML config -> torchtitan's Trainer.Config (the parent's wiring).
     ``made``: input directories an earlier run of the chain writes (see ``Made``)."""
-    tok = CharTokenizer()
+    if cfg.model.hf_checkpoint and _made(made, cfg.model.hf_checkpoint) is None:
+        try:  # the checkpoint's own config.json first: it says more than its tokenizer files
+            read_hf_arch(cfg.model.hf_checkpoint)
+        except ValueError as e:
+            raise ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint") from None
+    tok_kind, tok_path = resolve_tokenizer(cfg, made)
+    # A promised directory's tokenizer is its source's (the same files, copied there later).
+    tok = build_tokenizer(tok_kind, tok_path)
+    PromptFormat(cfg.task, tok)  # the chat-template keys fit this tokenizer (ConfigError otherwise)
     arch = resolve_arch(cfg, tok.get_vocab_size(), made)
     # Taps are read only when the draft trains from them; the LM step returns logits.
     draft_arch = draft_arch_for(cfg, arch, made)  # validates tap ids and draft vocab even when unused
@@ -175,7 +229,16 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
             f"training.seq_len = {cfg.training.seq_len} exceeds the model's maximum of {arch.max_seq_len}",
             key="training.seq_len",
         )
-    model_config = build_target_config(arch, tap_layer_ids=taps)
+    _check_tensor_parallel(arch, cfg.parallelism.tensor_parallel_degree)
+    if cfg.parallelism.expert_parallel_degree > 1 and not arch.is_moe:
+        raise ConfigError(f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} needs a "
+                          "MoE target (model.flavor tiny_moe, 30B-A3B, ... or a Qwen3-MoE checkpoint); this one is dense",
+                          key="parallelism.expert_parallel_degree")
+    coeff = cfg.model.moe_load_balance_coeff
+    if coeff > 0 and not arch.is_moe:
+        raise ConfigError(f"model.moe_load_balance_coeff = {coeff} needs a MoE target; this one is dense",
+                          key="model.moe_load_balance_coeff")
+    model_config = build_target_config(arch, tap_layer_ids=taps, load_balance_coeff=coeff or None)
     if arch.family == "qwen3":
         from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize_fn
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as adapter
@@ -191,7 +254,9 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         model=model_config,
         parallelize_fn=_parallelize(parallelize_fn),
         pipelining_fn=pipeline_spec,
-        post_optimizer_build_fn=None,
+        # torchtitan's aux-loss-free balancing: moves each MoE layer's routing bias before
+        # every optimizer step (models/moe.py); off, the bias stays 0 (HF's routing).
+        post_optimizer_build_fn=register_moe_load_balancing_hook if coeff > 0 else None,
         state_dict_adapter=adapter,
     )
     o = cfg.optimizer
@@ -215,7 +280,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         dump_folder=cfg.job.dump_folder,
         profiler=cfg.profiler,
         metrics=cfg.metrics,
-        tokenizer=CharTokenizer.Config(),
+        tokenizer=tokenizer_config(tok_kind, tok_path),
         dataloader=TaskDataLoader.Config(
             task=cfg.task, step_rows=cfg.training.local_batch_size, document_multiple=document_multiple(cfg)
         ),
@@ -246,8 +311,34 @@ def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> N
     check_paths(cfg, made)
     check_task_file(cfg.task)
     check_records_fit(cfg)
+    check_reward(cfg.task.reward)
     written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
     check_sglang_config(cfg, files=not written)
+    if cfg.rollout.engine == "sglang" and not written:
+        _check_sglang_tokenizer(cfg)
+
+
+def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:
+    """SGLang serves model.hf_checkpoint with ITS tokenizer files (token ids in and out, but
+    its EOS handling and any text it reports are that directory's): a tokenizer.path
+    elsewhere must hold the same tokenizer.json, or the engines disagree on the ids."""
+    ours, served = cfg.tokenizer.path, cfg.model.hf_checkpoint
+    if not ours or not served or os.path.realpath(ours) == os.path.realpath(served):
+        return
+
+    def content(d: str) -> bytes | None:
+        f = os.path.join(d, "tokenizer.json")
+        if not os.path.isfile(f):
+            return None
+        with open(f, "rb") as fh:
+            return fh.read()
+
+    served_json = content(served)
+    if served_json is not None and content(ours) != served_json:
+        raise ConfigError(
+            f"tokenizer.path {ours!r} is not the tokenizer SGLang serves model.hf_checkpoint {served!r} with "
+            "(their tokenizer.json differ): leave tokenizer.path empty, or copy the tokenizer into the checkpoint",
+            key="tokenizer.path")
 
 
 def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
@@ -309,19 +400,40 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
         if cfg.job.export_hf:
             # What save_hf writes and read_hf_arch reads back: the config.json round trip.
             arch = arch_from_hf_config(arch_to_hf_config(tc.arch))
-            made[os.path.abspath(under_dump_folder(dump, cfg.job.export_hf))] = Made(run=p, hf=arch)
+            made[os.path.abspath(under_dump_folder(dump, cfg.job.export_hf))] = Made(
+                run=p, hf=arch, tokenizer=resolve_tokenizer(cfg, made))
         if tc.draft_arch is not None and cfg.draft.export_dir:
             made[os.path.abspath(under_dump_folder(dump, cfg.draft.export_dir))] = Made(run=p, draft=tc.draft_arch)
     return [p for p, _ in order]
 
 
+def weightless_inputs(cfg: TitanSpecConfig) -> dict[str, Made]:
+    """The config's HF and draft directories as promised inputs (``Made``): their config
+    files are read and checked as usual, their weight files are not (``--check --no-weights``)."""
+    made = {}
+    if cfg.model.hf_checkpoint and os.path.isdir(cfg.model.hf_checkpoint):
+        try:
+            made[os.path.abspath(cfg.model.hf_checkpoint)] = Made(run="--no-weights", hf=read_hf_arch(cfg.model.hf_checkpoint))
+        except ValueError as e:
+            raise locate(cfg, ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint")) from None
+    if cfg.draft.init_from and os.path.isdir(cfg.draft.init_from):
+        try:
+            made[os.path.abspath(cfg.draft.init_from)] = Made(run="--no-weights", draft=draft_kind(cfg.draft.kind).read_arch(cfg.draft.init_from))
+        except ValueError as e:
+            raise locate(cfg, ConfigError(f"draft.init_from: {e}", key="draft.init_from")) from None
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     """``--check``: validate the config (and the HF/draft directories it names) and exit;
+    ``--check --no-weights``: the same without reading weight files (``weightless_inputs``:
+    a GPU recipe checked where its checkpoint is not, e.g. against config.json files alone),
+    printing the target's parameter counts (built on the meta device);
     ``--plan``: print the configs to run for it, one per line (job.requires first).
     run_train.sh does both in one process before torchrun starts any rank."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    check_only, plan_only = "--check" in argv, "--plan" in argv
-    for flag in ("--check", "--plan"):
+    check_only, plan_only, no_weights = "--check" in argv, "--plan" in argv, "--no-weights" in argv
+    for flag in ("--check", "--plan", "--no-weights"):
         if flag in argv:
             argv.remove(flag)
     path = None
@@ -333,11 +445,18 @@ def main(argv: list[str] | None = None) -> int:
         if plan_only:
             print("\n".join(plan_runs(path or "", argv)))
             return 0
-        trainer_config = validate_run(load_config(path, argv, check_paths=False))
+        if no_weights and not check_only:
+            raise ConfigError("--no-weights goes with --check only (a run reads its weights)")
+        cfg = load_config(path, argv, check_paths=False)
+        trainer_config = validate_run(cfg, weightless_inputs(cfg) if no_weights else None)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"titan_spec: config error: {e}", file=sys.stderr)
         return 2
     if check_only:
+        if no_weights:
+            arch = trainer_config.arch
+            print(f"titan_spec: {path}: checked without its weight files; the target has "
+                  f"{parameter_count(arch):,} parameters, {active_parameter_count(arch):,} active per token")
         return 0
     init_logger()
     try:
@@ -349,13 +468,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
     """Build, train (export, DONE) and close one run; the exit status. A run stopped by the
-    finiteness guard or by a checkpoint it cannot resume from prints one line and returns 1
+    finiteness guard, by a checkpoint it cannot resume from or by a reward that raised prints one line and returns 1
     (no DONE: run_train.sh does not treat it as finished)."""
     trainer = None
     try:
         trainer = trainer_config.build()
         trainer.train()
-    except (NonFiniteStop, CheckpointCorrupt) as e:
+    except (NonFiniteStop, CheckpointCorrupt, RewardError) as e:
         # One write: the line of each rank stays whole even with unbuffered stderr.
         sys.stderr.write(f"titan_spec: {e}\n")
         sys.stderr.flush()

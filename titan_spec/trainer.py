@@ -96,7 +96,7 @@ class SpecTrainer(Trainer):
         if spec.model.hf_checkpoint:
             # A resumed run restores its own weights over these in train() (checkpointer.load).
             for part in self.model_parts:
-                load_hf_into(part, spec.model.hf_checkpoint, config.arch)
+                load_hf_into(part, spec.model.hf_checkpoint, config.arch, stage=self.parallel_dims.pp_enabled)
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
@@ -279,7 +279,7 @@ class SpecTrainer(Trainer):
         if job.export_hf:
             path = under_dump_folder(self.config.dump_folder, job.export_hf)
             for part in self.model_parts:
-                save_hf(part, path, self.config.arch)
+                save_hf(part, path, self.config.arch, tokenizer=self.tokenizer)
             logger.info(f"Exported the policy (HF format) to {path}")
         if self.draft_training is not None and spec.draft.export_dir:
             path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)

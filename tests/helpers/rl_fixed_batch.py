@@ -13,10 +13,14 @@ ARGS: titan_spec CLI arguments (--config included) of the RL run.
 Otherwise FILE is read and replaces the rollouts: each data-parallel rank takes its share of
 the problems, in order, as the dataloader would hand them out.
 
+--generate (with FILE read) first generates the step's rollouts for real (push included) and
+          writes this rank's to DIR/rollouts_rank{R}.json, then trains on FILE as above.
+
 Both models take ONE plain SGD step (lr 1, no schedule), so their new weights are the old ones
 minus the clipped gradients element by element: comparing weights compares gradients. DIR gets
-policy.safetensors and draft.safetensors (the full tensors, from global rank 0); the step's
-metrics row is in the run's metrics.jsonl (--metrics.log_freq 1).
+policy.safetensors and draft.safetensors (the full tensors, from global rank 0) and
+draft_rank{R}.safetensors from every other rank that holds the draft (a replicated draft must
+agree everywhere); the step's metrics row is in the run's metrics.jsonl (--metrics.log_freq 1).
 """
 
 import json
@@ -82,6 +86,7 @@ def main() -> None:
     init_logger()
     argv = sys.argv[1:]
     path, out, rec = _take(argv, "--batch"), _take(argv, "--out"), _take(argv, "--record", has_value=False)
+    gen = _take(argv, "--generate", has_value=False)
     i = argv.index("--config")
     trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2:])).build()
     try:
@@ -97,9 +102,18 @@ def main() -> None:
         trainer.step += 1  # what torchtitan's train() does before each train_step
         if rec:
             record(trainer, path)
+        elif gen:
+            batch = trainer.generate(trainer.push_weights())
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, f"rollouts_rank{dist.get_rank()}.json"), "w") as f:
+                json.dump([[r.prompt_ids, r.output_ids, r.logprobs, r.finish_reason] for r in batch.rollouts], f)
         trainer.generate = fixed_generate(trainer, path)
         trainer.train_step(None)
         policy, draft = trainer.full_weights()
+        if dist.get_rank() != 0 and draft is not None:
+            os.makedirs(out, exist_ok=True)
+            save_file({k: v.detach().cpu().clone() for k, v in draft.items()},
+                      os.path.join(out, f"draft_rank{dist.get_rank()}.safetensors"))
         if dist.get_rank() == 0:
             os.makedirs(out, exist_ok=True)
             save_file({k: v.detach().cpu().clone() for k, v in policy.items()}, os.path.join(out, "policy.safetensors"))

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from titan_spec.config import RLConfig
+from titan_spec.data.rewards import exact_match
 from titan_spec.rl.grpo import group_advantages
 from titan_spec.rl.trainer import RLTrainer
 from titan_spec.rollout.base import Rollout
@@ -23,6 +24,7 @@ class CharTokenizer:
     """One token per character (ids 3..), BOS 1, EOS 2, pad 0."""
 
     bos_id, eos_id, pad_id = BOS, EOS, PAD
+    stop_ids = (EOS,)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         return ([BOS] if add_bos else []) + [3 + ALPHABET.index(c) for c in text]
@@ -57,28 +59,34 @@ class ScriptedWorker:
         return {}
 
 
-def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, scale_advantages: bool = True):
+def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, scale_advantages: bool = True,
+                 pp_rows: int | None = None):
     """Phases 2-5 of ``RLTrainer.train_step`` over ``problems`` = (prompt, answer, its G
     completions), one minibatch. Returns (input dict with the minibatch's "input",
-    "positions", "behaviour_logp" and "advantages", labels_BL, tokenizer)."""
+    "positions", "behaviour_logp" and "advantages", labels_BL, tokenizer). ``pp_rows``: pack
+    as under pipeline parallelism, into training.local_batch_size = pp_rows rows."""
     tok = CharTokenizer()
     G = len(problems[0][2])
     rl = RLConfig(enable=True, prompts_per_step=len(problems), group_size=G, baseline_interval=0,
                   scale_advantages=scale_advantages, max_new_tokens=8)
     worker = ScriptedWorker(tok, {p: c for p, _, c in problems})
     dataloader = SimpleNamespace(
-        batch_index=0, dp_rank=0,
+        batch_index=0, dp_rank=0, document_multiple=1,
         next_problems=lambda n: [SimpleNamespace(prompt=p, answer=a) for p, a, _ in problems[:n]],
+        prompt_ids=lambda problem: tok.encode(problem.prompt, add_bos=True),
     )
     fake = SimpleNamespace(
         tokenizer=tok, rl=rl, step=1, model_parts=[torch.nn.Linear(2, 2)], draft_training=None, worker=worker,
-        dataloader=dataloader, parallel_dims=SimpleNamespace(dp_enabled=False), _degenerate_steps=0,
-        config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0)),
-                               training=SimpleNamespace(seq_len=seq_len)),
+        dataloader=dataloader, parallel_dims=SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=pp_rows is not None),
+        _degenerate_steps=0, generation_group=None,  # one process: no generation shared
+        reward=exact_match,
+        config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0, reward="exact_match")),
+                               training=SimpleNamespace(seq_len=seq_len, local_batch_size=pp_rows or 1)),
     )
     # The real methods, bound to the stand-in.
     fake._warn_if_degenerate = lambda rewards_PG: RLTrainer._warn_if_degenerate(fake, rewards_PG)
     fake._policy_version = lambda: RLTrainer._policy_version(fake)
+    fake.rollout_share = lambda prompts, seed, baselines: RLTrainer.rollout_share(fake, prompts, seed, baselines)
     batch = RLTrainer.generate(fake, 0.0)
     rewards_PG = RLTrainer.score(fake, batch)
     (mb,) = RLTrainer.pack(fake, batch, group_advantages(rewards_PG, rl.scale_advantages))

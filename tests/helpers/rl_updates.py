@@ -6,7 +6,9 @@ step by step, printing one JSON line with what each step did (tests/test_rl_upda
 ARGS: titan_spec CLI arguments (--config included) of the RL run. Per step: the importance-ratio
 deviation max |pi / pi_behaviour - 1| of each update, in order; the optimizer steps the
 policy's and the draft's AdamW have taken after it (their per-parameter "step" state); the
-policy version the step's rollouts were generated with (what the engine was pushed).
+policy version the step's rollouts were generated with (what the engine was pushed); for a MoE
+policy, the largest |routing bias| of the trainer's MoE layers after the step and whether the
+built-in engine's biases equal the trainer's as pushed at the start of the step.
 """
 
 import json
@@ -17,6 +19,8 @@ import torch
 from torchtitan.tools.logging import init_logger
 
 from titan_spec.config import load_config
+from titan_spec.models.moe import expert_biases
+from titan_spec.rl.rollouts import full_policy_state
 from titan_spec.train import to_trainer_config
 
 
@@ -35,10 +39,16 @@ def main() -> None:
     steps = []
     try:
         for _ in range(2):
+            pushed = {k: v.clone() for k, v in expert_biases(full_policy_state(trainer.model_parts)).items()}
             trainer.step += 1  # what torchtitan's train() does before each train_step
             trainer.train_step(None)
             record = trainer.last_step
+            engine = getattr(trainer.worker.main, "target", None)
+            served = expert_biases(engine.state_dict()) if engine is not None else {}
+            after = expert_biases(full_policy_state(trainer.model_parts))
             steps.append({
+                "max_expert_bias": max((float(v.abs().max()) for v in after.values()), default=None),
+                "engine_bias_pushed": bool(pushed) and all(torch.equal(served[k], v) for k, v in pushed.items()),
                 "ratio_dev": [u.ratio_dev for u in record.updates],
                 "policy_adam_steps": _adam_steps(trainer.optimizers.optimizers[0]),
                 "draft_adam_steps": _adam_steps(trainer.draft_training.optimizer),

@@ -19,7 +19,7 @@ from titan_spec.config.loader import load_config, locate, parse_overrides, quiet
 from titan_spec.config.mode import RunMode, run_mode
 from titan_spec.config.schema import (
     ActivationCheckpointConfig, DraftConfig, JobConfig, ModelConfig, OptimizerConfig, RLConfig, RolloutConfig,
-    SGLangConfig, SpeculativeConfig, TaskConfig, TitanSpecConfig, TrainingConfig,
+    SGLangConfig, SpeculativeConfig, TaskConfig, TitanSpecConfig, TokenizerConfig, TrainingConfig,
 )
 from titan_spec.config.validate import check_paths, document_multiple, validate
 
@@ -27,5 +27,5 @@ __all__ = [
     "ConfigError", "TitanSpecConfig", "load_config", "parse_overrides", "locate", "quiet_torchtitan",
     "RunMode", "run_mode", "validate", "check_paths", "document_multiple",
     "ActivationCheckpointConfig", "DraftConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "RLConfig",
-    "RolloutConfig", "SGLangConfig", "SpeculativeConfig", "TaskConfig", "TrainingConfig",
+    "RolloutConfig", "SGLangConfig", "SpeculativeConfig", "TaskConfig", "TokenizerConfig", "TrainingConfig",
 ]

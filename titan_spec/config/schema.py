@@ -24,7 +24,7 @@ from torchtitan.tools.profiler import Profiler
 from titan_spec.config.mode import RunMode, run_mode
 
 __all__ = [
-    "TrainingConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
+    "TrainingConfig", "JobConfig", "ModelConfig", "TokenizerConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
     "DraftConfig", "SpeculativeConfig", "SGLangConfig", "RolloutConfig", "RLConfig", "TitanSpecConfig",
 ]
 
@@ -62,14 +62,39 @@ class ModelConfig:
     """Model family of the policy/target."""
 
     flavor: str = "tiny"
-    """Named size (qwen3: tiny, small, tiny16, tiny_long, 0.6B, 1.7B, 4B, 8B; llama3: tiny, 1B, 8B). Ignored when
-    hf_checkpoint is set (the checkpoint's config.json defines the architecture)."""
+    """Named size (qwen3: tiny, small, tiny16, tiny_long, 0.6B, 1.7B, 4B, 8B, and Qwen3-MoE tiny_moe,
+    debugmodel_moe, 30B-A3B, 235B-A22B; llama3: tiny, 1B, 8B). Ignored when hf_checkpoint is
+    set (the checkpoint's config.json defines the architecture)."""
 
     hf_checkpoint: str = ""
     """Directory of an HF checkpoint (config.json + *.safetensors [+ index]) to start from."""
 
     vocab_from_tokenizer: bool = True
     """Size the embedding to the task tokenizer (flavors only; an HF checkpoint keeps its vocab)."""
+
+    moe_load_balance_coeff: float = 0.0
+    """MoE targets: the rate of torchtitan's auxiliary-loss-free load balancing (its
+    optimizer pre-step hook moves each layer's routing bias ``expert_bias_E`` by
+    coeff * sign(mean load - expert load); the bias changes which experts a token is routed
+    to, never the gate weights; torchtitan's flavors use 1e-3). 0 = off: the routing stays
+    the HF model's, which neither HF Qwen3-MoE checkpoints (job.export_hf) nor SGLang can
+    change (both have no routing bias), so > 0 needs the built-in engine and no HF export."""
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """[tokenizer]: which tokenizer the trainer and the rollout engines share
+    (titan_spec/data/tokenizer.py); it is saved with the run and into every HF export."""
+
+    kind: Literal["auto", "char", "hf"] = "auto"
+    """'auto': what the tokenizer directory holds (tokenizer.path, else model.hf_checkpoint):
+    HF tokenizer files (tokenizer.json, tokenizer_config.json, chat template) or a character
+    vocabulary saved by titan_spec; with neither directory set, the embedded task's character
+    tokenizer. 'hf': that directory's HF tokenizer. 'char': the character tokenizer."""
+
+    path: str = ""
+    """The tokenizer's directory ('' = model.hf_checkpoint). A checkpoint directory without
+    tokenizer files is a config error unless this or kind = 'char' says where the ids come from."""
 
 
 @dataclass(kw_only=True)
@@ -104,17 +129,56 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: Literal["arithmetic", "jsonl", "records"] = "arithmetic"
-    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer after '####');
-    'records': generated long-context lookups (data/long_context.py): a prompt of task.prompt_len tokens
-    listing key=value records and asking for two records a quarter of the prompt or more apart."""
+    name: Literal["arithmetic", "jsonl", "dataset", "records"] = "arithmetic"
+    """'arithmetic': problems generated locally; 'jsonl': a GSM8K-style file (question, answer
+    after '####'); 'dataset': records of a local JSONL / JSON / Parquet file read with the HF
+    datasets library (GSM8K, MATH, DAPO-Math as distributed; the prompt_field / answer_field
+    keys), prompts through the tokenizer's chat template; 'records': generated long-context
+    lookups (data/tasks.py LongRecordsTask): a prompt of task.prompt_len tokens listing
+    key=value records and asking for two records a quarter of the prompt or more apart."""
 
     path: str = ""
-    """The JSONL file when name = 'jsonl'."""
+    """The JSONL file (name = 'jsonl'), or the .jsonl / .json / .parquet file (name = 'dataset')."""
 
     on_malformed: Literal["reject", "skip"] = "reject"
-    """A JSONL line that is not a question with a '####' answer: 'reject' stops before the run
-    starts (naming the lines), 'skip' drops those lines with a warning naming them."""
+    """A record without a usable prompt and answer (a JSONL line that is not a question with a
+    '####' answer): 'reject' stops before the run starts (naming the records), 'skip' drops
+    them with a warning naming them."""
+
+    prompt_field: str = "question"
+    """name = 'dataset': the record's prompt: a string, or a list of {role, content} chat
+    messages (DAPO-Math's 'prompt'); dots reach into nested records. GSM8K: 'question';
+    MATH: 'problem'."""
+
+    answer_field: str = "answer"
+    """name = 'dataset': the record's reference answer (dots reach into nested records:
+    DAPO-Math's 'reward_model.ground_truth'); the final answer is taken from it by
+    answer_format, and SFT demonstrations show the whole field. GSM8K: 'answer'; MATH: 'solution'."""
+
+    answer_format: Literal["auto", "gsm8k", "boxed", "plain"] = "auto"
+    """How the final answer is read from answer_field: 'gsm8k' after the last '####', 'boxed'
+    the last \\boxed{...}, 'plain' the whole field; 'auto': gsm8k where '####' occurs, else
+    boxed where \\boxed occurs, else plain."""
+
+    prompt_template: str = "{prompt}"
+    """The user message: this text with {prompt} replaced by the record's prompt (string
+    prompts only), e.g. '{prompt} Put the final answer in \\boxed{}.'."""
+
+    system_prompt: str = ""
+    """A system message before the prompt ('' = none); needs a chat template."""
+
+    chat_template: Literal["auto", "on", "off"] = "auto"
+    """Prompts through the tokenizer's chat template (with the generation prompt): 'auto' when
+    the tokenizer has one, 'on' requires one, 'off' encodes the prompt text as it is."""
+
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking = false} (Qwen3)."""
+
+    reward: str = "exact_match"
+    """RL reward of a completion against the record's answer (titan_spec/data/rewards.py):
+    'exact_match', 'math' (math-verify: boxed answers, fractions, LaTeX), 'format' (a final
+    \\boxed{} or '#### x' is present), or a user function 'module:function' with the
+    signature fn(completion: str, answer: str, record: dict) -> float."""
 
     max_operand: int = 99
     """Largest operand of the generated problems (difficulty)."""
@@ -313,7 +377,28 @@ class RLConfig:
     """PPO ratio clip below: ratio >= 1 - clip_low."""
 
     clip_high: float = 0.2
-    """PPO ratio clip above: ratio <= 1 + clip_high."""
+    """PPO ratio clip above: ratio <= 1 + clip_high (DAPO's clip-higher: above clip_low,
+    the paper 0.28 vs 0.2). With rl.loss = "gspo" both bound the SEQUENCE ratio (a
+    geometric mean of token ratios): the GSPO paper's clip_low / clip_high are 3e-4 / 4e-4."""
+
+    loss: Literal["grpo", "dapo", "gspo"] = "grpo"
+    """The policy loss: "grpo" (PPO-clip per token, summed over the batch's completion
+    tokens and divided by their count: token-level aggregation, rl/grpo.py), "dapo" (the
+    same with DAPO's overlong filtering and soft overlong punishment, rl/dapo.py) or "gspo"
+    (the sequence-level importance ratio, clipped per sequence, averaged over sequences,
+    rl/gspo.py)."""
+
+    overlong_filter: bool = False
+    """rl.loss = "dapo": completions cut at rl.max_new_tokens take no part in the policy
+    loss (DAPO's overlong filtering)."""
+
+    overlong_buffer: int = 0
+    """rl.loss = "dapo": DAPO's soft overlong punishment over the last this many tokens of
+    the rl.max_new_tokens budget (the reward falls linearly to -rl.overlong_penalty at the
+    budget); 0 = off."""
+
+    overlong_penalty: float = 1.0
+    """rl.loss = "dapo": the soft overlong punishment at the full budget (its factor)."""
 
     scale_advantages: bool = True
     """Divide group-centred rewards by the group's std (GRPO); off = centring only (Dr. GRPO)."""
@@ -351,6 +436,8 @@ class TitanSpecConfig:
     """[job]: where the run writes, what it exports, which runs come first."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """[model]: the policy/target."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """[tokenizer]: the character tokenizer or a checkpoint's HF tokenizer."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """[task]: the problems (generated arithmetic or a JSONL file)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)

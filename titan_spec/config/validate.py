@@ -60,8 +60,14 @@ def _task(c: TaskConfig) -> None:
         "task.operators", c.operators, "a non-empty subset of '+-*'",
     )
     check(0 <= c.wrong_answer_rate < 1, "task.wrong_answer_rate", c.wrong_answer_rate, "in [0, 1)")
-    if c.name == "jsonl" and not c.path.strip():
-        raise ConfigError("task.path is empty but task.name = 'jsonl' needs a JSONL file", key="task.path")
+    if c.name in ("jsonl", "dataset") and not c.path.strip():
+        raise ConfigError(f"task.path is empty but task.name = {c.name!r} needs a "
+                          f"{'JSONL' if c.name == 'jsonl' else 'JSONL or Parquet'} file", key="task.path")
+    check("{prompt}" in c.prompt_template, "task.prompt_template", c.prompt_template, "a text containing {prompt}")
+    if c.system_prompt and c.chat_template == "off":
+        raise ConfigError("task.system_prompt needs the chat template, but task.chat_template = 'off'",
+                          key="task.system_prompt")
+    check(bool(c.reward.strip()), "task.reward", c.reward, "a reward name or 'module:function'")
 
 
 def _draft(c: DraftConfig) -> None:
@@ -109,6 +115,14 @@ def _rl(c: RLConfig) -> None:
     check(0 <= c.clip_low < 1, "rl.clip_low", c.clip_low, "in [0, 1)")
     check(c.clip_high >= 0, "rl.clip_high", c.clip_high, ">= 0")
     check(c.kl_beta >= 0, "rl.kl_beta", c.kl_beta, ">= 0")
+    check(0 <= c.overlong_buffer < c.max_new_tokens, "rl.overlong_buffer", c.overlong_buffer,
+          f">= 0 and < rl.max_new_tokens = {c.max_new_tokens} (0 = off)")
+    check(c.overlong_penalty >= 0, "rl.overlong_penalty", c.overlong_penalty, ">= 0")
+    if c.loss != "dapo":
+        for key, value, off in (("overlong_filter", c.overlong_filter, False), ("overlong_buffer", c.overlong_buffer, 0)):
+            if value != off:
+                raise ConfigError(f"rl.{key} = {value!r} is DAPO's: it needs rl.loss = 'dapo' (rl.loss is {c.loss!r})",
+                                  key=f"rl.{key}")
     check(c.baseline_interval >= 0, "rl.baseline_interval", c.baseline_interval, ">= 0 (0 = never)")
     check(c.rollout_retries >= 0, "rl.rollout_retries", c.rollout_retries, ">= 0")
     check(c.ppo_epochs >= 1, "rl.ppo_epochs", c.ppo_epochs, ">= 1")
@@ -136,6 +150,7 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
         if type(section) in SECTION_CHECKS:
             SECTION_CHECKS[type(section)](section)
     t, p = cfg.training, cfg.parallelism
+    _moe_balance(cfg)
     check(t.steps >= 1, "training.steps", t.steps, ">= 1")
     check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
     check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, ">= 1")
@@ -186,24 +201,87 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
             )
     m = document_multiple(cfg)
     check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
-    for name in ("tensor_parallel_degree", "expert_parallel_degree"):
-        if getattr(p, name) > 1:
+    if p.tensor_parallel_degree > 1:
+        _validate_tp(cfg)
+    ep = p.expert_parallel_degree
+    if ep > 1:
+        # torchtitan's EP (all-to-all token dispatch) runs on gloo and NCCL; titan_spec runs it
+        # for MoE SFT / offline-draft steps over the FSDP ranks only (the RL weight push, CP and
+        # PP with EP are untested here, so they are errors rather than guesses).
+        unsupported = [k for k, v in (("rl.enable", cfg.rl.enable), ("parallelism.pipeline_parallel_degree > 1",
+                  p.pipeline_parallel_degree > 1), ("parallelism.context_parallel_degree > 1", cp > 1)) if v]
+        if unsupported:
             raise ConfigError(
-                f"parallelism.{name} = {getattr(p, name)} is not supported yet; titan_spec runs data "
-                "parallel (FSDP), pipeline parallel and context parallel now"
-            )
+                f"parallelism.expert_parallel_degree = {ep} with {', '.join(unsupported)} is not supported; expert "
+                "parallelism runs SFT / offline-draft steps of a MoE target over the FSDP ranks only", key="parallelism.expert_parallel_degree")
+        dp_shard = shard if shard != -1 else world_size // max(others, 1)
+        if dp_shard % ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep} must divide the {dp_shard} FSDP ranks "
+                "(parallelism.data_parallel_shard_degree): the experts are split over a subset of them",
+                key="parallelism.expert_parallel_degree")
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)
 
 
+def _moe_balance(cfg: TitanSpecConfig) -> None:
+    """model.moe_load_balance_coeff > 0 trains a routing bias that neither an HF Qwen3-MoE
+    checkpoint nor SGLang's Qwen3-MoE can hold (models/moe.py)."""
+    coeff = cfg.model.moe_load_balance_coeff
+    check(coeff >= 0, "model.moe_load_balance_coeff", coeff, ">= 0 (0 = off)")
+    if coeff > 0:
+        where = [f"job.export_hf = {cfg.job.export_hf!r}"] if cfg.job.export_hf else []
+        where += ["rollout.engine = 'sglang'"] if cfg.rollout.engine == "sglang" and cfg.rl.enable else []
+        if where:
+            raise ConfigError(
+                f"model.moe_load_balance_coeff = {coeff} trains a routing bias that HF Qwen3-MoE checkpoints and "
+                f"SGLang do not have, so {' and '.join(where)} would route tokens differently from the trained "
+                "model; set it to 0 (or train without them)", key="model.moe_load_balance_coeff")
+
+
+def _validate_tp(cfg: TitanSpecConfig) -> None:
+    """What tensor parallelism needs of the config alone (the target's head and FFN sizes
+    are checked against it where the architecture is known: titan_spec.train)."""
+    p, tp = cfg.parallelism, cfg.parallelism.tensor_parallel_degree
+    if p.spmd_backend != "partial_dtensor":
+        # spmd_types hands the modules plain local shards (taps and logits would reach the
+        # draft sharded); full_dtensor also makes the data-parallel and CP axes DTensors,
+        # which titan_spec's document attention and ring do not take.
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {tp} needs parallelism.spmd_backend = 'partial_dtensor' "
+            f"(DTensor on the tp mesh only), not {p.spmd_backend!r}", key="parallelism.spmd_backend")
+    if p.pipeline_parallel_degree > 1:
+        # Measured: a later stage's input arrives as a plain tensor and torchtitan 0.3.0's norm
+        # plan names it "input" where torch's RMSNorm.forward takes "x", so it is never made a
+        # DTensor and the first block mixes it with its DTensor weights.
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree = {tp} with pipeline_parallel_degree = "
+            f"{p.pipeline_parallel_degree} is not supported (torchtitan 0.3.0's TP plan cannot take a later "
+            "pipeline stage's input); tensor parallelism composes with FSDP and context parallelism: use "
+            "pipeline_parallel_degree = 1", key="parallelism.tensor_parallel_degree")
+    cp = p.context_parallel_degree
+    divisor = tp * (2 * cp if cp > 1 else 1)
+    if p.enable_sequence_parallel and cfg.training.seq_len % divisor:
+        # Sequence parallelism splits every row's positions over the tp ranks: torchtitan's
+        # Trainer checks this (times 2 * cp) only after every process has started.
+        check(False, "training.seq_len", cfg.training.seq_len,
+              f"a multiple of {divisor} = parallelism.tensor_parallel_degree {tp}"
+              + (f" x 2 * context_parallel_degree {cp}" if cp > 1 else "")
+              + " under sequence parallelism (or set parallelism.enable_sequence_parallel = false)")
+
+
 def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
+    if cfg.rl.loss == "gspo" and cfg.parallelism.context_parallel_degree > 1:
+        raise ConfigError("rl.loss = 'gspo' with parallelism.context_parallel_degree > 1: its sequence ratio needs "
+                          "each completion whole on one rank; use cp = 1", key="rl.loss")
     if cfg.rollout.engine == "sglang" and world_size > 1 and cfg.rollout.sglang.tp_size > 1:
         raise ConfigError(
             f"rollout.sglang.tp_size = {cfg.rollout.sglang.tp_size} with {world_size} trainer processes: "
             "one SGLang server runs per rank on that rank's GPU, so tp_size must be 1 (docs/rollout_engine.md)"
         )
-    dp = world_size // max(cfg.parallelism.context_parallel_degree * cfg.parallelism.pipeline_parallel_degree, 1)
+    p = cfg.parallelism
+    dp = world_size // max(p.context_parallel_degree * p.pipeline_parallel_degree * p.tensor_parallel_degree, 1)
     if cfg.rl.prompts_per_step % max(dp, 1):
         raise ConfigError(
             f"rl.prompts_per_step = {cfg.rl.prompts_per_step} must be a multiple of the {dp} data-parallel ranks"
@@ -237,7 +315,7 @@ def check_paths(cfg: TitanSpecConfig, made: typing.Container[str] = ()) -> None:
     an earlier run of the job.requires chain writes (``titan_spec.train.plan_runs`` checks
     what they will hold against this run instead). What is inside them, and the task file,
     are checked by ``titan_spec.train.check_inputs``."""
-    for key in ("model.hf_checkpoint", "draft.init_from"):
+    for key in ("model.hf_checkpoint", "draft.init_from", "tokenizer.path"):
         d = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if d and os.path.abspath(d) not in made and not os.path.isdir(d):
             raise ConfigError(f"{key} {d!r} is not a directory", key=key)

@@ -17,14 +17,16 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from titan_spec.config import TaskConfig
 from titan_spec.data.packing import Document, pack_documents
-from titan_spec.data.tokenizer import CharTokenizer
+from titan_spec.data.prompts import PromptFormat
 from titan_spec.data.tasks import build_task
 
 __all__ = ["TaskDataLoader", "sft_document"]
 
-def sft_document(tok: CharTokenizer, prompt: str, answer: str) -> Document:
-    """<bos> prompt answer <eos>, trained on the answer and <eos> only."""
-    p = tok.encode(prompt, add_bos=True)
+
+def sft_document(tok, prompt: str | list[int], answer: str) -> Document:
+    """<bos> prompt answer <eos> (a prompt given as ids is used as is: the chat template's),
+    trained on the answer and <eos> only."""
+    p = tok.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
     return Document(tokens=p + tok.encode(answer, add_eos=True), loss_from=len(p))
 
 
@@ -55,7 +57,7 @@ class TaskDataLoader(BaseDataLoader):
         *,
         dp_world_size: int,
         dp_rank: int,
-        tokenizer: CharTokenizer,
+        tokenizer,
         seq_len: int,
         local_batch_size: int,
         **_: object,
@@ -63,6 +65,7 @@ class TaskDataLoader(BaseDataLoader):
         self.task_cfg = config.task
         self.task = build_task(config.task)
         self.tokenizer = tokenizer
+        self.prompts = PromptFormat(config.task, tokenizer)
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.rows, self.row_len = local_batch_size, seq_len
         self.step_rows = config.step_rows or local_batch_size
@@ -81,7 +84,7 @@ class TaskDataLoader(BaseDataLoader):
         budget, total = rows * self.row_len, 0
         while total < budget:
             prob = self.task.sample(rng)
-            docs.append(sft_document(self.tokenizer, prob.prompt, prob.sft_target))
+            docs.append(sft_document(self.tokenizer, self.prompt_ids(prob), prob.sft_target))
             total += len(docs[-1].tokens)
         packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id, self.document_multiple)
         return packed
@@ -95,6 +98,11 @@ class TaskDataLoader(BaseDataLoader):
         start = self.dp_rank * self.step_rows + k * self.rows
         mine = slice(start, start + self.rows)
         return {"input": packed.input_BL[mine], "positions": packed.positions_BL[mine]}, packed.labels_BL[mine]
+
+    def prompt_ids(self, problem) -> list[int]:
+        """The ids of ``problem``'s prompt as the policy sees it (data/prompts.py): the SFT
+        documents' prompts and the RL rollouts' are the same ids."""
+        return self.prompts.ids(problem)
 
     def next_problems(self, count: int) -> list:
         """RL: this rank's share of the ``count`` prompts of the next step, deterministic in

@@ -1,9 +1,13 @@
-"""Verifiable tasks: prompts with exact-match answers, generated locally or read from JSONL.
+"""Verifiable tasks: prompts with reference answers, generated locally or read from files.
 
 The default task is generated arithmetic ("37+5-12=" -> "30"), so the embedded default
-trains with no download. The 'records' task is its long-context sibling: a lookup over a
-prompt of 2K-16K+ tokens whose answer needs two records far apart. A user's GSM8K-style JSONL file ({"question": ..., "answer":
-"... #### 42"}) is read with per-line errors.
+trains with no download. A user's GSM8K-style JSONL file ({"question": ..., "answer":
+"... #### 42"}) is read with per-line errors (name = 'jsonl'); dataset records of a local
+JSONL / JSON / Parquet file (name = 'dataset': GSM8K, MATH, DAPO-Math as distributed) with
+configurable fields (data/records.py). Malformed records are named and rejected, or skipped
+with task.on_malformed = 'skip'. The 'records' task is the long-context sibling of the
+generated one: a lookup over a prompt of 2K-16K+ tokens whose answer needs two records far
+apart.
 """
 
 from __future__ import annotations
@@ -11,16 +15,17 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torchtitan.tools.logging import logger
 
 from titan_spec.config import ConfigError, TaskConfig, TitanSpecConfig
+from titan_spec.data.records import field_value, final_answer, read_records
+from titan_spec.data.rewards import exact_match
 
-__all__ = [
-    "Problem", "ArithmeticTask", "JsonlTask", "LongRecordsTask", "build_task", "check_task_file", "check_records_fit",
-    "exact_match_reward",
-]
+__all__ = ["Problem", "ArithmeticTask", "JsonlTask", "DatasetTask", "LongRecordsTask", "build_task",
+           "check_task_file", "check_records_fit", "exact_match_reward"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,15 @@ class Problem:
     answer: str
     """The correct completion: what the exact-match reward checks."""
     demonstration: str = ""
-    """What an SFT example shows ('' = the answer); differs from it for noisy demonstrations."""
+    """What an SFT example shows ('' = the answer); differs from it for noisy demonstrations
+    and for dataset records (the whole answer field: GSM8K's working, MATH's solution)."""
+    messages: tuple = ()
+    """The prompt as chat messages ({role, content} dicts) when the record gives it so
+    (DAPO-Math); then ``prompt`` is the last message's content."""
+    source: str = ""
+    """Which record it is (FILE:LINE, FILE#ROW): named by malformed-record and reward errors."""
+    record: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The raw dataset record ({} for generated problems): a user reward's third argument."""
 
     @property
     def sft_target(self) -> str:
@@ -91,7 +104,8 @@ class JsonlTask:
                     answer = str(row["answer"]).split("####")[-1].strip()
                     if "####" not in str(row["answer"]) or not answer:
                         raise ValueError("answer has no final value after '####'")
-                    self.problems.append(Problem(prompt=str(row["question"]).strip() + "\n", answer=answer))
+                    self.problems.append(Problem(prompt=str(row["question"]).strip() + "\n", answer=answer,
+                                                 source=f"{path}:{lineno}", record=row))
                 except (ValueError, KeyError, TypeError) as e:
                     why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                     self.errors.append(f"{path}:{lineno}: {why}")
@@ -109,6 +123,72 @@ class JsonlTask:
 
     def sample(self, rng: random.Random) -> Problem:
         return self.problems[rng.randrange(len(self.problems))]
+
+
+def _messages(value: Any) -> tuple:
+    """A chat prompt: a non-empty list of {role, content} with string contents."""
+    if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                            and isinstance(m.get("content"), str) for m in value):
+        raise ValueError("prompt is a list but not of {role, content} messages")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+class DatasetTask:
+    """Records of a local dataset file (data/records.py): the prompt from ``task.prompt_field``
+    (a string, or chat messages), the final answer from ``task.answer_field`` by
+    ``task.answer_format``, the SFT demonstration the whole answer field."""
+
+    def __init__(self, cfg: TaskConfig):
+        path = cfg.path
+        self.problems: list[Problem] = []
+        rows, self.errors = read_records(path)
+        fields = (cfg.prompt_field, cfg.answer_field)
+        if rows and not self.errors:
+            for f in fields:
+                if not any(_has(r, f) for _, r in rows):
+                    key = "task.prompt_field" if f == cfg.prompt_field else "task.answer_field"
+                    found = sorted(rows[0][1]) if isinstance(rows[0][1], dict) else type(rows[0][1]).__name__
+                    raise ValueError(f"{path}: no record has the field {f!r} ({key}); its records have: {found}")
+        for name, row in rows:
+            try:
+                raw = field_value(row, cfg.prompt_field)
+                messages = _messages(raw) if isinstance(raw, list) else ()
+                if not messages and not isinstance(raw, str):
+                    raise ValueError(f"prompt {cfg.prompt_field!r} is a {type(raw).__name__}, not text or chat messages")
+                prompt = messages[-1]["content"] if messages else cfg.prompt_template.replace("{prompt}", raw.strip())
+                if not prompt.strip():
+                    raise ValueError("prompt is empty")
+                text = field_value(row, cfg.answer_field)
+                if not isinstance(text, (str, int, float)) or isinstance(text, bool):
+                    raise ValueError(f"answer {cfg.answer_field!r} is a {type(text).__name__}, not text or a number")
+                text = str(text)
+                answer = final_answer(text, cfg.answer_format)
+                self.problems.append(Problem(prompt, answer, text.strip() if text.strip() != answer else "",
+                                             messages, name, row))
+            except KeyError as e:
+                self.errors.append(f"{name}: missing field {e.args[0]!r}")
+            except ValueError as e:
+                self.errors.append(f"{name}: {e}")
+        if self.errors:
+            n = len(self.errors)
+            if cfg.on_malformed == "reject":
+                raise ValueError(f"{path}: {n} malformed record(s); first: {self.errors[0]} "
+                                 "(fix them, or set task.on_malformed = 'skip')")
+            logger.warning(f"{path}: skipped {n} malformed record(s): {'; '.join(self.errors[:10])}"
+                           f"{'; ...' if n > 10 else ''}")
+        if not self.problems:
+            raise ValueError(f"{path}: no usable problems")
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.problems[rng.randrange(len(self.problems))]
+
+
+def _has(row: Any, dotted: str) -> bool:
+    try:
+        field_value(row, dotted)
+        return True
+    except KeyError:
+        return False
 
 
 # ---------------------------------------------------------------------------
@@ -224,13 +304,17 @@ def build_task(task_cfg):
             task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators, task_cfg.show_work,
             task_cfg.wrong_answer_rate,
         )
+    if task_cfg.name == "dataset":
+        return DatasetTask(task_cfg)
     return JsonlTask(task_cfg.path, task_cfg.on_malformed)
 
 
 def check_task_file(task_cfg: TaskConfig) -> None:
-    """A [task] that reads a JSONL file (name = 'jsonl') can read it: one ConfigError line
-    (key task.path) naming the file and its malformed lines, before any run starts."""
-    if task_cfg.name != "jsonl":
+    """A [task] that reads a file (name = 'jsonl' or 'dataset') can read it: one ConfigError
+    line (key task.path) naming the file and its malformed records, or the configured field
+    no record has, before any run starts. Generated tasks read no file ('records' has its own
+    check, check_records_fit)."""
+    if task_cfg.name in ("arithmetic", "records"):
         return
     try:
         build_task(task_cfg)
@@ -239,4 +323,5 @@ def check_task_file(task_cfg: TaskConfig) -> None:
 
 
 def exact_match_reward(completion: str, answer: str) -> float:
-    return 1.0 if completion.strip() == answer.strip() else 0.0
+    """The exact-match reward (data/rewards.py ``exact_match``)."""
+    return exact_match(completion, answer)

@@ -20,12 +20,13 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from titan_spec.platform import load_full_state_dict
+from titan_spec.models.moe import expert_biases
 from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_config, build_target_config
 
 __all__ = [
     "read_hf_arch", "read_hf_state_dict", "load_hf_into", "save_hf",
     "write_safetensors_dir", "HFCheckpointError", "read_safetensors_header", "check_hf_weights",
-    "expected_hf_shapes",
+    "expected_hf_shapes", "check_no_routing_bias",
 ]
 
 _INDEX = "model.safetensors.index.json"
@@ -134,8 +135,10 @@ def _adapter(arch: Arch, model_config):
     return A(model_config, None)
 
 
-def load_hf_into(model: nn.Module, path: str, arch: Arch) -> None:
-    """Load an HF checkpoint into a (possibly FSDP-sharded) target built for ``arch``."""
+def load_hf_into(model: nn.Module, path: str, arch: Arch, stage: bool = False) -> None:
+    """Load an HF checkpoint into a (possibly FSDP-sharded) target built for ``arch``.
+    ``stage``: ``model`` is one pipeline stage's part of it, which takes the checkpoint's
+    tensors of the modules it holds (every one of them; the rest belong to other stages)."""
     found = read_hf_arch(path)
     if found != arch:
         diff = [f"{k}: checkpoint {getattr(found, k)!r} vs model {getattr(arch, k)!r}"
@@ -143,25 +146,53 @@ def load_hf_into(model: nn.Module, path: str, arch: Arch) -> None:
         raise HFCheckpointError(f"{path} does not match the target: {'; '.join(diff)}")
     hf_sd = read_hf_state_dict(path)
     sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).from_hf(hf_sd)
+    # HF Qwen3-MoE has no routing bias: the model's bias buffers start at 0 (HF's routing).
+    for k, v in expert_biases(model.state_dict()).items():
+        sd.setdefault(k, torch.zeros(v.shape, dtype=v.dtype))
+    if stage:
+        own = model.state_dict()
+        sd = {k: v for k, v in sd.items() if k in own}
     try:
         load_full_state_dict(model, sd)
     except ValueError as e:
         raise HFCheckpointError(f"{path}: {e}") from None
 
 
-def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.float32) -> None:
+def save_hf(model: nn.Module, path: str, arch: Arch, dtype: torch.dtype = torch.float32, tokenizer=None) -> None:
     """Write ``model`` as an HF checkpoint at ``path`` (atomically: tmp dir, then rename).
+    ``tokenizer`` (anything with ``save(folder)`` and ``eos_id``): its files go into the same
+    directory, and its EOS / BOS / pad ids into config.json, so the checkpoint serves
+    (SGLang, transformers) and trains again with the ids it was trained on.
 
     Collective under FSDP (every rank must call it); rank 0 writes.
     """
     sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() for k, v in model.state_dict().items()}
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    check_no_routing_bias(sd, f"the HF export to {path}")
     hf_sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).to_hf(sd)
     hf_sd = {k: v.detach().to(dtype).contiguous() for k, v in hf_sd.items()}
     cfg = arch_to_hf_config(arch)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    write_safetensors_dir(path, hf_sd, cfg)
+    if tokenizer is not None:
+        for name in ("eos", "bos", "pad"):
+            if getattr(tokenizer, f"{name}_id", None) is not None:
+                cfg[f"{name}_token_id"] = int(getattr(tokenizer, f"{name}_id"))
+    write_safetensors_dir(path, hf_sd, cfg, extra=tokenizer.save if tokenizer is not None else None)
+
+
+def check_no_routing_bias(state: dict[str, torch.Tensor], what: str) -> None:
+    """ValueError when a MoE target's routing bias (torchtitan's load balancing, models/moe.py)
+    has moved off 0: HF Qwen3-MoE (and SGLang's) has no place for it, so ``what`` would
+    route tokens differently from the trained model."""
+    moved = [k for k, v in expert_biases(state).items()
+             if bool(((v.full_tensor() if isinstance(v, DTensor) else v) != 0).any())]
+    if moved:
+        raise ValueError(
+            f"{what}: the routing bias of {len(moved)} MoE layer(s) ({moved[0]}, ...) is not 0 "
+            "(model.moe_load_balance_coeff > 0 trained it); HF Qwen3-MoE has no routing bias, so it would "
+            "route tokens differently from the trained model"
+        )
 
 
 def _publish(path: str) -> None:
@@ -174,10 +205,11 @@ def _publish(path: str) -> None:
         os.chmod(os.path.join(path, name), 0o666 & ~umask)
 
 
-def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """``config.json`` + ``model.safetensors`` written to a temporary sibling directory
-    that replaces ``path`` only when complete: an interrupted write leaves the old
-    directory (or nothing), never a half-written one."""
+def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: dict, extra=None) -> None:
+    """``config.json`` + ``model.safetensors`` (+ what ``extra(tmp_dir)`` writes: the
+    tokenizer's files) written to a temporary sibling directory that replaces ``path`` only
+    when complete: an interrupted write leaves the old directory (or nothing), never a
+    half-written one."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
@@ -185,6 +217,8 @@ def write_safetensors_dir(path: str, tensors: dict[str, torch.Tensor], config: d
         save_file(tensors, os.path.join(tmp, _SINGLE), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        if extra is not None:
+            extra(tmp)
         _publish(tmp)
         if os.path.exists(path):
             shutil.rmtree(path)

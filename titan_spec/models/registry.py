@@ -1,9 +1,11 @@
 """Target architectures: named flavors and HF ``config.json`` -> torchtitan model configs.
 
-An ``Arch`` is the handful of numbers that define a dense Qwen3 / Llama3 decoder. Named
-flavors (ours for CPU, torchtitan's up to 8B) and HF checkpoints both become an
-``Arch``, and one builder turns an ``Arch`` into torchtitan's model config, so a
-checkpoint and a flavor of the same shape build the same module tree.
+An ``Arch`` is the handful of numbers that define a Qwen3 / Llama3 decoder, dense or
+(Qwen3) mixture-of-experts. Named flavors (ours for CPU, torchtitan's up to 8B dense and
+30B-A3B / 235B-A22B MoE) and HF checkpoints (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
+``LlamaForCausalLM``) both become an ``Arch``, and one builder turns an ``Arch`` into
+torchtitan's model config, so a checkpoint and a flavor of the same shape build the same
+module tree.
 """
 
 from __future__ import annotations
@@ -11,12 +13,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.moe import MoE, TokenChoiceTopKRouter
 from torchtitan.models.common.nn_modules import RMSNorm
 
+from titan_spec.models.moe import use_exact_experts
 from titan_spec.models.target import set_norm_eps, to_tapped_config, use_doc_attention
 
-__all__ = ["Arch", "FAMILIES", "flavor_arch", "arch_from_hf_config", "arch_to_hf_config", "build_target_config"]
+__all__ = [
+    "Arch", "FAMILIES", "flavor_arch", "arch_from_hf_config", "arch_to_hf_config", "build_target_config",
+    "parameter_count", "active_parameter_count",
+]
 
 FAMILIES = ("qwen3", "llama3")
 
@@ -37,6 +45,19 @@ class Arch:
     tie_embeddings: bool = False
     rope_scaling: tuple[tuple[str, float], ...] = ()
     """Llama-3 style rope scaling (factor, low/high_freq_factor, original_max_position_embeddings)."""
+    num_experts: int = 0
+    """Routed experts of every decoder layer's MoE feed-forward (Qwen3-MoE); 0 = dense.
+    With experts, ``hidden_dim`` is only carried (HF ``intermediate_size``), not built."""
+    moe_top_k: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_hidden_dim: int = 0
+    """Hidden width of each expert (HF ``moe_intermediate_size``)."""
+    moe_norm_topk: bool = True
+    """Renormalize the top-k routing weights to sum to 1 (HF ``norm_topk_prob``; Qwen3-MoE: true)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 # CPU flavors. 8 layers so the default tap ids (1, L//2-1, L-4) = (1, 3, 4) are distinct.
@@ -54,6 +75,13 @@ _FLAVORS: dict[str, dict[str, Arch]] = {
         "1.7B": Arch("qwen3", 151936, 2048, 28, 16, 8, 128, 6144, 1e6, 40960, tie_embeddings=True),
         "4B": Arch("qwen3", 151936, 2560, 36, 32, 8, 128, 9728, 1e6, 40960, tie_embeddings=True),
         "8B": Arch("qwen3", 151936, 4096, 36, 32, 8, 128, 12288, 1e6, 40960),
+        # Qwen3-MoE. tiny_moe: tiny's attention with 8 experts of width 32, top-2 (CPU tests);
+        # debugmodel_moe, 30B-A3B, 235B-A22B: torchtitan's shapes (qwen3_configs), the last
+        # two those of the published Qwen3-30B-A3B / Qwen3-235B-A22B config.json files.
+        "tiny_moe": Arch("qwen3", 256, 64, 8, 4, 2, 16, 192, 1e6, 2048, num_experts=8, moe_top_k=2, moe_hidden_dim=32),
+        "debugmodel_moe": Arch("qwen3", 2048, 256, 8, 16, 8, 128, 3072, 1e6, 4096, num_experts=64, moe_top_k=8, moe_hidden_dim=768),
+        "30B-A3B": Arch("qwen3", 151936, 2048, 48, 32, 4, 128, 6144, 1e6, 40960, num_experts=128, moe_top_k=8, moe_hidden_dim=768),
+        "235B-A22B": Arch("qwen3", 151936, 4096, 94, 64, 4, 128, 12288, 1e6, 40960, num_experts=128, moe_top_k=8, moe_hidden_dim=1536),
     },
     "llama3": {
         "tiny": Arch("llama3", 256, 64, 8, 4, 2, 16, 192, 5e5, 2048, norm_eps=1e-5),
@@ -73,18 +101,35 @@ def flavor_arch(family: str, flavor: str) -> Arch:
     return _FLAVORS[family][flavor]
 
 
+def _rope_theta(cfg: dict) -> float:
+    # transformers >= 5 writes the theta inside rope_parameters; the Hub's files at the top level.
+    return float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+
+
 def arch_from_hf_config(cfg: dict, where: str = "config.json") -> Arch:
-    """HF ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` config -> Arch (dense models only)."""
+    """HF ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``LlamaForCausalLM`` config -> Arch."""
     model_type = cfg.get("model_type")
-    family = {"qwen3": "qwen3", "llama": "llama3"}.get(model_type)
+    family = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3"}.get(model_type)
     if family is None:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported; allowed: 'qwen3', 'llama'")
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; allowed: 'qwen3', 'qwen3_moe', 'llama'")
     try:
         n_heads = int(cfg["num_attention_heads"])
         dim = int(cfg["hidden_size"])
         scaling = cfg.get("rope_scaling") or {}
         if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3",):
             raise ValueError(f"{where}: rope_scaling {scaling} is not supported (only llama3)")
+        moe = {}
+        if model_type == "qwen3_moe":
+            # torchtitan builds every layer sparse: HF's dense-layer options must be off.
+            if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+                raise ValueError(f"{where}: decoder_sparse_step {cfg.get('decoder_sparse_step')} / mlp_only_layers "
+                                 f"{cfg.get('mlp_only_layers')} are not supported (every layer must be MoE: 1 / [])")
+            experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+            if experts is None:
+                raise KeyError("num_experts")
+            moe = dict(num_experts=int(experts), moe_top_k=int(cfg["num_experts_per_tok"]),
+                       moe_hidden_dim=int(cfg["moe_intermediate_size"]),
+                       moe_norm_topk=bool(cfg.get("norm_topk_prob", False)))
         return Arch(
             family=family,
             vocab_size=int(cfg["vocab_size"]),
@@ -94,7 +139,7 @@ def arch_from_hf_config(cfg: dict, where: str = "config.json") -> Arch:
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or dim // n_heads),
             hidden_dim=int(cfg["intermediate_size"]),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=_rope_theta(cfg),
             max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -103,6 +148,7 @@ def arch_from_hf_config(cfg: dict, where: str = "config.json") -> Arch:
                 for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                 if k in scaling
             ),
+            **moe,
         )
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
@@ -129,6 +175,12 @@ def arch_to_hf_config(arch: Arch) -> dict:
     }
     if arch.rope_scaling:
         cfg["rope_scaling"] = {"rope_type": "llama3", **dict(arch.rope_scaling)}
+    if arch.is_moe:
+        cfg.update({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": arch.num_experts,
+            "num_experts_per_tok": arch.moe_top_k, "moe_intermediate_size": arch.moe_hidden_dim,
+            "norm_topk_prob": arch.moe_norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        })
     return cfg
 
 
@@ -150,8 +202,19 @@ def _rope(arch: Arch, max_seq_len: int):
     )
 
 
-def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq_len: int | None = None):
-    """Arch -> torchtitan (tapped) model config with titan_spec's document attention."""
+MOE_BALANCE_BUFFER_COEFF = 1e-3
+"""torchtitan's default load_balance_coeff, which every MoE layer is built with so that it
+holds its ``expert_bias_E`` buffer (zeros: the routing of the HF model) in every copy of the
+target (trainer, engines, reference); the bias moves only where the trainer registers
+torchtitan's balancing hook (model.moe_load_balance_coeff > 0), at that config's rate."""
+
+
+def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq_len: int | None = None,
+                        load_balance_coeff: float | None = None):
+    """Arch -> torchtitan (tapped) model config with titan_spec's document attention.
+    MoE: torchtitan's Qwen3-MoE layers, experts exact in fp32 (models/moe.py), every layer
+    with a routing-bias buffer; ``load_balance_coeff`` (> 0) is the rate torchtitan's
+    balancing hook moves it at (MOE_BALANCE_BUFFER_COEFF when None)."""
     # torchtitan's layer builders are the single source of the block structure and inits.
     # Separate wq/wk/wv (fuse_qkv=False): the fused layout renames keys in state-dict
     # hooks, which breaks loading full HF tensors into FSDP-sharded (DTensor) params.
@@ -160,11 +223,17 @@ def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq
         from torchtitan.models import qwen3 as fam
         from torchtitan.models.qwen3.model import Qwen3Model as ModelCls
 
-        layers = fam._build_qwen3_layers(
-            n_layers=arch.n_layers, dim=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
-            head_dim=arch.head_dim, hidden_dim=arch.hidden_dim, attn_backend="flex", rope=_rope(arch, seq),
-            fuse_qkv=False,
-        )
+        common = dict(n_layers=arch.n_layers, dim=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
+                      head_dim=arch.head_dim, attn_backend="flex", rope=_rope(arch, seq), fuse_qkv=False)
+        if arch.is_moe:
+            # "standard" dispatch: torchtitan's all-to-all under expert parallelism, its local
+            # argsort/scatter-add dispatcher without (ep_mesh None).
+            layers = fam._build_qwen3_moe_layers(
+                **common, moe_hidden_dim=arch.moe_hidden_dim, num_experts=arch.num_experts, top_k=arch.moe_top_k,
+                moe_comm_backend="standard",
+            )
+        else:
+            layers = fam._build_qwen3_layers(**common, hidden_dim=arch.hidden_dim)
         lin_init, emb_init = fam._LINEAR_INIT, fam._EMBEDDING_SKIP_INIT if arch.tie_embeddings else fam._EMBEDDING_INIT
         norm_init = fam._NORM_INIT
     elif arch.family == "llama3":
@@ -191,9 +260,36 @@ def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq
         layers=layers,
     )
     set_norm_eps(config, arch.norm_eps)
+    if arch.is_moe:
+        _configure_moe(config, arch, load_balance_coeff or MOE_BALANCE_BUFFER_COEFF)
     # Qwen3's q/k norms are over head_dim with the same eps (HF uses rms_norm_eps for both).
     use_doc_attention(config)
     return to_tapped_config(config, tap_layer_ids)
+
+
+def _configure_moe(config, arch: Arch, coeff: float) -> None:
+    for _, router, _, _ in config.traverse(TokenChoiceTopKRouter.Config):
+        router.route_norm = arch.moe_norm_topk  # HF norm_topk_prob
+    for _, moe, _, _ in config.traverse(MoE.Config):
+        moe.load_balance_coeff = coeff
+    use_exact_experts(config)
+
+
+def parameter_count(arch: Arch) -> int:
+    """Parameters of the target built for ``arch`` (on the meta device: nothing allocated);
+    a tied lm_head counts once."""
+    with torch.device("meta"):
+        model = build_target_config(arch).build()
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def active_parameter_count(arch: Arch) -> int:
+    """Parameters one token uses: all but the (num_experts - top_k) experts of every MoE layer
+    it is not routed to (= parameter_count for a dense target)."""
+    if not arch.is_moe:
+        return parameter_count(arch)
+    per_expert = 3 * arch.dim * arch.moe_hidden_dim  # w1, w3: F x D; w2: D x F
+    return parameter_count(arch) - arch.n_layers * (arch.num_experts - arch.moe_top_k) * per_expert
 
 
 def with_vocab(arch: Arch, vocab_size: int) -> Arch:

@@ -12,6 +12,14 @@ checkpointed region: no graph break, nothing replayed on recompute.
 
 Like torchtitan's ``_skip_lm_head``, tapping is a module attribute and not a forward
 argument: pipeline stages call ``.requires_grad`` on every forward input.
+
+Under tensor parallelism (torchtitan's own plan, ``Module.parallelize``) the decoder's
+activations are DTensors on the tp mesh: between blocks they are sequence-sharded
+(``Shard(1)``, sequence parallel) or replicated, and the logits are vocab-sharded
+(``Shard(-1)``, for torchtitan's loss-parallel cross-entropy). The draft is a plain module
+replicated over the tp group: every tap leaves the forward as the FULL local hidden state
+(``full_local``: an all-gather of the sequence shards), so every tp rank feeds the draft
+the same tensors and its gradients agree across the group by construction.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.models.common.attention import AttentionMasksType, FlexAttention, VarlenAttention
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.llama3 import Llama3Model
@@ -35,6 +44,7 @@ __all__ = [
     "TappedQwen3Model",
     "TappedLlama3Model",
     "default_tap_layer_ids",
+    "full_local",
     "validate_tap_layer_ids",
     "to_tapped_config",
     "use_doc_attention",
@@ -52,6 +62,13 @@ def validate_tap_layer_ids(ids: tuple[int, ...], n_layers: int) -> None:
     why = tap_ids_problem(ids, n_layers)
     if why:
         raise ValueError(why)
+
+
+def full_local(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding all of ``x``: a DTensor (a tensor-parallel activation,
+    sequence- or vocab-sharded) is gathered (``full_tensor``: differentiable, a collective
+    on every rank of its mesh); anything else is returned as is."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 class Taps(NamedTuple):
@@ -86,17 +103,19 @@ class _TapMixin:
         taps: dict[int, torch.Tensor] = {}
         h_BLD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         embeds_BLD = h_BLD
+        # Under tensor parallelism taps are gathered from their sequence shards (full_local).
         # Under PP a stage holds a slice of the layers; keys keep the global layer ids.
         for key, layer in self.layers.items():
             h_BLD = layer(h_BLD, attention_masks, positions)
             if int(key) in tap_ids:
-                taps[int(key)] = h_BLD
+                taps[int(key)] = full_local(h_BLD)
         h_BLD = self.norm(h_BLD) if self.norm is not None else h_BLD
         out = h_BLD
         if not self._skip_lm_head and self.lm_head is not None:
             out = self.lm_head(h_BLD)
         if not tap_ids:
             return out
+        embeds_BLD = full_local(embeds_BLD)
         if self.stash_taps:
             if self.tok_embeddings is not None:
                 taps[EMBEDS_TAP] = embeds_BLD

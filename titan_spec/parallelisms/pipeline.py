@@ -350,12 +350,6 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
     try:
         check_schedule(p, cfg.training.local_batch_size)
         names = stage_module_names(p, n_layers, model_config)
-        empty = [s for s, stage in enumerate(names) if not any(n.startswith("layers.") for n in stage)]
-        if empty:
-            raise ValueError(
-                f"pipeline stages {empty} of {len(names)} hold no decoder layer (model {cfg.model.name}/"
-                f"{cfg.model.flavor} has {n_layers}); use fewer stages or parallelism.module_fqns_per_model_part"
-            )
         check_pipeline_split(names, tap_ids, draft=cfg.mode.has_draft)
     except ValueError as e:
         raise ConfigError(f"pipeline parallelism: {e}") from None

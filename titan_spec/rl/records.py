@@ -49,6 +49,10 @@ class Minibatch:
     """Log-prob of each label token under the policy that sampled it (the engine's)."""
     advantages_BL: torch.Tensor
     """The group advantage of the token's completion."""
+    values_BL: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token values the loss variants read (rl/dapo.py, rl/gspo.py): "seq_index" (the
+    token's completion, 1-based within this rank's minibatch) and "truncated" (1 on the
+    tokens of a completion cut at rl.max_new_tokens); 0 off the completions."""
 
 
 @dataclass

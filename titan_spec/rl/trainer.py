@@ -3,15 +3,21 @@
 ``RLTrainer.train_step`` is the step, top to bottom:
 
   1 push       the trainer's full weights to this rank's engine, versioned by the
-               optimizer steps they have seen (rl/rollouts.py)
+               optimizer steps they have seen (rl/rollouts.py; under PP gathered over
+               the stages, the draft from the last one)
   2 generate   this rank's prompts of the step (deterministic in seed, step and rank),
                G completions each, speculative, with behaviour log-probs; at intervals
-               the same prompts through the frozen draft and without speculation
-  3 score      rewards (exact match)
+               the same prompts through the frozen draft and without speculation; the
+               ranks of one data-parallel rank (its CP ranks, its pipeline stages) each
+               generate a share and exchange them (rl/sharing.py)
+  3 score      rewards (task.reward from the registry, data/rewards.py)
   4 advantages group-relative (rl/grpo.py)
   5 pack       prompt+completion documents into rl.minibatches packed minibatches carrying
                labels, behaviour log-probs and advantages (data/packing.py)
-  6 update     for each of rl.ppo_epochs x rl.minibatches: ONE forward; PPO-clip loss
+  6 update     for each of rl.ppo_epochs x rl.minibatches (under CP: this rank's zigzag
+               shard, the per-token values sharded with their tokens; under PP: the
+               schedule's microbatches, each with its own PPO loss on the last stage,
+               pipelined_update): ONE forward; PPO-clip loss
                (importance ratio against the behaviour log-probs) + lambda * the draft's
                loss from the same forward's detached taps and logits (co_training.py);
                backward; clip; the guarded optimizer steps of the policy and the draft
@@ -40,12 +46,14 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
 from titan_spec.data.packing import Document, pack_documents
-from titan_spec.data.tasks import exact_match_reward
+from titan_spec.data.rewards import reward_fn, score
 from titan_spec.draft_training import initial_draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
+from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
 from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
+from titan_spec.rl.gspo import GSPOPolicyLoss
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
 from titan_spec.rl.rollouts import RolloutStats, RolloutWorker, full_policy_state
@@ -85,6 +93,7 @@ class RLTrainer(SpecTrainer):
         # step's generation (rl/sharing.py); None when it is alone.
         self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
         self._degenerate_steps = 0
+        self.reward = reward_fn(spec.task.reward)
         self.reference = self._build_reference() if self.rl.kl_beta > 0 else None
         self.last_step: StepRecord | None = None
         """The latest step's record (its metrics are logged from it)."""
@@ -114,7 +123,7 @@ class RLTrainer(SpecTrainer):
         t0 = time.perf_counter()
         batch = self.generate(self.push_weights())
         rewards_PG = self.score(batch)
-        advantages_PG = group_advantages(rewards_PG, rl.scale_advantages)
+        advantages_PG = group_advantages(rewards_PG + self.reward_shaping(batch), rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
         record = StepRecord(batch, rewards_PG, rollout_done=time.perf_counter())
         # torchtitan's throughput account (its batch generator keeps it for a data
@@ -167,7 +176,7 @@ class RLTrainer(SpecTrainer):
         tok, rl = self.tokenizer, self.rl
         step_index = self.dataloader.batch_index
         problems = self.dataloader.next_problems(rl.prompts_per_step)
-        prompts = [tok.encode(p.prompt, add_bos=True) for p in problems for _ in range(rl.group_size)]
+        prompts = [self.dataloader.prompt_ids(p) for p in problems for _ in range(rl.group_size)]
         baselines = bool(rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0))
         seed_base = (self.config.spec.task.seed * 1_000_003 + step_index) * 4096
         n = 1 if self.generation_group is None else dist.get_world_size(self.generation_group)
@@ -187,15 +196,15 @@ class RLTrainer(SpecTrainer):
         """One rank's share of the step's generation: (rollouts, stats, baseline stats)."""
         rl, tok = self.rl, self.tokenizer
         sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-                                  stop_token_ids=(tok.eos_id,), seed=seed)
+                                  stop_token_ids=tuple(tok.stop_ids), seed=seed)
         rollouts, stats = self.worker.generate(prompts, sampling)
         return rollouts, stats, self.worker.baselines(prompts, sampling) if baselines else {}
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """3: rewards_PG of the batch's completions."""
         G, tok = self.rl.group_size, self.tokenizer
-        rewards = [exact_match_reward(tok.decode(r.output_ids), batch.problems[i // G].answer)
-                   for i, r in enumerate(batch.rollouts)]
+        rewards = score(self.reward, self.config.spec.task.reward, [tok.decode(r.output_ids) for r in batch.rollouts],
+                        [batch.problems[i // G] for i in range(len(batch.rollouts))])
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(batch.problems), G)
         self._warn_if_degenerate(rewards_PG)
         return rewards_PG
@@ -204,12 +213,16 @@ class RLTrainer(SpecTrainer):
         """5: prompt+completion documents, in rollout order, split into rl.minibatches equal
         shares, each packed into rows of training.seq_len."""
         adv = advantages_PG.reshape(-1).tolist()
+        n = len(batch.rollouts) // self.rl.minibatches  # config validation: it divides
         docs = [
-            Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids),
-                     values={"behaviour_logp": r.logprobs, "advantages": [a] * len(r.output_ids)})
-            for r, a in zip(batch.rollouts, adv)
+            Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids), values={
+                "behaviour_logp": r.logprobs, "advantages": [a] * len(r.output_ids),
+                # what the loss variants read: the completion (1-based in its minibatch), its truncation
+                "seq_index": [float(i % n + 1)] * len(r.output_ids),
+                "truncated": [float(r.finish_reason == "length")] * len(r.output_ids),
+            })
+            for i, (r, a) in enumerate(zip(batch.rollouts, adv))
         ]
-        n = len(docs) // self.rl.minibatches  # config validation: it divides
         # Under PP the schedule's microbatches have static shapes: a minibatch fills exactly
         # training.local_batch_size rows (empty rows carry no labels).
         rows = self.config.training.local_batch_size if self.parallel_dims.pp_enabled else None
@@ -231,6 +244,7 @@ class RLTrainer(SpecTrainer):
             out.append(Minibatch(
                 {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
                 packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
+                {k: packed.values_BL[k] for k in ("seq_index", "truncated")},
             ))
         return out
 
@@ -258,10 +272,8 @@ class RLTrainer(SpecTrainer):
         inputs, labels, extra = self.post_dataloading_process(
             {k: v.to(dev) for k, v in mb.inputs.items()}, mb.labels_BL.to(dev)
         )
-        values = {"behaviour_logp": mb.behaviour_logp_BL, "advantages": mb.advantages_BL}
-        if pd.cp_enabled:
-            values = shard_values(values, mb.inputs["positions"], pd.get_mesh("cp"))
-        policy_loss = self.policy_loss(values["behaviour_logp"], values["advantages"], inputs, labels, extra)
+        ref_logp_BL = self.reference_logprobs(inputs, labels, extra)
+        policy_loss = self.policy_loss(self.token_values(mb), self.loss_counts(mb), ref_logp_BL)
         terms = self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra, policy_loss)
         loss = self.account_loss(terms.policy, global_valid_tokens, last=True)
         grad_norm = dist_utils.clip_grad_norm_(
@@ -293,15 +305,13 @@ class RLTrainer(SpecTrainer):
         if pd.dp_enabled:
             global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, pd.get_mesh("batch"))
         rows = self.config.parallelism.pipeline_parallel_microbatch_size
+        counts = self.loss_counts(mb)  # of the whole minibatch: every microbatch's loss uses them
         input_mbs, label_mbs, loss_mbs = [], [], []
         for lo in range(0, mb.labels_BL.shape[0], rows):
             part = slice(lo, lo + rows)
             input_mbs.append({k: v[part].to(dev) for k, v in mb.inputs.items()})
             label_mbs.append(mb.labels_BL[part].to(dev))
-            values = {"behaviour_logp": mb.behaviour_logp_BL[part], "advantages": mb.advantages_BL[part]}
-            if pd.cp_enabled:  # with the tokens: post_dataloading_process shards them the same way
-                values = shard_values(values, mb.inputs["positions"][part], pd.get_mesh("cp"))
-            loss_mbs.append(PPOPolicyLoss(values["behaviour_logp"].to(dev), values["advantages"].to(dev), self.rl))
+            loss_mbs.append(self.policy_loss(self.token_values(mb, part), counts, None))
         loss = pipeline_forward_backward(self, input_mbs, label_mbs, global_valid_tokens, loss_mbs)
         loss = self.account_loss(loss, global_valid_tokens, last=True)
         grad_norm = dist_utils.clip_grad_norm_(
@@ -320,16 +330,61 @@ class RLTrainer(SpecTrainer):
             ratio_dev=max((float(st.ratio_dev) for st, _ in got), default=0.0),
         )
 
-    def policy_loss(self, behaviour_logp_BL, advantages_BL, inputs, labels_BL, extra_kwargs) -> PPOPolicyLoss:
-        """The PPO-clip loss of the (sharded) minibatch whose label rows ``behaviour_logp_BL``
-        and ``advantages_BL`` hold; with rl.kl_beta > 0 it carries the frozen reference's
-        log-probs of the same tokens (one no-grad forward of the same, sharded, inputs)."""
-        ref_logp_BL = None
-        if self.reference is not None:
-            with self.train_context(), torch.no_grad():
-                ref_logp_BL = token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, self.rl.temperature)
-        dev = labels_BL.device
-        return PPOPolicyLoss(behaviour_logp_BL.to(dev), advantages_BL.to(dev), self.rl, ref_logp_BL)
+    def token_values(self, mb: Minibatch, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """The per-token values the policy loss reads, of the minibatch's ``rows``, on the
+        device; under context parallelism this rank's zigzag shard of them, exactly as
+        post_dataloading_process shards the tokens and labels (cp_batch.shard_values)."""
+        values = {"behaviour_logp": mb.behaviour_logp_BL[rows], "advantages": mb.advantages_BL[rows],
+                  **{k: v[rows] for k, v in mb.values_BL.items()}}
+        if self.parallel_dims.cp_enabled:
+            values = shard_values(values, mb.inputs["positions"][rows], self.parallel_dims.get_mesh("cp"))
+        return {k: v.to(self.device) for k, v in values.items()}
+
+    def loss_counts(self, mb: Minibatch) -> dict[str, torch.Tensor]:
+        """What a loss variant divides by, counted on the WHOLE (unsharded) minibatch and
+        summed over the data-parallel ranks, like global_valid_tokens: DAPO's kept completion
+        tokens (overlong filtering), GSPO's completions. Shards and microbatches then add up."""
+        rl, targets_BL = self.rl, mb.labels_BL != IGNORE_INDEX
+        if rl.loss == "dapo":
+            keep_BL = (1.0 - mb.values_BL["truncated"]) if rl.overlong_filter else torch.ones_like(mb.advantages_BL)
+            return {"kept": self._global_sum((targets_BL & (keep_BL > 0)).sum())}
+        if rl.loss == "gspo":
+            return {"sequences": self._global_sum(torch.unique(mb.values_BL["seq_index"][targets_BL]).numel())}
+        return {}
+
+    def reference_logprobs(self, inputs, labels_BL, extra_kwargs) -> torch.Tensor | None:
+        """With rl.kl_beta > 0: the frozen reference's log-probs of the label tokens (one
+        no-grad forward of the same, possibly CP-sharded, inputs); else None."""
+        if self.reference is None:
+            return None
+        with self.train_context(), torch.no_grad():
+            return token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, self.rl.temperature)
+
+    def policy_loss(self, values: dict[str, torch.Tensor], counts: dict[str, torch.Tensor], ref_logp_BL):
+        """The policy loss of kind rl.loss over ``values`` (token_values): PPO-clip for grpo
+        (rl/grpo.py), rl/dapo.py, rl/gspo.py; ``ref_logp_BL`` adds the KL term."""
+        rl = self.rl
+        behaviour_BL, adv_BL = values["behaviour_logp"], values["advantages"]
+        if rl.loss == "grpo":
+            return PPOPolicyLoss(behaviour_BL, adv_BL, rl, ref_logp_BL)
+        if rl.loss == "dapo":
+            keep_BL = (1.0 - values["truncated"]) if rl.overlong_filter else torch.ones_like(behaviour_BL)
+            return DAPOPolicyLoss(behaviour_BL, adv_BL, keep_BL, counts["kept"], rl, ref_logp_BL)
+        return GSPOPolicyLoss(behaviour_BL, adv_BL, values["seq_index"], counts["sequences"], rl, ref_logp_BL)
+
+    def _global_sum(self, n) -> torch.Tensor:
+        """A count summed over the data-parallel ranks (collective under data parallelism)."""
+        t = torch.as_tensor(n, dtype=torch.int64, device=self.device)
+        if self.parallel_dims.dp_enabled:
+            t = dist_utils.dist_sum_tensor(t, self.parallel_dims.get_mesh("batch"))
+        return t
+
+    def reward_shaping(self, batch: RolloutBatch) -> torch.Tensor:
+        """What is added to the rewards before the advantages (not to the logged reward):
+        DAPO's soft overlong punishment with rl.overlong_buffer > 0 (rl/dapo.py), else 0."""
+        rl = self.rl
+        lengths_PG = torch.tensor([len(r.output_ids) for r in batch.rollouts]).view(len(batch.problems), rl.group_size)
+        return overlong_penalty(lengths_PG, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
 
     def _warn_if_degenerate(self, rewards_PG: torch.Tensor) -> None:
         """A logged warning when no group on any rank has two different rewards for

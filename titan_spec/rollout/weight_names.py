@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, read_draft_arch
-from titan_spec.models.hf_io import _adapter, read_hf_arch
+from titan_spec.models.hf_io import _adapter, check_no_routing_bias, read_hf_arch
 from titan_spec.models.registry import Arch, build_target_config
 from titan_spec.models.target import default_tap_layer_ids
 from titan_spec.rollout.base import NamedTensors, named_tensor_items
@@ -41,7 +41,9 @@ def policy_to_hf_names(named_tensors: NamedTensors, arch: Arch) -> list[tuple[st
     Goes through torchtitan's state-dict adapter one name at a time, so every input
     name is accounted for (Llama's q/k permutation is per tensor, so this is exact).
     A tied ``lm_head.weight`` is dropped: with ``tie_word_embeddings`` SGLang's lm_head
-    is the embedding and the adapter writes no lm_head either.
+    is the embedding and the adapter writes no lm_head either. A MoE layer's routing bias
+    (models/moe.py) is dropped while it is 0 (HF's routing) and an error once it moved
+    (SGLang's Qwen3-MoE has none).
     """
     adapter = _adapter(arch, build_target_config(arch))
     out: list[tuple[str, torch.Tensor]] = []
@@ -50,6 +52,9 @@ def policy_to_hf_names(named_tensors: NamedTensors, arch: Arch) -> list[tuple[st
         hf = adapter.to_hf({name: _full(tensor)})
         if not hf:
             if name == "lm_head.weight" and arch.tie_embeddings:
+                continue
+            if name.endswith("moe.expert_bias_E"):  # MoE routing bias: HF has none; it must be 0
+                check_no_routing_bias({name: tensor}, "the policy weights for SGLang")
                 continue
             unknown.append(name)
             continue

@@ -131,7 +131,7 @@ def _require(modules: dict[str, nn.Module], kind: type) -> None:
 
 
 class CachedTarget:
-    """The tapped torchtitan target (Qwen3/Llama3, dense) run step by step over a KV cache.
+    """The tapped torchtitan target (Qwen3/Llama3, dense or Qwen3-MoE) run step by step over a KV cache.
 
     ``forward(tokens_BL, start_B)`` appends L tokens per row at positions start_B + 0..L-1
     and returns the logits and the tap features (the tap layers' outputs in tap_ids order,
@@ -148,14 +148,15 @@ class CachedTarget:
             raise ValueError(f"tap layer ids {missing} are not layers of the target (0..{len(self.blocks) - 1})")
         # block index -> slot in the tap features (tap_ids order)
         self._tap_slot = {layer_index[t]: c for c, t in enumerate(self.tap_ids)}
-        for block in self.blocks:
-            if getattr(block, "moe_enabled", False):
-                raise ValueError("the torch rollout engine supports dense targets only (this one has MoE layers)")
+        # MoE blocks run torchtitan's own MoE module on the step's rows (router, dispatch,
+        # experts: the training forward's math); dense blocks the fused w1/w3 below.
+        self._moe = [bool(getattr(b, "moe_enabled", False)) for b in self.blocks]
         linears, norms = {"lm_head": model.lm_head}, {"norm": model.norm}
         for y, b in enumerate(self.blocks):
-            a, ff = b.attention, b.feed_forward
+            a = b.attention
+            ffn = () if self._moe[y] else (("w1", b.feed_forward.w1), ("w2", b.feed_forward.w2), ("w3", b.feed_forward.w3))
             linears |= {f"layers.{y}.{n}": m for n, m in (("wq", a.qkv_linear.wq), ("wk", a.qkv_linear.wk),
-                        ("wv", a.qkv_linear.wv), ("wo", a.wo), ("w1", ff.w1), ("w2", ff.w2), ("w3", ff.w3))}
+                        ("wv", a.qkv_linear.wv), ("wo", a.wo), *ffn)}
             norms |= {f"layers.{y}.attention_norm": b.attention_norm, f"layers.{y}.ffn_norm": b.ffn_norm}
             if a.q_norm is not None:
                 norms |= {f"layers.{y}.q_norm": a.q_norm, f"layers.{y}.k_norm": a.k_norm}
@@ -169,7 +170,9 @@ class CachedTarget:
         self.dim = int(model.config.dim)
         self._qkv = [FusedLinearWeight(b.attention.qkv_linear.wq, b.attention.qkv_linear.wk, b.attention.qkv_linear.wv)
                      for b in self.blocks]
-        self._w13 = [FusedLinearWeight(b.feed_forward.w1, b.feed_forward.w3) for b in self.blocks]
+        self._w13 = [None if moe else FusedLinearWeight(b.feed_forward.w1, b.feed_forward.w3)
+                     for b, moe in zip(self.blocks, self._moe)]
+        self._no_w13 = torch.empty(0)
         self._qkv_heads = [n // self.head_dim for n in self._qkv[0].sizes]
         # Every layer's rotary module has the same config (and so the same cache): look the
         # positions up once per forward instead of once per layer.
@@ -191,7 +194,8 @@ class CachedTarget:
 
     def fused_weights(self) -> list[torch.Tensor]:
         """[wqkv, w13] per layer, current (rebuilt when the model's weights changed)."""
-        return [w for y in range(len(self.blocks)) for w in (self._qkv[y].get(), self._w13[y].get())]
+        return [w for y in range(len(self.blocks))
+                for w in (self._qkv[y].get(), self._no_w13 if self._w13[y] is None else self._w13[y].get())]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(tokens)
@@ -231,8 +235,11 @@ class CachedTarget:
             _write(k_YBKSH[y], v_YBKSH[y], st, xk_BLKH, xv_BLKH)
             out_BLNH = _attend(k_YBKSH[y], v_YBKSH[y], st, xq_BLNH, scale, self._gqa)
             h_BLD = h_BLD + F.linear(out_BLNH.flatten(2), attn.wo.weight)
-            gate_BLF, up_BLF = F.linear(_rms(h_BLD, block.ffn_norm), fused[2 * y + 1]).chunk(2, dim=-1)
-            h_BLD = h_BLD + F.linear(F.silu(gate_BLF) * up_BLF, block.feed_forward.w2.weight)
+            if self._moe[y]:
+                h_BLD = h_BLD + block.moe(_rms(h_BLD, block.ffn_norm))
+            else:
+                gate_BLF, up_BLF = F.linear(_rms(h_BLD, block.ffn_norm), fused[2 * y + 1]).chunk(2, dim=-1)
+                h_BLD = h_BLD + F.linear(F.silu(gate_BLF) * up_BLF, block.feed_forward.w2.weight)
             if y in self._tap_slot:
                 taps[self._tap_slot[y]] = h_BLD
         taps_BLCD = torch.stack(taps, dim=2) if taps else None
