@@ -18,7 +18,8 @@ import pytest
 from titan_spec.config import ConfigError, TaskConfig
 from titan_spec.data import rewards
 from titan_spec.data.prompts import PromptFormat
-from titan_spec.data.tasks import DatasetTask, Problem
+from titan_spec.data.problem import Problem
+from titan_spec.data.tasks import DatasetTask
 from titan_spec.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_source
 
 sys.path.insert(0, os.path.dirname(__file__))

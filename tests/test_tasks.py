@@ -10,7 +10,8 @@ import statistics
 import pytest
 
 from titan_spec.config import ConfigError, TaskConfig, load_config
-from titan_spec.data.tasks import TraceTask, build_task, exact_match_reward
+from titan_spec.data.generated import TraceTask
+from titan_spec.data.tasks import build_task, exact_match_reward
 from titan_spec.data.tokenizer import CharTokenizer
 
 

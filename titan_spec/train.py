@@ -33,6 +33,7 @@ from titan_spec.config import (
 from titan_spec.data.loader import TaskDataLoader
 from titan_spec.data.prompts import PromptFormat
 from titan_spec.data.rewards import RewardError, check_reward
+from titan_spec.data.generated import check_records_fit
 from titan_spec.data.tasks import check_task_file
 from titan_spec.data.tokenizer import build_tokenizer, tokenizer_config, tokenizer_source
 from titan_spec.draft_training import under_dump_folder
@@ -302,13 +303,15 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
 
 def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> None:
     """The inputs a config names, before anything is built: its directories exist
-    (config.check_paths), its task file reads (data.tasks.check_task_file), the SGLang
+    (config.check_paths), its task file reads (data.tasks.check_task_file), a 'records' task's
+    prompts fit training.seq_len (data.generated.check_records_fit), the SGLang
     engine can start from them (rollout.sglang.engine.check_config). ``made``: directories
     an earlier run of the chain writes (not there yet; see ``Made``). Raises ConfigError,
     not yet located (``validate_run`` says where the value came from)."""
     made = made or {}
     check_paths(cfg, made)
     check_task_file(cfg.task)
+    check_records_fit(cfg)
     check_reward(cfg.task.reward)
     written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
     check_sglang_config(cfg, files=not written)

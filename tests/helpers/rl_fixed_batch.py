@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from torchtitan.tools.logging import init_logger
 
 from titan_spec.config import load_config
-from titan_spec.data.tasks import Problem
+from titan_spec.data.problem import Problem
 from titan_spec.rl.records import RolloutBatch
 from titan_spec.rl.rollouts import RolloutStats
 from titan_spec.rollout.base import Rollout

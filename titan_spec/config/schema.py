@@ -62,7 +62,7 @@ class ModelConfig:
     """Model family of the policy/target."""
 
     flavor: str = "tiny"
-    """Named size (qwen3: tiny, small, tiny16, 0.6B, 1.7B, 4B, 8B, and Qwen3-MoE tiny_moe,
+    """Named size (qwen3: tiny, small, tiny16, tiny_long, 0.6B, 1.7B, 4B, 8B, and Qwen3-MoE tiny_moe,
     debugmodel_moe, 30B-A3B, 235B-A22B; llama3: tiny, 1B, 8B). Ignored when hf_checkpoint is
     set (the checkpoint's config.json defines the architecture)."""
 
@@ -129,13 +129,15 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: Literal["arithmetic", "trace", "jsonl", "dataset"] = "arithmetic"
+    name: Literal["arithmetic", "trace", "records", "jsonl", "dataset"] = "arithmetic"
     """'arithmetic': problems generated locally; 'trace': generated reasoning traces (a short
-    answer or a long step-by-step count, data/tasks.py TraceTask: the embedded default);
-    'jsonl': a GSM8K-style file (question, answer after '####'); 'dataset': records of a local
-    JSONL / JSON / Parquet file read with the HF datasets library (GSM8K, MATH, DAPO-Math as
-    distributed; the prompt_field / answer_field keys), prompts through the tokenizer's chat
-    template."""
+    answer or a long step-by-step count, data/generated.py TraceTask: the embedded default);
+    'records': generated long-context lookups (data/generated.py LongRecordsTask): a prompt of
+    task.prompt_len tokens listing key=value records and asking for two records a quarter of
+    the prompt or more apart; 'jsonl': a GSM8K-style file (question, answer after '####');
+    'dataset': records of a local JSONL / JSON / Parquet file read with the HF datasets
+    library (GSM8K, MATH, DAPO-Math as distributed; the prompt_field / answer_field keys),
+    prompts through the tokenizer's chat template."""
 
     path: str = ""
     """The JSONL file (name = 'jsonl'), or the .jsonl / .json / .parquet file (name = 'dataset')."""
@@ -188,7 +190,7 @@ class TaskConfig:
 
     min_count: int = 3
     """Task 'trace': the smallest second operand b, which the long style counts off one unit
-    per step (data/tasks.py TraceTask)."""
+    per step (data/generated.py TraceTask)."""
 
     max_count: int = 16
     """Task 'trace': the largest b (b = min_count + k with weight 0.88**k: the long tail of
@@ -211,6 +213,11 @@ class TaskConfig:
     """Fraction of SFT demonstrations of the arithmetic task whose result is off by 1 or 2
     (noisy demonstrations, as real SFT data has; the RL reward always checks the true
     result, so RL has something to fix)."""
+
+    prompt_len: int = 2048
+    """Tokens (= characters: the character tokenizer) of every prompt of the 'records' task, <bos>
+    not counted; every prompt has exactly this length. Its document (<bos>, prompt, completion of
+    at most 16 tokens or rl.max_new_tokens in RL, <eos>) must fit training.seq_len."""
 
     document_multiple: int = 0
     """Pad every packed SFT document to a multiple of this many tokens (pad tokens continue

@@ -68,6 +68,9 @@ _FLAVORS: dict[str, dict[str, Arch]] = {
         # tiny's width at twice the depth: the rollout benchmark's target, so that one draft
         # layer is a smaller share of a target step (real EAGLE-3 pairs: 1 layer vs 32+).
         "tiny16": Arch("qwen3", 256, 64, 16, 4, 2, 16, 192, 1e6, 2048, tie_embeddings=True),
+        # tiny's shape with a 64K rotary table: the long-context task (train_configs/long_context_cpu*.toml)
+        # and bench/rl_scale.py run sequences of 8K-32K tokens.
+        "tiny_long": Arch("qwen3", 256, 64, 8, 4, 2, 16, 192, 1e6, 65536, tie_embeddings=True),
         "0.6B": Arch("qwen3", 151936, 1024, 28, 16, 8, 128, 3072, 1e6, 40960, tie_embeddings=True),
         "1.7B": Arch("qwen3", 151936, 2048, 28, 16, 8, 128, 6144, 1e6, 40960, tie_embeddings=True),
         "4B": Arch("qwen3", 151936, 2560, 36, 32, 8, 128, 9728, 1e6, 40960, tie_embeddings=True),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_spec.data.tasks import Problem
+from titan_spec.data.problem import Problem
 from titan_spec.rl.rollouts import RolloutStats
 from titan_spec.rollout.base import Rollout
 
