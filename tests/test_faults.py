@@ -357,7 +357,8 @@ def test_rl_resume_hint_and_degenerate_reward_warning(caplog):
 
 def test_rl_report_skips_null_values(tmp_path):
     """A metrics row with a non-finite value (null + nonfinite) does not break the RL report."""
-    from titan_spec.rl.report import _mean, _series, read_metrics
+    from titan_spec.rl.plots import _series
+    from titan_spec.rl.report import _mean, read_metrics
 
     rows = [{"step": 1, "rl/reward": 0.5}, {"step": 2, "rl/reward": None, "nonfinite": ["rl/reward"]},
             {"step": 3, "rl/reward": 1.0}]
