@@ -200,6 +200,7 @@ def test_qwen3_30b_a3b_recipe_checks_against_the_real_config_without_weights(tmp
     recipe asks for, config only): `--check --no-weights` passes and reports the target's
     parameter counts, built on the meta device (30.5B / 3.3B, the model card's); plain
     `--check` names the absent weights, one line."""
+    from helpers.hf_assets import write_qwen_sized_tokenizer
     from titan_spec.models.draft.eagle3.io import draft_config_json
     from titan_spec.models.draft.eagle3.model import DraftArch
     from titan_spec.models.registry import arch_from_hf_config
@@ -209,6 +210,7 @@ def test_qwen3_30b_a3b_recipe_checks_against_the_real_config_without_weights(tmp
     policy.mkdir()
     draft.mkdir()
     (policy / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    write_qwen_sized_tokenizer(policy)  # the recipe applies its chat template
     arch = arch_from_hf_config(QWEN3_30B_A3B)
     assert arch == flavor_arch("qwen3", "30B-A3B")  # the flavor is the published shape
     (draft / "config.json").write_text(json.dumps(draft_config_json(DraftArch.from_target(arch, (1, 23, 44), 32000))))

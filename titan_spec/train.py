@@ -414,7 +414,8 @@ def weightless_inputs(cfg: TitanSpecConfig) -> dict[str, Made]:
     made = {}
     if cfg.model.hf_checkpoint and os.path.isdir(cfg.model.hf_checkpoint):
         try:
-            made[os.path.abspath(cfg.model.hf_checkpoint)] = Made(run="--no-weights", hf=read_hf_arch(cfg.model.hf_checkpoint))
+            made[os.path.abspath(cfg.model.hf_checkpoint)] = Made(
+                run="--no-weights", hf=read_hf_arch(cfg.model.hf_checkpoint), tokenizer=resolve_tokenizer(cfg))
         except ValueError as e:
             raise locate(cfg, ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint")) from None
     if cfg.draft.init_from and os.path.isdir(cfg.draft.init_from):
