@@ -17,7 +17,7 @@
   6 update     for each of rl.ppo_epochs x rl.minibatches (under CP: this rank's zigzag
                shard, the per-token values sharded with their tokens; under PP: the
                schedule's microbatches, each with its own PPO loss on the last stage,
-               pipelined_update): ONE forward; PPO-clip loss
+               _pipelined_forward_backward): ONE forward; PPO-clip loss
                (importance ratio against the behaviour log-probs) + lambda * the draft's
                loss from the same forward's detached taps and logits (co_training.py);
                backward; clip; the guarded optimizer steps of the policy and the draft
@@ -266,24 +266,39 @@ class RLTrainer(SpecTrainer):
 
         Under context parallelism every CP rank holds the whole minibatch of its data-parallel
         rank (generate's exchange) and trains on its zigzag shard of it: the tokens, labels
-        and positions through post_dataloading_process, the behaviour log-probs and
-        advantages with them (cp_batch.shard_values); the loss sums the shard's tokens over
-        the global count, so the shards' losses and gradients add up to the whole batch's.
-
-        Under pipeline parallelism: ``pipelined_update``."""
-        if self.parallel_dims.pp_enabled:
-            return self.pipelined_update(mb)
+        and positions through post_dataloading_process, the per-token values with them
+        (cp_batch.shard_values); the loss sums the shard's tokens over the global count, so
+        the shards' losses and gradients add up to the whole batch's. Under pipeline
+        parallelism the minibatch runs through the schedule (``_pipelined_forward_backward``).
+        """
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         self.begin_update()
-        dev, pd = self.device, self.parallel_dims
+        pd = self.parallel_dims
         local_valid_tokens = (mb.labels_BL != IGNORE_INDEX).sum()
         # The count of the unsharded minibatch, summed over the data-parallel ranks: the
-        # global count (every CP rank of a data-parallel rank holds the same minibatch).
-        global_valid_tokens = local_valid_tokens.to(dev)
+        # global count (every CP rank / stage of a data-parallel rank holds the same minibatch).
+        global_valid_tokens = local_valid_tokens.to(self.device)
         if pd.dp_enabled:
             global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, pd.get_mesh("batch"))
+        fb = self._pipelined_forward_backward if pd.pp_enabled else self._forward_backward
+        loss, policy_tokens, stats = fb(mb, global_valid_tokens)
+        loss = self.account_loss(loss, global_valid_tokens, last=True)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
+            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
+        return UpdateStats(
+            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
+            grad_norm=grad_norm, policy_tokens=policy_tokens, **stats,
+        )
+
+    def _forward_backward(self, mb: Minibatch, global_valid_tokens) -> tuple[torch.Tensor, float, dict]:
+        """ONE forward of this rank's (shard of the) minibatch, the policy loss + lambda *
+        the draft's, backward: (policy loss, this rank's completion tokens, PPO stats)."""
         inputs, labels, extra = self.post_dataloading_process(
-            {k: v.to(dev) for k, v in mb.inputs.items()}, mb.labels_BL.to(dev)
+            {k: v.to(self.device) for k, v in mb.inputs.items()}, mb.labels_BL.to(self.device)
         )
         ref_logp_BL = self.reference_logprobs(inputs, labels, extra)
         values = self.token_values(mb)
@@ -291,36 +306,18 @@ class RLTrainer(SpecTrainer):
             self.drift.add(values["behaviour_logp"], ref_logp_BL, labels)
         policy_loss = self.policy_loss(values, self.loss_counts(mb), ref_logp_BL)
         terms = self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra, policy_loss)
-        loss = self.account_loss(terms.policy, global_valid_tokens, last=True)
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
-            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
-        )
-        self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
-        n = float((labels != IGNORE_INDEX).sum())  # this rank's (shard's) completion tokens
-        stats = terms.policy_stats
-        return UpdateStats(
-            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
-            grad_norm=grad_norm, policy_tokens=n, clip_fraction=float(stats.clip_fraction), kl=float(stats.kl),
-            ratio_dev=float(stats.ratio_dev),
-        )
+        st = terms.policy_stats
+        stats = {"clip_fraction": float(st.clip_fraction), "kl": float(st.kl), "ratio_dev": float(st.ratio_dev)}
+        return terms.policy, float((labels != IGNORE_INDEX).sum()), stats
 
-    def pipelined_update(self, mb: Minibatch) -> UpdateStats:
-        """6 under pipeline parallelism: the minibatch's rows in the schedule's microbatches,
-        each with its own PPO-clip loss built from ITS rows' behaviour log-probs and
-        advantages, computed on the last stage (parallelisms/pipeline.py PipelineLoss, with
-        the draft's loss on the taps the TapChannel brings) and normalized by the token count
-        of the whole minibatch over the data-parallel ranks, as ``update`` does; then the
-        same clip and guarded optimizer steps (the draft's on the last stage)."""
-        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
-        self.begin_update()
-        dev, pd = self.device, self.parallel_dims
-        local_valid_tokens = (mb.labels_BL != IGNORE_INDEX).sum()
-        global_valid_tokens = local_valid_tokens.to(dev)
-        if pd.dp_enabled:
-            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, pd.get_mesh("batch"))
-        rows = self.config.parallelism.pipeline_parallel_microbatch_size
+    def _pipelined_forward_backward(self, mb: Minibatch, global_valid_tokens) -> tuple[torch.Tensor, float, dict]:
+        """Under pipeline parallelism: the minibatch's rows in the schedule's microbatches,
+        each with its own policy loss built from ITS rows' values, computed on the last stage
+        (parallelisms/pipeline.py PipelineLoss, with the draft's loss on the taps the
+        TapChannel brings) and normalized by the whole minibatch's counts, as
+        ``_forward_backward`` is; the PPO stats token-weighted over the microbatches (on the
+        last stage; empty elsewhere)."""
+        dev, rows = self.device, self.config.parallelism.pipeline_parallel_microbatch_size
         counts = self.loss_counts(mb)  # of the whole minibatch: every microbatch's loss uses them
         input_mbs, label_mbs, loss_mbs = [], [], []
         for lo in range(0, mb.labels_BL.shape[0], rows):
@@ -329,22 +326,12 @@ class RLTrainer(SpecTrainer):
             label_mbs.append(mb.labels_BL[part].to(dev))
             loss_mbs.append(self.policy_loss(self.token_values(mb, part), counts, None))
         loss = pipeline_forward_backward(self, input_mbs, label_mbs, global_valid_tokens, loss_mbs)
-        loss = self.account_loss(loss, global_valid_tokens, last=True)
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
-            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
-        )
-        self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
-        # The PPO stats of the microbatches (on the last stage; empty elsewhere), token-weighted.
         got = list(self.pp_schedule.titan_spec_loss.policy_stats.values())
         n = float(sum(count for _, count in got))
         weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
-        return UpdateStats(
-            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
-            grad_norm=grad_norm, policy_tokens=n, clip_fraction=weighted("clip_fraction"), kl=weighted("kl"),
-            ratio_dev=max((float(st.ratio_dev) for st, _ in got), default=0.0),
-        )
+        stats = {"clip_fraction": weighted("clip_fraction"), "kl": weighted("kl"),
+                 "ratio_dev": max((float(st.ratio_dev) for st, _ in got), default=0.0)}
+        return loss, n, stats
 
     def token_values(self, mb: Minibatch, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
         """The per-token values the policy loss reads, of the minibatch's ``rows``, on the
