@@ -37,7 +37,9 @@ def setup():
     arch = dataclasses.replace(with_vocab(flavor_arch("qwen3", "tiny"), 40), n_layers=5, max_seq_len=64)
     policy = build_target_config(arch, tap_layer_ids=TAPS).build()
     policy.init_weights(buffer_device=None)
+    # Fixed depth: the test compares engines K for K (adaptive depth times its own rounds).
     cfg = load_config(None, ["--rl.enable", "true", "--draft.enable", "true", "--rl.baseline_interval", "1",
+                             "--speculative.depth", "fixed",
                              "--rollout.progress", "false"])
     # Counts falling with the id: the draft vocabulary is target ids 0..23 (d2t = 0).
     draft = initial_draft(cfg.draft, DraftArch.from_target(arch, TAPS, 24), torch.arange(40).flip(0), seed=3)

@@ -133,7 +133,8 @@ def test_dp2_cp2_step_equals_one_process_and_the_reference_forward_runs_on_the_s
     assert_same_step(reference, got, "dp=2 x cp=2")
 
 
-EASY = ("--task.max_operand", "3", "--task.operators", "+", "--task.show_work", "false", "--task.seed", "5",
+EASY = ("--task.name", "arithmetic", "--task.max_operand", "3", "--task.operators", "+", "--task.show_work", "false",
+        "--task.seed", "5",
         "--checkpoint.enable", "false")
 """A task a 40-step SFT gets partly right (one-digit answers), so rewards differ within groups."""
 
@@ -172,7 +173,8 @@ def test_cp2_and_pp2_rl_runs_through_the_entry_point_equal_the_same_run_without_
     rl = (*llama, "--model.hf_checkpoint", os.path.join(sft, "hf"), "--draft.init_from", "", "--draft.ttt_steps", "3",
           "--draft.draft_vocab_size", "24", *EASY, "--training.steps", "2", "--lr_scheduler.warmup_steps", "0",
           "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "8",
-          "--rl.baseline_interval", "2", "--rollout.progress", "false")
+          "--rl.baseline_interval", "2", "--rollout.progress", "false",
+          "--speculative.depth", "fixed")  # adaptive depth times each rank's own rounds: other K, other samples
     # local_batch_size: the draft's vocabulary comes from the first batches' token counts,
     # the data-parallel ranks' rows together: 2 x 2 rows = 1 x 4.
     a, *others = train_many(2, [
