@@ -18,7 +18,6 @@ SFT warm start -> offline draft -> GRPO with the draft co-trained from the same 
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -55,6 +54,10 @@ def _rl(warm_start, dump, steps, *extra):
         "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "128",
         "--rl.prompts_per_step", "16", "--rl.group_size", "8", "--rl.max_new_tokens", "12",
         "--rl.baseline_interval", "6", "--rollout.progress", "false",
+        # Fixed depth: adaptive depth picks K from each run's own timed calibration, so a fresh
+        # run's sampled trajectory would follow the machine's load (its resume exactness is
+        # tested on the worker, test_rl.py / test_rollout_engine.py).
+        "--speculative.depth", "fixed",
         "--checkpoint.interval", "3", "--metrics.log_freq", "1", *extra,
     ), config="debug_cpu.toml", timeout=900)
 
@@ -86,13 +89,8 @@ def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start
     # seeds replay the same kernels, so every metric but wall-clock time is equal bitwise, the
     # step-6 baseline included: its frozen engine must hold the pre-RL draft (draft.init_from),
     # not the co-trained draft restored from the step-3 checkpoint.
-    # Adaptive depth (the default) chooses K from a cost table each run measures once and
-    # keeps in its dump folder: the second run starts from the first run's table (a fresh run
-    # measures its own, and its sampled rollouts may then differ), and its resume reads it.
-    assert 0.0 <= min(r["rollout/draft_k"] for r in rows) and max(r["rollout/draft_k"] for r in rows) <= 4.0
+    assert all(0.0 < r["rollout/draft_k"] <= 4.0 for r in rows), rows  # at most num_draft_tokens a round
     dump2 = str(tmp_path / "resumed")
-    os.makedirs(dump2)
-    shutil.copy(os.path.join(dump, "rollout_costs.rank0.json"), dump2)
     first = _rl(warm_start, dump2, 3)
     assert os.path.isdir(os.path.join(dump2, "checkpoint", "step-3"))
     resumed = _rl(warm_start, dump2, 6)[3:]
