@@ -141,7 +141,8 @@ def rl_updates(warm_start, tmp_path, *extra) -> list[dict]:
         "--training.seq_len", "128", "--training.steps", "2",
         "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
         "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0", *extra,
+        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0",
+        "--speculative.depth", "fixed", *extra,  # sampled rollouts independent of the machine's timing
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            os.path.join(root, "tests/helpers/rl_updates.py"), *args]
@@ -183,7 +184,7 @@ def test_drift_metrics_are_zero_at_the_start_and_match_an_independent_computatio
         "--training.seq_len", "128", "--training.steps", "2", "--rl.drift_metrics", "true", "--rl.minibatches", "2",
         "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12", "--optimizer.lr", "1e-3",
         "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0",
+        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0", "--speculative.depth", "fixed",
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            os.path.join(root, "tests/helpers/rl_drift.py"), *args]
