@@ -163,8 +163,12 @@ class RolloutWorker:
         retried step produces what an undisturbed one would; after ``rl.rollout_retries``
         failures the run stops with the cause."""
         retries = self.cfg.rl.rollout_retries
+        # Adaptive depth's carried acceptance estimate as the call found it: a retry starts
+        # from it again, so a retried step makes the choices an undisturbed one would.
+        start = self.main_depth_state()
         for attempt in range(retries + 1):
             try:
+                self.load_main_depth_state(start)
                 t0 = time.perf_counter()
                 out = self.main.generate(prompts, sampling)
                 stats = RolloutStats.of(out, time.perf_counter() - t0)
@@ -183,6 +187,31 @@ class RolloutWorker:
                     self.main = self._rebuild()
                     self.main.policy_version, self.main.draft_version = version, draft_version
         raise AssertionError("unreachable")
+
+    def main_depth_state(self) -> dict | None:
+        acceptance = getattr(self.main, "acceptance", None)  # the built-in engine at adaptive depth
+        return None if acceptance is None else acceptance.state_dict()
+
+    def load_main_depth_state(self, state: dict | None) -> None:
+        if state is not None:
+            self.main.acceptance.load_state_dict(state)
+
+    def state_dict(self) -> dict:
+        """Adaptive depth's acceptance estimates (main and frozen-draft engines), carried
+        from step to step: checkpointed with the run, so a resumed run's depth choices (and
+        so its sampled rollouts) are the uninterrupted run's. {} without adaptive depth."""
+        out = {}
+        for name, engine in (("main", self.main), ("frozen", self.frozen)):
+            acceptance = getattr(engine, "acceptance", None)
+            if acceptance is not None:
+                out[name] = acceptance.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, engine in (("main", self.main), ("frozen", self.frozen)):
+            acceptance = getattr(engine, "acceptance", None)
+            if acceptance is not None and name in state:
+                acceptance.load_state_dict(state[name])
 
     def baselines(self, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, RolloutStats]:
         """The same prompts and seed through the frozen-draft and no-speculation engines."""

@@ -36,6 +36,7 @@ Shape legend: B = packed rows, L = row length, P = prompts, G = group size.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -108,6 +109,20 @@ class RLTrainer(SpecTrainer):
         self.drift = DriftMeter()
         self.last_step: StepRecord | None = None
         """The latest step's record (its metrics are logged from it)."""
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        # Each rank's engines carry their own acceptance estimates (their own prompts): one
+        # key per rank, as for ntokens_seen (DCP keeps one copy of a plain value per key).
+        sd[_depth_key()] = json.dumps(self.worker.state_dict())
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        depth = state_dict.pop(_depth_key(), None)
+        super().load_state_dict(state_dict)
+        if depth is not None:
+            self.worker.load_state_dict(json.loads(depth))
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen full copy of the initial policy for the KL term and the drift metrics
@@ -520,3 +535,7 @@ class RLTrainer(SpecTrainer):
         if dist.get_rank() == 0:
             summary = write_report(self.config.dump_folder)
             logger.info(f"RL summary\n{summary}")
+
+
+def _depth_key() -> str:
+    return f"rollout_depth_rank_{dist.get_rank()}"

@@ -44,7 +44,9 @@ from titan_spec.models.draft import draft_kind
 from titan_spec.models.hf_io import load_hf_into, read_hf_arch
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
-from titan_spec.rollout.builtin.depth import AcceptanceEstimate, RoundCosts, batch_buckets, choose_depth, sampling_mode
+from titan_spec.rollout.builtin.depth import (
+    AcceptanceEstimate, AcceptanceState, RoundCosts, batch_buckets, choose_depth, sampling_mode,
+)
 from titan_spec.rollout.builtin.kv_cache import PROPOSERS, CachedTarget
 
 __all__ = ["TorchEngineConfig", "TorchRolloutEngine", "filtered_probs", "speculative_accept"]
@@ -215,6 +217,10 @@ class TorchRolloutEngine:
         self.draft_version = 0
         self.adaptive = config.depth == "adaptive" and self.K > 0
         self.costs = costs if costs is not None else RoundCosts()
+        self.acceptance = AcceptanceState(self.K) if self.adaptive else None
+        """Adaptive depth's acceptance estimates, carried from call to call (depth.py): the
+        next call starts from what the last one saw. Part of the engine's state: copy it
+        (``state_dict``) to repeat a call, e.g. a retried RL step or a resumed run."""
         self.last_depths: list[int] = []
         """K of every round of the last generate call, in order (all its batches)."""
         self._closed = False
@@ -298,8 +304,7 @@ class TorchRolloutEngine:
             est = None
             if self.adaptive:
                 self._calibrate(min(chunk, len(prompts)), sampling)
-                # One estimate per call, carried across its batches (and nothing else).
-                est = AcceptanceEstimate(self.K)
+                est = self.acceptance.of(sampling)
             for s in range(0, len(prompts), chunk):
                 out += self._generate_batch(prompts[s : s + chunk], sampling, gen, est=est)
         return out
@@ -420,7 +425,7 @@ class TorchRolloutEngine:
                 c_B = c_B + a_B + 1
                 c_host = [c + a + 1 for c, a in zip(c_host, a_host)]
                 if est is not None:
-                    est.observe(K, a_host)
+                    est.observe(K, a_host, B)
                 if round_s is not None:
                     round_s.append(self._round_clock() - t0)
                 else:
