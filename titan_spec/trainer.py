@@ -61,6 +61,7 @@ from titan_spec.models.attention import DocCausalAttention
 from titan_spec.models.hf_io import load_hf_into, save_hf
 from titan_spec.parallelisms.cp_batch import shard_batch
 from titan_spec.parallelisms.pipeline import pipeline_forward_backward
+from titan_spec.regenerate import Regenerator
 
 __all__ = ["SpecTrainer"]
 
@@ -98,6 +99,9 @@ class SpecTrainer(Trainer):
             for part in self.model_parts:
                 load_hf_into(part, spec.model.hf_checkpoint, config.arch, stage=self.parallel_dims.pp_enabled)
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
+        if spec.draft.data == "regenerated":
+            self.dataloader.regenerate = Regenerator(
+                spec.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device)
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
         self.draft_training = self._build_draft_training() if spec.mode.trains_draft and on_draft_stage else None

@@ -241,6 +241,13 @@ class DraftConfig:
     """Offline draft training: the target is frozen and only the draft trains on its taps and
     logits (the usual warm start of a draft before RL)."""
 
+    data: Literal["demonstrations", "regenerated"] = "demonstrations"
+    """What offline draft training reads: "demonstrations", the task's SFT completions;
+    "regenerated", the warm start's own greedy completions of the task's prompts
+    (model.hf_checkpoint, decoded by the built-in engine as the batches are packed;
+    titan_spec/regenerate.py), as EAGLE-3 and SpecForge train a draft on its target's
+    responses: the draft learns what the policy says, not what the demonstrations show."""
+
     tap_layer_ids: list[int] = field(default_factory=list)
     """Target layers whose outputs feed the draft (three distinct ids); empty = (1, L//2-1, L-4)."""
 

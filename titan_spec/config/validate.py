@@ -241,6 +241,15 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                 "(parallelism.data_parallel_shard_degree): the experts are split over a subset of them",
                 key="parallelism.expert_parallel_degree")
     _speculative_depth(cfg)
+    if cfg.draft.data == "regenerated":
+        # The policy's own completions: offline draft training of a warm start (regenerate.py).
+        if cfg.mode.trains != "draft":
+            raise ConfigError("draft.data = 'regenerated' needs offline draft training (draft.enable = true, "
+                              "draft.offline = true): only a frozen target's completions can be regenerated "
+                              "once for the run", key="draft.data")
+        if not cfg.model.hf_checkpoint:
+            raise ConfigError("draft.data = 'regenerated' needs model.hf_checkpoint: the warm start whose "
+                              "completions the draft learns", key="draft.data")
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)

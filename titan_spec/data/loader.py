@@ -22,6 +22,10 @@ from titan_spec.data.tasks import build_task
 
 __all__ = ["TaskDataLoader", "sft_document"]
 
+REGENERATE_CHUNK = 64
+"""Prompts decoded together when the batches are regenerated (the last chunk's unused
+prompts are dropped: the batches stay a function of (seed, batch index))."""
+
 
 def sft_document(tok, prompt: str | list[int], answer: str) -> Document:
     """<bos> prompt answer <eos> (a prompt given as ids is used as is: the chat template's),
@@ -74,6 +78,9 @@ class TaskDataLoader(BaseDataLoader):
             raise ValueError(f"a step's {self.step_rows} rows do not split into batches of {self.rows}")
         self.batch_index = 0
         self._packed = (-1, None)  # the last global batch: its microbatches are consecutive
+        self.regenerate = None
+        """draft.data = "regenerated": prompt ids -> the policy's completion ids, which the
+        batches then train on instead of the demonstrations (titan_spec/regenerate.py)."""
 
     def _global_batch(self, index: int):
         # Every rank packs the GLOBAL batch and keeps its own rows: the data of a step does
@@ -83,9 +90,17 @@ class TaskDataLoader(BaseDataLoader):
         docs: list[Document] = []
         budget, total = rows * self.row_len, 0
         while total < budget:
-            prob = self.task.sample(rng)
-            docs.append(sft_document(self.tokenizer, self.prompt_ids(prob), prob.sft_target))
-            total += len(docs[-1].tokens)
+            if self.regenerate is None:
+                prob = self.task.sample(rng)
+                docs.append(sft_document(self.tokenizer, self.prompt_ids(prob), prob.sft_target))
+                total += len(docs[-1].tokens)
+                continue
+            # Regenerated: a chunk of prompts decoded together, packed until the budget.
+            prompts = [self.prompt_ids(self.task.sample(rng)) for _ in range(REGENERATE_CHUNK)]
+            for p, completion in zip(prompts, self.regenerate(prompts)):
+                if total < budget:
+                    docs.append(Document(tokens=list(p) + completion, loss_from=len(p)))
+                    total += len(docs[-1].tokens)
         packed, _ = pack_documents(docs, rows, self.row_len, self.tokenizer.pad_id, self.document_multiple)
         return packed
 
