@@ -1,6 +1,6 @@
-"""The generated trace task (titan_spec/data/tasks.py TraceTask), the embedded default's:
-deterministic in the seed, both styles verified by the reward, the long style's counting
-checked against a plain re-derivation, lengths long with a tail, and the demonstration mix
+"""The generated trace task (titan_spec/data/generated.py TraceTask), the embedded default's:
+deterministic in the seed, both styles verified by the reward and re-derived from the
+prompt, lengths long with a tail, and the demonstration mix
 at the configured rates."""
 
 import random
@@ -29,17 +29,23 @@ def test_deterministic_in_the_seed_and_the_problems_independent_of_the_style_rat
     assert [(p.prompt, p.answer) for p in _sample(a, 3, 200)] == [(p.prompt, p.answer) for p in _sample(b, 3, 200)]
 
 
-def test_both_styles_are_right_by_the_reward_and_the_long_style_counts_correctly():
+def test_both_styles_are_right_by_the_reward_and_the_trace_counts_correctly():
     tok = CharTokenizer()
     probs = _sample(TraceTask(50, 4, 16, 0.5, 0.5), 0, 2000)
-    longs = [p for p in probs if not p.sft_target.startswith("####")]
-    shorts = [p for p in probs if p.sft_target.startswith("####")]
-    assert 0.45 < len(longs) / len(probs) < 0.55
-    wrong = [p for p in shorts if exact_match_reward(p.sft_target, p.answer) == 0]
-    assert 0.45 < len(wrong) / len(shorts) < 0.55  # wrong_answer_rate, off by 1..3
+    traces = [p for p in probs if "/" in p.sft_target]
+    guesses = [p for p in probs if "/" not in p.sft_target]
+    assert 0.45 < len(traces) / len(probs) < 0.55
+    wrong = [p for p in guesses if exact_match_reward(p.sft_target, p.answer) == 0]
+    assert 0.45 < len(wrong) / len(guesses) < 0.55  # wrong_answer_rate, off by 1..3
+    for p in guesses:
+        a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)\?", p.prompt).groups()
+        said = p.sft_target.rsplit("####", 1)[1]
+        phrase = f"{a} {'plus' if op == '+' else 'minus'} {b}"
+        assert p.sft_target == f"{a}{op}{b} means {phrase}; {phrase} is about {said}, so ####{said}"
+        assert 0 <= abs(int(said) - int(p.answer)) <= 3
     for p in wrong:
-        assert 1 <= abs(int(p.sft_target[4:]) - int(p.answer)) <= 3
-    for p in longs:
+        assert 1 <= abs(int(p.sft_target.rsplit("####", 1)[1]) - int(p.answer)) <= 3
+    for p in traces:
         assert exact_match_reward(p.sft_target, p.answer) == 1.0
         # Re-derive the trace from the prompt: "a+b=" then (a +- i)/(b - i) for i = 1..b.
         a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)\?", p.prompt).groups()
@@ -47,7 +53,11 @@ def test_both_styles_are_right_by_the_reward_and_the_long_style_counts_correctly
         assert p.answer == str(a + d * b)
         steps = ",".join(f"{a + d * i}/{b - i}" for i in range(1, b + 1))
         assert p.sft_target == f"{a}{op}{b}={steps}####{a + d * b}"
+    for p in probs:
         tok.encode(p.prompt + p.sft_target)  # printable ASCII: the character tokenizer takes it
+    # Both styles are long: a draft has room for K = 4 in either.
+    assert statistics.mean(len(p.sft_target) for p in guesses) >= 45
+    assert statistics.mean(len(p.sft_target) for p in traces) >= 40
     # The reward checks only what follows the last '####', and a completion without one whole.
     assert exact_match_reward("junk####12", "12") == 1.0 and exact_match_reward("12", "12") == 1.0
     assert exact_match_reward("12####13", "12") == 0.0 and exact_match_reward("3+9=12", "12") == 0.0

@@ -1,8 +1,8 @@
 """The generated tasks: problems made locally from the task seed, no download.
 
 - ``ArithmeticTask``: left-to-right integer arithmetic ("37+5-12=" -> "30");
-- ``TraceTask`` (the embedded default): a short answer or a long step-by-step count, both
-  checked on the final answer after '####';
+- ``TraceTask`` (the embedded default): a guessed answer in words or a step-by-step count,
+  both checked on the final answer after '####';
 - ``LongRecordsTask`` ('records'): the long-context lookup over a prompt of 2K-16K+ tokens
   whose answer needs two records far apart (``check_records_fit`` checks it fits the run).
 """
@@ -54,21 +54,25 @@ class ArithmeticTask:
 
 
 class TraceTask:
-    """Reasoning-trace arithmetic: "a+b?" answered at once or counted off step by step.
+    """Reasoning-trace arithmetic: "a+b?" answered by a guess or counted off step by step.
 
-    Prompt "37+5?". The correct completions (the reward checks the text after '####'):
-      short "####42"                               the result at once (7 tokens with <eos>)
-      long  "37+5=38/4,39/3,40/2,41/1,42/0####42"  one step per unit of b: the running value
-                                                   and the units left, down to 0
-    Every token of the long style follows from the few before it (a count, not a sum), so a
-    tiny model learns it quickly and gets it right; its length grows with b, drawn from
-    min_count..max_count with weights COUNT_DECAY**k: a long tail, like reasoning traces.
-    SFT demonstrations use the long style with probability ``trace_fraction`` (always
-    right) and the short one otherwise, whose result is off by 1..3 with probability
-    ``wrong_answer_rate`` (and which a tiny model does not compute reliably at once): GRPO
-    then shifts the policy toward the long style, so its completions lengthen and its
-    distribution drifts away from the warm start's. Deterministic in the rng
-    (tests/test_tasks.py relies on it).
+    Prompt "37+5?". The two styles of completion (the reward checks the text after '####'):
+      guess "37+5 means 37 plus 5; 37 plus 5 is about 42, so ####42"
+                   restates the problem in words, then states a result it did not work out
+      trace "37+5=38/4,39/3,40/2,41/1,42/0####42"
+                   one step per unit of b: the running value and the units left, down to 0
+    Both are long (about 55 and 50 characters, = tokens of the character tokenizer) and
+    almost every token follows from the few before it, so a draft predicts both well once
+    it has seen them. The trace's length grows with b, drawn from min_count..max_count with
+    weights COUNT_DECAY**k: a long tail, like reasoning traces. SFT demonstrations use the
+    trace with probability ``trace_fraction`` (always right) and the guess otherwise, whose
+    result is off by 1..3 with probability ``wrong_answer_rate`` (and which a tiny model
+    does not compute reliably at once). With trace_fraction < 0.5 the warm start's most
+    likely completion is a guess: a draft trained on its greedy completions (draft.data =
+    "regenerated") has never seen a trace. GRPO then moves the policy to the trace, which
+    is always right: its distribution drifts away from the warm start's into text the
+    offline draft does not predict. Deterministic in the rng (tests/test_tasks.py relies
+    on it).
     """
 
     COUNT_DECAY = 0.88
@@ -82,22 +86,29 @@ class TraceTask:
 
     @staticmethod
     def trace(a: int, op: str, b: int) -> str:
-        """The long style without the final answer: "a+b=" then value/units-left per step."""
+        """The trace style without the final answer: "a+b=" then value/units-left per step."""
         d = 1 if op == "+" else -1
         return f"{a}{op}{b}=" + ",".join(f"{a + d * i}/{b - i}" for i in range(1, b + 1))
+
+    @staticmethod
+    def guess(a: int, op: str, b: int, result: int) -> str:
+        """The guess style without the final answer: the problem in words, then ``result``."""
+        phrase = f"{a} {'plus' if op == '+' else 'minus'} {b}"
+        return f"{a}{op}{b} means {phrase}; {phrase} is about {result}, so "
 
     def sample(self, rng: random.Random) -> Problem:
         a, op = rng.randint(0, self.max_operand), rng.choice(self.operators)
         b = rng.choices(self.counts, self.weights)[0]
         result = a + b if op == "+" else a - b
         # Drawn for every problem, so the problems themselves do not depend on the rates.
-        long_style = rng.random() < self.trace_fraction
+        trace_style = rng.random() < self.trace_fraction
         noisy = rng.random() < self.wrong_answer_rate
         shown = result + rng.choice((-3, -2, -1, 1, 2, 3))
         prompt = f"{a}{op}{b}?"
-        if long_style:
+        if trace_style:
             return Problem(prompt, str(result), f"{self.trace(a, op, b)}{ANSWER_MARK}{result}")
-        return Problem(prompt, str(result), f"{ANSWER_MARK}{shown if noisy else result}")
+        said = shown if noisy else result
+        return Problem(prompt, str(result), f"{self.guess(a, op, b, said)}{ANSWER_MARK}{said}")
 
 
 # ---------------------------------------------------------------------------
