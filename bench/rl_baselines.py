@@ -2,8 +2,8 @@
 #
 # Runs the embedded default's RL config (train_configs/debug_cpu.toml: GRPO on the trace
 # task) three times from the same warm start (its SFT policy and offline draft, trained first
-# when missing), each for --steps RL steps, with the same seeds (rollouts are seeded by task
-# seed, step and rank):
+# when missing), each for --steps RL steps (default: the config's), with the same seeds
+# (rollouts are seeded by task seed, step and rank):
 #   co-trained  the default: speculative rollouts, the draft trained from every step's forward
 #   frozen      --draft.co_train false: speculative rollouts with the starting draft, never trained
 #   no-spec     --draft.enable false --speculative.enabled false: plain decoding
@@ -19,7 +19,7 @@
 # run's in-run baselines (same prompts, same seed, back to back) are the side-by-side
 # acceptance comparison.
 #
-# Usage: PYTHONPATH=. python bench/rl_baselines.py [--steps 50] [--out bench/results/rl_baselines.json]
+# Usage: PYTHONPATH=. python bench/rl_baselines.py [--steps N] [--out bench/results/rl_baselines.json]
 
 import argparse
 import json
@@ -46,7 +46,7 @@ most of a step generating)."""
 
 def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=0, help="RL steps per variant (0 = the config's training.steps)")
     p.add_argument("--variants", default="co-trained,frozen,no-spec")
     p.add_argument("--dump", default=str(REPO_ROOT / "outputs/bench_rl"))
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_baselines.json"))
@@ -69,7 +69,8 @@ def _run(name: str, dump: str, steps: int, extra: list[str]) -> list[dict]:
     shutil.rmtree(dump, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "titan_spec.train", "--config", "train_configs/debug_cpu.toml", "--job.dump_folder", dump,
-           "--training.steps", str(steps), "--checkpoint.enable", "false", "--rollout.progress", "false",
+           *(["--training.steps", str(steps)] if steps else []), "--checkpoint.enable", "false",
+           "--rollout.progress", "false",
            *VARIANTS[name], *extra]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     t0 = time.time()

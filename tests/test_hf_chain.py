@@ -47,7 +47,7 @@ def test_user_chain_with_hf_tokenizer_dataset_and_math_reward(tmp_path):
     rows = train_many(1, [
         (sft, ("--model.hf_checkpoint", str(base), *task, *SMALL, "--training.steps", "6", "--job.export_hf", "hf")),
         (draft, ("--config", "debug_cpu_draft.toml", "--model.hf_checkpoint", os.path.join(sft, "hf"), *task, *SMALL,
-                 "--training.steps", "3")),
+                 "--training.steps", "3", "--draft.data", "demonstrations")),
         (rl, ("--config", "debug_cpu.toml", "--model.hf_checkpoint", os.path.join(sft, "hf"),
               "--draft.init_from", os.path.join(draft, "draft"), *task, "--task.reward", "math", *SMALL,
               "--training.steps", "2", "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--rl.max_new_tokens", "8",

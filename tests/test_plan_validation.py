@@ -149,7 +149,7 @@ CASES = {
                                       ["command line --draft.init_from", "exports its policy, not a draft"]),
     "chain_model_family": (RL, ["--model.name", "llama3"], None,
                            ["command line --model.name", "holds a qwen3 model"]),
-    "chain_error_in_required_file": (RL, [], {DRAFT: ("draft_vocab_size = 32", "draft_vocab_size = 100000")},
+    "chain_error_in_required_file": (RL, [], {DRAFT: ("lr = 3e-3", "lr = 3e-3\ndraft_vocab_size = 100000")},
                                      ["debug_cpu_draft.toml: draft.draft_vocab_size = 100000", "1..100"]),
     # The SFT run exports qwen3/small (128 wide), so the draft run's draft is 128 wide; the RL
     # run's own policy is a 64-wide checkpoint: the promised draft does not fit it.

@@ -2,6 +2,7 @@
 the rollout worker (weight push, retry on engine failure), task files, run planning, RL
 config errors. The end-to-end runs are in test_rl_e2e.py."""
 
+import dataclasses
 import json
 import math
 import os
@@ -171,12 +172,23 @@ def test_rollout_worker_keeps_its_depth_cost_table_for_a_resume(tmp_path):
     assert [r.output_ids for r in again] == [r.output_ids for r in first]
     assert resumed.main.last_depths == worker.main.last_depths
     assert path.read_text() == saved
+    # The acceptance estimates carry from call to call; a resumed run loads them from the
+    # checkpoint (RLTrainer.state_dict): its next call is the uninterrupted run's next call.
+    state = json.loads(json.dumps(worker.state_dict()))
+    assert set(state) == {"main", "frozen"} and state["main"] and not state["frozen"]  # frozen: not run yet
+    nxt, _ = worker.generate(prompts, dataclasses.replace(sp, seed=4))
+    later, _ = _worker(tmp_path, costs_dir=str(tmp_path))
+    later.load_state_dict(state)
+    assert [r.output_ids for r in later.generate(prompts, dataclasses.replace(sp, seed=4))[0]] == [
+        r.output_ids for r in nxt]
+    assert later.main.last_depths == worker.main.last_depths
 
 
 def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(tmp_path):
     worker, _ = _worker(tmp_path)
     prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
     sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+    start = worker.main_depth_state()
     clean, stats = worker.generate(prompts, sp)
     assert stats.tokens == sum(len(r.output_ids) for r in clean) and all(r.policy_version == 7 for r in clean)
 
@@ -186,12 +198,15 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
     def flaky(*a, **k):
         calls["n"] += 1
         if calls["n"] == 1:
-            raise RuntimeError("simulated engine crash")
+            real(*a, **k)  # the whole batch ran (its rounds updated the acceptance estimate) ...
+            raise RuntimeError("simulated engine crash")  # ... and then the engine failed
         return real(*a, **k)
 
     worker.main._generate_batch = flaky
+    worker.load_main_depth_state(start)  # the same call again, from the same depth state
     again, _ = worker.generate(prompts, sp)
-    # Retried on a rebuilt engine over the same weights and seed: the same rollouts.
+    # Retried on a rebuilt engine over the same weights, seed and starting depth state
+    # (the worker restores it): the same rollouts.
     assert calls["n"] == 1 and [r.output_ids for r in again] == [r.output_ids for r in clean]
     assert all(r.policy_version == 7 for r in again)
 

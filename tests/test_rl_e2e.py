@@ -40,7 +40,8 @@ def warm_start(tmp_path_factory):
     train_many(1, [  # one launch, the draft run after the SFT run it reads
         (sft, (*SMALL, *TASK, "--training.steps", "120", "--job.export_hf", "hf", "--lr_scheduler.warmup_steps", "5")),
         (draft, ("--config", "debug_cpu_draft.toml", *SMALL, *TASK, "--training.steps", "40",
-                 "--model.hf_checkpoint", os.path.join(sft, "hf"), "--lr_scheduler.warmup_steps", "5")),
+                 "--model.hf_checkpoint", os.path.join(sft, "hf"), "--lr_scheduler.warmup_steps", "5",
+                 "--draft.data", "demonstrations", "--draft.draft_vocab_size", "32")),
     ], config="debug_cpu_sft.toml")
     return os.path.join(sft, "hf"), os.path.join(draft, "draft")
 

@@ -132,7 +132,8 @@ class SpecTrainer(Trainer):
                 part.requires_grad_(False)
         dp_mesh = pd.get_optional_mesh("fsdp") if pd.dp_shard_enabled or pd.cp_enabled else None
         counts = None
-        if not spec.draft.init_from:
+        if not spec.draft.init_from and self.config.draft_arch.draft_vocab_size < self.config.arch.vocab_size:
+            # The draft vocabulary: the most frequent targets of the first batches.
             counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, self.config.arch.vocab_size)
         return DraftTraining(
             spec.draft,

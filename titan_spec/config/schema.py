@@ -295,7 +295,8 @@ class SpeculativeConfig:
     depth: Literal["fixed", "adaptive"] = "adaptive"
     """How many draft tokens each round proposes. "adaptive" (built-in engine): before every
     round the engine picks K in 0..num_draft_tokens maximising expected tokens per second,
-    from this call's per-depth acceptance and its own measured cost of a round at the
+    from its per-depth acceptance (carried from step to step and checkpointed with the run)
+    and its own measured cost of a round at the
     current batch size (measured once per run, then frozen, and kept in
     <dump_folder>/rollout_costs.rank<R>.json, which a resumed run reads; docs/rollout_engine.md,
     "Adaptive depth"), so a stale draft falls to K = 0 (plain decoding) and speculation is not

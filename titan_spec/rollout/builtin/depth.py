@@ -10,23 +10,26 @@ engine picks, before every round, the K that maximises expected tokens per secon
   - E_b[tokens | K] = sum_{i=0..min(K, R_b - 1)} alpha_1 ... alpha_i, with alpha_j the
     conditional acceptance rate of draft j given drafts 1..j-1 were accepted and R_b the
     request's remaining token budget (tokens past the budget are not worth drafting);
-  - alpha_j: ``AcceptanceEstimate``, counts of this call's rounds (reached depth j, accepted
-    at depth j) decayed by ``decay`` per round, smoothed by a Beta prior. A slower decay
-    applies in K = 0 rounds, so the prior regains weight and a stale draft is probed again
-    now and then (one short round every few dozen to a hundred rounds);
+  - alpha_j: ``AcceptanceEstimate``, counts of past rounds (reached depth j, accepted at
+    depth j; each round weighs 1 whatever its rows) decayed by ``decay`` per round, smoothed
+    by a Beta prior. A slower decay applies in K = 0 rounds, so the prior regains weight and
+    a stale draft is probed again now and then (one short round every few dozen to a
+    hundred rounds). The estimate is carried from call to call (``AcceptanceState``, one
+    per sampling setting), so a call does not decide from its own first round alone;
   - cost(K, B): ``RoundCosts``, the engine's own measured cost of a round, measured ONCE
     per (sampling mode, batch-size bucket) on first use, then frozen.
 
 Reproducibility: the choice is a deterministic function of (the frozen cost table, the
-acceptance counts of this generate call, the remaining budgets). Nothing else carries over
-between calls, so a call's rollouts are a function of (weights, prompts, SamplingParams and
-seed, the cost table): two engines given the same table make the same choices and the
-same samples, a rebuilt engine over the same table repeats a call exactly, and a resumed
-run that loads its table repeats the original run's rollouts. The measurement itself runs
-on scratch caches with its own RNG, so it changes no state a call reads (a call that
-calibrates samples what the same call does later with the table in place). What is NOT
-exact: two fresh runs measure their own tables, so their sampled rollouts may differ
-(greedy ones never do: greedy output is the policy's argmax chain whatever K is).
+acceptance state the call starts from, the acceptance counts of this call, the remaining
+budgets), so a call's rollouts are a function of (weights, prompts, SamplingParams and
+seed, the cost table, the starting acceptance state): two engines given the same table and
+state make the same choices and the same samples, a call repeated from the same state
+repeats exactly (the RL worker restores it for a retried step; a resumed run loads it from
+the checkpoint and its table from the dump folder). The measurement itself runs on scratch
+caches with its own RNG, so it changes no state a call reads (a call that calibrates
+samples what the same call does later with the table in place). What is NOT exact: two
+fresh runs measure their own tables, so their sampled rollouts may differ (greedy ones
+never do: greedy output is the policy's argmax chain whatever K is).
 
 Losslessness does not depend on the choice: K is fixed before the round from the past only,
 and speculative sampling emits each token from the target's distribution for any K.
@@ -125,15 +128,16 @@ class RoundCosts:
 
 
 class AcceptanceEstimate:
-    """Per-depth acceptance alpha_1..alpha_Kmax of one generate call's rounds.
+    """Per-depth acceptance alpha_1..alpha_Kmax of the rounds seen so far (one sampling
+    setting of one engine; ``AcceptanceState`` keeps them from call to call).
 
-    Counts: reached_j (rows whose round drafted >= j tokens and accepted the first j-1)
-    and accepted_j (those that also accepted draft j), decayed by ``decay`` every round;
-    alpha_j = (accepted_j + w m) / (reached_j + w), a Beta prior of mean ``prior`` and
-    weight ``prior_weight``. The prior is optimistic (0.8), so a call's first round
-    speculates and its own outcomes decide the rest. A K = 0 round observes nothing and
-    decays the counts by the slower ``idle_decay``: after a few dozen such rounds the prior
-    has regained enough weight for one probing round."""
+    Counts: reached_j (the fraction of a round's rows that drafted >= j tokens and accepted
+    the first j-1) and accepted_j (those that also accepted draft j), decayed by ``decay``
+    every round; alpha_j = (accepted_j + w m) / (reached_j + w), a Beta prior of mean
+    ``prior`` and weight ``prior_weight`` (in rounds). The prior is optimistic (0.8), so an
+    engine's first round speculates and outcomes decide the rest. A K = 0 round observes
+    nothing and decays the counts by the slower ``idle_decay``: after a few dozen such
+    rounds the prior has regained enough weight for one probing round."""
 
     def __init__(self, k_max: int, prior: float = 0.8, prior_weight: float = 0.5, decay: float = 0.9,
                  idle_decay: float = 0.98):
