@@ -59,6 +59,10 @@ def _rl(warm_start, dump, steps, *extra):
         # run's sampled trajectory would follow the machine's load (its resume exactness is
         # tested on the worker, test_rl.py / test_rollout_engine.py).
         "--speculative.depth", "fixed",
+        # The draft's learning rate this test was sized with (the default's is 3e-3): the
+        # draft does not change the policy's distribution, but it does change which samples
+        # a seed draws, so the 30-step trajectory below is this one's.
+        "--draft.lr", "1e-3",
         "--checkpoint.interval", "3", "--metrics.log_freq", "1", *extra,
     ), config="debug_cpu.toml", timeout=900)
 
