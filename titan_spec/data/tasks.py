@@ -2,7 +2,7 @@
 or read from files (here), and ``build_task`` choosing one from [task].
 
 Generated tasks train with no download: arithmetic ("37+5-12=" -> "30") and the embedded
-default's reasoning-trace task (``TraceTask``: a short answer or a long step-by-step
+default's reasoning-trace task (``TraceTask``: a guessed answer in words or a step-by-step
 count, both checked on the final answer after '####'). A user's GSM8K-style JSONL file
 ({"question": ..., "answer": "... #### 42"}) is read with per-line errors (name = 'jsonl');
 dataset records of a local JSONL / JSON / Parquet file (name = 'dataset': GSM8K, MATH,
