@@ -2,7 +2,11 @@
 gloo): two steps of policy + draft with cp = 2 (and dp x cp), dp x tp and cp x tp, and offline
 draft training under dp x tp, give the losses and gradients of one process."""
 
+import os
+
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import train_many
 from numerics import assert_same_draft_accuracy
@@ -28,6 +32,17 @@ def _assert_same_run(a_rows, b_rows, what, same_dp=True):
         assert_same_draft_accuracy(a, b, 3, what)  # the ring reduces in another order: one argmax flip
 
 
+def _assert_same_export(a_dir, b_dir, what):
+    """The draft directory a run exported (one writer: under TP every tp rank holds a replica)
+    holds the tensors of the reference run's export."""
+    for d in (a_dir, b_dir):
+        assert sorted(os.listdir(os.path.join(d, "draft"))) == ["config.json", "model.safetensors"], (what, d)
+    a, b = (load_file(os.path.join(d, "draft", "model.safetensors")) for d in (a_dir, b_dir))
+    assert sorted(a) == sorted(b), what
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: {k}: {m}")
+
+
 OFFLINE = ("--draft.offline", "true")
 TP = ("--parallelism.tensor_parallel_degree", "2")
 
@@ -38,7 +53,7 @@ def one(tmp_path_factory):
     d = tmp_path_factory.mktemp("one")
     cotrain, offline = train_many(1, [(str(d / "cp1"), COMMON), (str(d / "off1"), (*COMMON, *OFFLINE))],
                                   config="debug_cpu_sft.toml")
-    return {"cotrain": cotrain, "offline": offline}
+    return {"cotrain": cotrain, "offline": offline, "cotrain_dir": str(d / "cp1"), "offline_dir": str(d / "off1")}
 
 
 def test_cp_co_training_matches_cp1(tmp_path, train, one):
@@ -71,3 +86,5 @@ def test_tp_co_training_matches_one_process(tmp_path, one):
     _assert_same_run(one["cotrain"], dp2tp2, "dp=2 x tp=2", same_dp=False)
     _assert_same_run(one["cotrain"], cp2tp2, "cp=2 x tp=2")
     _assert_same_run(one["offline"], offline, "offline draft, dp=2 x tp=2", same_dp=False)
+    for name, ref in (("dp2tp2", "cotrain_dir"), ("cp2tp2", "cotrain_dir"), ("offdp2tp2", "offline_dir")):
+        _assert_same_export(one[ref], str(tmp_path / name), name)

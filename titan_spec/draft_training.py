@@ -192,14 +192,15 @@ class DraftTraining(Stateful):
         """The draft's full tensors by export name, on every rank (collective under FSDP)."""
         return get_model_state_dict(self.draft, options=StateDictOptions(full_state_dict=True))
 
-    def export(self, path: str) -> None:
-        """Write the draft directory (EAGLE-3: SGLang-loadable; collective under FSDP; one rank writes)."""
+    def export(self, path: str, write: bool) -> None:
+        """Write the draft directory (EAGLE-3: SGLang-loadable; collective under FSDP).
+        ``write``: this rank writes it; exactly one rank of the run may (the trainer picks
+        the first rank of the last stage: under TP every tp rank holds a replica and is
+        local rank 0 of its own data-parallel group, and two writers race on the rename)."""
         # Gathered on every rank (cpu_offload would keep it on global rank 0 only, which
         # under PP holds no draft); the draft is small.
         full = {k: v.cpu() for k, v in self.full_state_dict().items()}
-        # The first rank of the draft's data-parallel group writes (under PP that group is
-        # on the last stage, not on global rank 0).
-        if self.dp_mesh is not None and self.dp_mesh.get_local_rank() != 0:
+        if not write:
             return
         copy = self.kind.build(self.draft.arch)
         copy.load_state_dict(full)

@@ -288,7 +288,8 @@ class SpecTrainer(Trainer):
             logger.info(f"Exported the policy (HF format) to {path}")
         if self.draft_training is not None and spec.draft.export_dir:
             path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)
-            self.draft_training.export(path)
+            # One writer: the first rank of the last stage (all its other mesh coordinates 0).
+            self.draft_training.export(path, write=self._metrics_writer())
             logger.info(f"Exported the draft ({spec.draft.kind}) to {path}")
 
     def _metrics_writer(self) -> bool:
