@@ -168,7 +168,9 @@ def test_draft_training_drives_a_second_kind_through_the_protocol(monkeypatch):
     assert m["draft/loss"] == pytest.approx(float(scores[valid].sum() / 4), rel=1e-6)
     assert m["draft/acc_0"] == pytest.approx(float((scores[valid] > 0).sum() / 4))
 
-    dt.export("/nowhere/draft")
+    dt.export("/elsewhere/draft", write=False)  # a rank that is not the run's one writer
+    assert not kind.saved
+    dt.export("/nowhere/draft", write=True)
     assert list(kind.saved) == ["/nowhere/draft"]
     assert torch.equal(kind.saved["/nowhere/draft"]["w"], dt.draft.w.detach())
 
