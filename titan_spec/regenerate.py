@@ -9,7 +9,10 @@ engine without a draft (its most likely completion of each prompt; deterministic
 resumed run packs the same batches), to <eos> or the row length. Completions are memoized
 by prompt: a task that repeats prompts decodes each once.
 
-Every rank decodes the global batch's prompts, as every rank packs the global batch. For a
+The engine holds its own plain copy of the warm start, read from model.hf_checkpoint, not the
+trainer's model: that one may be FSDP/TP-sharded DTensors inside the training graph, and a
+tiny one-process copy costs less than gathering it. Every rank decodes the global batch's
+prompts, as every rank packs the global batch. For a
 real model, regenerate offline with a serving engine and train from the result
 (task.name = "dataset").
 """
