@@ -613,6 +613,14 @@ def test_depth_choice_and_estimate_by_hand():
     narrow.observe(3, [1])
     assert wide.alphas() == pytest.approx(narrow.alphas())
 
+    # The measured cost row is made non-decreasing in K by pooling inversions, not by
+    # trusting the lowest measurement (which sent every round to the deepest of a tie).
+    from titan_spec.rollout.builtin.engine import _non_decreasing
+
+    assert _non_decreasing([2.0, 5.6, 7.0, 6.0, 8.0]) == pytest.approx([2.0, 5.6, 6.5, 6.5, 8.0])
+    assert _non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert _non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+
     # The engine's state: one estimate per sampling setting, JSON-ready, loads back.
     from titan_spec.rollout.builtin.depth import AcceptanceState
 

@@ -37,7 +37,7 @@ import torch
 
 import titan_spec  # noqa: F401
 from titan_spec.rollout.base import SamplingParams
-from titan_spec.rollout.builtin.engine import filtered_probs, speculative_accept
+from titan_spec.rollout.builtin.engine import filtered_probs, sample_rows, speculative_accept
 
 # --- the acceptance rule ------------------------------------------------------------------
 
@@ -150,6 +150,39 @@ def test_acceptance_rule_all_accepted_when_the_draft_is_the_target():
     assert torch.equal(new_NL[:, :K], d_NK)
     stat, df = pearson(torch.bincount(new_NL[:, K], minlength=3), p_LV[K].double())
     assert chi2_pvalue(stat, df) > 1e-4, f"bonus: chi2 = {stat:.1f} on {df} df"
+
+
+# --- sample_rows: the engine's one sampler ---------------------------------------------------
+
+
+def test_sample_rows_follows_each_rows_unnormalized_weights():
+    # Every draw of the engine (prefill, plain steps, draft proposals, residuals, bonus tokens)
+    # goes through sample_rows. Rows are NOT normalized (a residual max(0, p - q) is not) and
+    # have zeros at the ends and inside, where the inverse CDF's boundaries lie (a zero entry
+    # spans an empty interval); one row has a single nonzero entry, the last.
+    w_RV = torch.tensor(
+        [
+            [0.0, 2.0, 0.0, 1.0, 1.0, 0.0],
+            [3e-1, 1e-3, 0.0, 0.0, 0.2, 0.5],
+            [0.0, 0.0, 0.0, 0.0, 0.0, 7.0],
+            [0.1, 0.1, 0.1, 0.1, 0.1, 0.1],
+        ]
+    )
+    R, V, n = w_RV.shape[0], w_RV.shape[1], 100_000
+    g = torch.Generator().manual_seed(3)
+    x_NR = sample_rows(w_RV.repeat(n, 1), g).view(n, R)
+    for r in range(R):
+        obs_V = torch.bincount(x_NR[:, r], minlength=V)
+        assert obs_V.shape == (V,)
+        assert int(obs_V[w_RV[r] == 0].sum()) == 0, f"row {r} drew a zero-weight entry: {obs_V.tolist()}"
+        stat, df = pearson(obs_V, (w_RV[r] / w_RV[r].sum()).double())
+        assert df == 0 or chi2_pvalue(stat, df) > 1e-4, f"row {r}: chi2 = {stat:.1f} on {df} df, counts {obs_V.tolist()}"
+    # Power: a sampler that ignored the weights (uniform over the nonzero entries) fails row 0.
+    assert chi2_pvalue(*pearson(torch.bincount(x_NR[:, 0], minlength=V), torch.tensor([0, 1, 0, 1, 1, 0]) / 3.0)) < 1e-12
+    # Deterministic in the generator's state, one uniform per row.
+    a = sample_rows(w_RV, torch.Generator().manual_seed(9))
+    b = sample_rows(w_RV, torch.Generator().manual_seed(9))
+    assert torch.equal(a, b)
 
 
 # --- filtered_probs by hand ---------------------------------------------------------------

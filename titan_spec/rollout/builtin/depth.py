@@ -63,7 +63,7 @@ def batch_buckets(batch: int) -> list[int]:
 
 class RoundCosts:
     """Seconds of one round at K = 0..K_max, per sampling mode and batch bucket (on CPU the
-    engine's process CPU seconds: TorchRolloutEngine._round_clock).
+    CPU seconds of the engine's thread: TorchRolloutEngine._round_clock).
 
     Measured once per entry by the engine (``TorchRolloutEngine._calibrate``), then never
     changed: ``cost`` reads it, interpolating linearly between buckets. Share one object
