@@ -6,7 +6,9 @@
 # every generate runs --max-new-tokens rounds-worth of tokens with no stop token.
 # Reported per engine (K = 0 plain decoding, K = --num-draft-tokens speculative):
 # ms per round, min and median over --repeats generate calls (the min is the least
-# disturbed by other load on a shared machine), and the per-phase split of the best call.
+# disturbed by other load on a shared machine), and the per-phase split of the best call;
+# the engines are called in turn, and the ratio K round / plain round is the median over
+# those back-to-back pairs (the number to compare between checkouts: load cancels in it).
 #
 # Usage: PYTHONPATH=. python bench/rollout_round.py [--batch 1] [--temperature 0] [--flavor tiny]
 # Only public engine methods are timed (wrapped by name), so the same script measures an
@@ -78,16 +80,22 @@ class Timers:
         setattr(obj, name, timed)
 
 
-def measure(engine, timers: Timers, prompts, sp, repeats: int):
-    engine.generate(prompts, sp)  # warm-up
-    runs = []
+def measure(engines: dict, timers: dict, prompts, sp, repeats: int) -> dict:
+    """Per engine: [(ms per round, {phase: ms per round})] over ``repeats`` generate calls,
+    the engines called in turn (call i of every engine back to back), so that load which
+    comes and goes hits them alike and the per-call ratios cancel it."""
+    for e in engines.values():
+        e.generate(prompts, sp)  # warm-up
+    runs = {k: [] for k in engines}
     for _ in range(repeats):
-        timers.s.clear()
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, sp)
-        dt = time.perf_counter() - t0
-        rounds = max(r.verify_steps for r in out)
-        runs.append((dt / rounds * 1e3, {k: v / rounds * 1e3 for k, v in timers.s.items()}))
+        for k, engine in engines.items():
+            t = timers[k]
+            t.s.clear()
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, sp)
+            dt = time.perf_counter() - t0
+            rounds = max(r.verify_steps for r in out)
+            runs[k].append((dt / rounds * 1e3, {n: v / rounds * 1e3 for n, v in t.s.items()}))
     return runs
 
 
@@ -98,23 +106,18 @@ def main(argv=None) -> int:
     K = args.num_draft_tokens
     prompts = [[1 + (7 * i + b) % 60 for i in range(args.prompt_len)] for b in range(args.batch)]
     sp = SamplingParams(args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
-    results = {}
-    logprobs_fn = torch_engine._behaviour_logprobs
+    engines, timers = {}, {}
     for k in (0, K):
-        timers = Timers()
-        e = TorchRolloutEngine(target, draft if k else None, TorchEngineConfig(num_draft_tokens=k, compile=args.compile))
-        timers.wrap(e._target, "forward", "target forward")
+        t = timers[k] = Timers()
+        e = engines[k] = TorchRolloutEngine(target, draft if k else None, TorchEngineConfig(num_draft_tokens=k, compile=args.compile))
+        t.wrap(e._target, "forward", "target forward")
         if k:
-            timers.wrap(e._draft, "extend", "draft extend")
-            timers.wrap(e._draft, "step", "draft steps")
-        timers.wrap(e, "_accept", "accept")
-        timers.wrap(torch_engine, "_behaviour_logprobs", "log-probs")
-        timers.wrap(e, "_emit", "emit")
-        try:
-            with torch.inference_mode():
-                results[k] = measure(e, timers, prompts, sp, args.repeats)
-        finally:
-            torch_engine._behaviour_logprobs = logprobs_fn  # unwrap for the next engine
+            t.wrap(e._draft, "extend", "draft extend")
+            t.wrap(e._draft, "step", "draft steps")
+        t.wrap(e, "_accept", "accept")
+        t.wrap(e, "_emit", "emit")
+    with torch.inference_mode():
+        results = measure(engines, timers, prompts, sp, args.repeats)
     print(f"{args.family}/{args.flavor}, batch {args.batch}, T = {args.temperature:g}, "
           f"{args.max_new_tokens} new tokens, {args.repeats} repeats, {torch.get_num_threads()} thread(s), "
           f"{'compiled' if args.compile else 'eager'}, "
@@ -124,6 +127,9 @@ def main(argv=None) -> int:
         best = min(runs, key=lambda r: r[0])
         split = ", ".join(f"{name} {v:.2f}" for name, v in best[1].items())
         print(f"K = {k}: ms/round min {min(ms):.2f} median {statistics.median(ms):.2f} | best call: {split}")
+    ratios = [a[0] / b[0] for a, b in zip(results[K], results[0])]
+    print(f"K = {K} round / K = 0 round, per pair of back-to-back calls: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
     return 0
 
 
