@@ -15,12 +15,13 @@
 #              same shape: what a stale draft costs
 #   distilled  (optional, --distill-steps N) the trained draft fine-tuned by TTT on the
 #              policy's own rollouts, fixed K_max
-# Every timed run is ONE generate call of --requests prompts (or `batch`, when larger) that
-# the engine decodes `batch` at a time (TorchEngineConfig.max_batch_size; batch 1: one
-# request after another), so acceptance and tokens/s are not one prompt's, and adaptive
-# depth carries its acceptance estimate from request to request as it does within an RL
-# step. For every (temperature, batch) the engines run interleaved, `--repeats` times, and
-# the median is reported, so a busy machine slows all of them alike: compare the ratios.
+# Every timed pass runs --requests prompts (or `batch`, when larger) through each engine,
+# `batch` per generate call (batch 1: one request after another), so acceptance and tokens/s
+# are not one prompt's, and adaptive depth carries its acceptance estimate from call to call
+# as it does from RL step to RL step. For every (temperature, batch) the engines take turns batch by batch (batch i of
+# every engine back to back), `--repeats` passes; a ratio (speedup, adaptive / best fixed)
+# is the median over passes of the ratio within one pass, so load that comes and goes on a
+# busy machine falls on all engines alike.
 #
 # Models: --policy (HF dir) and --draft (draft dir). Defaults: the embedded default's SFT
 # policy and offline draft (outputs/debug_cpu/sft/hf, outputs/debug_cpu/draft/draft), trained
@@ -41,6 +42,7 @@
 # Usage: PYTHONPATH=. python bench/rollout.py [--quick] [--out PATH] [--compile]
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -147,21 +149,35 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, se
     return {k: v.detach().clone() for k, v in draft.state_dict().items()}
 
 
-def run_once(engine, prompts, sp, batch: int) -> dict:
-    engine.config.max_batch_size = batch  # one call, decoded `batch` at a time
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = engine.generate(prompts, sp)
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    tokens = sum(len(r.output_ids) for r in out)
-    steps = sum(r.verify_steps for r in out)
-    # SGLang counts the verify forwards after the prefill (completion_tokens / spec_verify_ct).
-    sglang_steps = sum(max(r.verify_steps - 1, 1) for r in out)
-    rounds = sum(r.verify_steps - 1 for r in out)
-    # Tokens per CPU-second of this process: what the run costs on a machine shared with
-    # other jobs (their load stretches the wall time, not this process's CPU time).
-    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt, "tok_cpu_s": tokens / cpu, "accept_len": tokens / steps,
-            "sglang_accept": tokens / sglang_steps,
-            "draft_k": sum(r.drafted_tokens for r in out) / max(rounds, 1)}
+def run_interleaved(engines: dict, prompts, sp, batch: int) -> dict[str, dict]:
+    """One pass of every engine over ``prompts``, ``batch`` at a time, the engines taking turns
+    chunk by chunk (chunk i of every engine back to back, seed sp.seed + i), so that load
+    which comes and goes on a shared machine falls on all of them alike. Per engine: tokens,
+    seconds, tokens/s (wall and this process's CPU time), acceptance, mean draft K."""
+    outs = {name: [] for name in engines}
+    wall = dict.fromkeys(engines, 0.0)
+    cpu = dict.fromkeys(engines, 0.0)
+    for i, lo in enumerate(range(0, len(prompts), batch)):
+        chunk_sp = dataclasses.replace(sp, seed=sp.seed + i)
+        for name, engine in engines.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs[name] += engine.generate(prompts[lo:lo + batch], chunk_sp)
+            wall[name] += time.perf_counter() - t0
+            cpu[name] += time.process_time() - c0
+    res = {}
+    for name, out in outs.items():
+        tokens = sum(len(r.output_ids) for r in out)
+        steps = sum(r.verify_steps for r in out)
+        # SGLang counts the verify forwards after the prefill (completion_tokens / spec_verify_ct).
+        sglang_steps = sum(max(r.verify_steps - 1, 1) for r in out)
+        rounds = sum(r.verify_steps - 1 for r in out)
+        # Tokens per CPU-second of this process: what the run costs on a machine shared with
+        # other jobs (their load stretches the wall time, not this process's CPU time).
+        res[name] = {"tokens": tokens, "seconds": wall[name], "tok_s": tokens / wall[name],
+                     "tok_cpu_s": tokens / cpu[name], "accept_len": tokens / steps,
+                     "sglang_accept": tokens / sglang_steps,
+                     "draft_k": sum(r.drafted_tokens for r in out) / max(rounds, 1)}
+    return res
 
 
 def main(argv=None) -> int:
@@ -215,22 +231,23 @@ def main(argv=None) -> int:
             for e in engines.values():  # warm-up (and compile, when on; adaptive: measures its costs)
                 e.config.max_batch_size = B
                 e.generate(prompts[:B], SamplingParams(T, max_new_tokens=8, seed=0))
-            runs = {name: [] for name in engines}
-            for _ in range(args.repeats):
-                for name, e in engines.items():
-                    runs[name].append(run_once(e, prompts, sp, B))
-            base = statistics.median(r["tok_s"] for r in runs["plain"])
-            base_cpu = statistics.median(r["tok_cpu_s"] for r in runs["plain"])
-            for name, rs in runs.items():
-                tok_s = statistics.median(r["tok_s"] for r in rs)
-                tok_cpu_s = statistics.median(r["tok_cpu_s"] for r in rs)
+            for e in engines.values():
+                e.config.max_batch_size = 0
+            passes = [run_interleaved(engines, prompts, sp, B) for _ in range(args.repeats)]
+            for name in engines:
+                rs = [p[name] for p in passes]
+                # Speedups: median over passes of the ratio to plain IN THE SAME PASS.
+                ratio = lambda key: statistics.median(p[name][key] / p["plain"][key] for p in passes)  # noqa: E731
                 rows.append({
                     "temperature": T, "batch": B, "engine": name,
                     "K": 0 if name == "plain" else int(name.split("_")[1]) if name.startswith("fixed_") else K,
-                    "tok_s": tok_s, "accept_len": statistics.median(r["accept_len"] for r in rs),
+                    "tok_s": statistics.median(r["tok_s"] for r in rs),
+                    "accept_len": statistics.median(r["accept_len"] for r in rs),
                     "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
                     "draft_k": statistics.median(r["draft_k"] for r in rs),
-                    "speedup": tok_s / base, "tok_cpu_s": tok_cpu_s, "speedup_cpu": tok_cpu_s / base_cpu, "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
+                    "speedup": ratio("tok_s"), "tok_cpu_s": statistics.median(r["tok_cpu_s"] for r in rs),
+                    "speedup_cpu": ratio("tok_cpu_s"), "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
+                    "pass_tok_s": [r["tok_s"] for r in rs], "pass_tok_cpu_s": [r["tok_cpu_s"] for r in rs],
                 })
                 print(_row(rows[-1]), flush=True)
 
@@ -264,23 +281,26 @@ def main(argv=None) -> int:
 
 def _summary(rows: list[dict], K: int, key: str = "tok_s") -> list[dict]:
     """Per (T, batch): adaptive against plain and against the best fixed K of that cell
-    (key: "tok_s" wall clock, "tok_cpu_s" this process's CPU time)."""
+    (key: "tok_s" wall clock, "tok_cpu_s" this process's CPU time). Every ratio is the median
+    over passes of the ratio within one pass (the engines' runs of a pass are interleaved)."""
     out = []
     cells = sorted({(r["temperature"], r["batch"]) for r in rows})
     for T, B in cells:
         cell = {r["engine"]: r for r in rows if (r["temperature"], r["batch"]) == (T, B)}
-        fixed = {k: cell[f"fixed_{k}"][key] for k in range(1, K + 1) if f"fixed_{k}" in cell}
+        per_pass = {name: r[f"pass_{key}"] for name, r in cell.items()}
+        vs = lambda a, b: statistics.median(x / y for x, y in zip(per_pass[a], per_pass[b]))  # noqa: E731
+        fixed = {k: vs(f"fixed_{k}", "plain") for k in range(1, K + 1) if f"fixed_{k}" in cell}
         best_k = max(fixed, key=fixed.get)
-        a, p = cell["adaptive"], cell["plain"][key]
-        row = {"clock": key, "temperature": T, "batch": B, "plain_tok_s": p, "adaptive_tok_s": a[key],
-               "adaptive_vs_plain": a[key] / p, "adaptive_draft_k": a["draft_k"],
-               "best_fixed_k": best_k, "best_fixed_vs_plain": fixed[best_k] / p,
-               "adaptive_vs_best_fixed": a[key] / fixed[best_k],
-               "fixed_vs_plain": {k: v / p for k, v in fixed.items()}}
+        a = cell["adaptive"]
+        row = {"clock": key, "temperature": T, "batch": B, "plain_tok_s": cell["plain"][key], "adaptive_tok_s": a[key],
+               "adaptive_vs_plain": vs("adaptive", "plain"), "adaptive_draft_k": a["draft_k"],
+               "best_fixed_k": best_k, "best_fixed_vs_plain": fixed[best_k],
+               "adaptive_vs_best_fixed": vs("adaptive", f"fixed_{best_k}"),
+               "fixed_vs_plain": fixed}
         if "untrained_adaptive" in cell:
-            row["untrained_adaptive_vs_plain"] = cell["untrained_adaptive"][key] / p
+            row["untrained_adaptive_vs_plain"] = vs("untrained_adaptive", "plain")
             row["untrained_adaptive_draft_k"] = cell["untrained_adaptive"]["draft_k"]
-            row["untrained_fixed_vs_plain"] = cell["untrained"][key] / p
+            row["untrained_fixed_vs_plain"] = vs("untrained", "plain")
         out.append(row)
     return out
 

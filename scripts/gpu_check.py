@@ -188,11 +188,13 @@ def engine_cuda(run: Runner) -> Result:
     rc, text = run.run("engine_cuda", [PY, "bench/rollout.py", *ROLLOUT_ARGS, "--out", str(out)], 150)
     if rc != 0 or not out.is_file():
         return _fail(r, rc, text)
-    for row in json.loads(out.read_text())["rows"]:
-        if row["engine"] in ("plain", "trained"):
+    result = json.loads(out.read_text())
+    deepest = f"fixed_{result['num_draft_tokens']}"  # the trained draft at K = K_max
+    for row in result["rows"]:
+        if row["engine"] in ("plain", deepest, "adaptive"):
             key = f"b{row['batch']}_{row['engine']}"
             r.metrics[f"{key}_tok_s"] = round(row["tok_s"], 1)
-            if row["engine"] == "trained":
+            if row["engine"] != "plain":
                 r.metrics[f"{key}_speedup"] = round(row["speedup"], 2)
                 r.metrics[f"{key}_accept"] = round(row["accept_len"], 2)
     r.status = "ok"
