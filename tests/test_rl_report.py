@@ -60,6 +60,19 @@ def test_report_tables_and_plots(tmp_path, draft_k):
         assert os.path.getsize(tmp_path / "plots" / f"{n}.png") > 5000
 
 
+def test_inrun_rollout_ratio_is_the_median_of_per_step_ratios():
+    # Baseline steps 10, 20, 30 (step 1 is left out as warm-up): co-trained / no-spec seconds
+    # (1, 4), (2, 2), (6, 3): per-step ratios 0.25, 1, 2 -> median 1.00x; the ratio of the
+    # medians (2 / 3 = 0.67x) would mix steps whose load differed.
+    rows = synthetic_rows()
+    for step, (co, ns) in {10: (1.0, 4.0), 20: (2.0, 2.0), 30: (6.0, 3.0)}.items():
+        rows[step - 1]["time/rollout_s"], rows[step - 1]["time/rollout_s_nospec"] = co, ns
+        rows[step - 1]["time/rollout_s_frozen"] = 2 * ns
+    text = variants_table(inrun_variants(rows), "t")
+    assert "| rollout s/step | 2.000 | 6.000 | 3.000 |" in text
+    assert "| rollout vs no-spec | 1.00x | 2.00x | 1.00x |" in text
+
+
 def test_report_without_baselines_or_drift(tmp_path):
     rows = synthetic_rows(baselines=False)
     for r in rows:

@@ -113,8 +113,10 @@ def variant_summary(rows: list[dict], window: int = 10) -> dict:
 
 def inrun_variants(rows: list[dict]) -> dict[str, dict]:
     """The three variants from ONE run's in-run baselines (same prompts, same seed, back to
-    back, at the baseline steps): acceptance and rollout seconds; no reward or step time
-    (the baselines do not train)."""
+    back, at the baseline steps): acceptance and rollout seconds, and the rollout ratio to no
+    speculation as the median over those steps of the ratio within each step (load that
+    comes and goes between steps cancels in it); no reward or step time (the baselines do
+    not train)."""
     base = _baseline_rows(rows)
     if not base:
         return {"co-trained": variant_summary(rows)}
@@ -122,8 +124,11 @@ def inrun_variants(rows: list[dict]) -> dict[str, dict]:
     med = base[1:] or base
 
     def v(accept, rollout_s):
+        per_step = [r[rollout_s] / r["time/rollout_s_nospec"] for r in med
+                    if r.get(rollout_s) is not None and r.get("time/rollout_s_nospec")]
         return {"accept_start": _mean(b1, accept) if accept else 1.0, "accept_end": _mean(b2, accept) if accept else 1.0,
-                "rollout_s": _median(med, rollout_s)}
+                "rollout_s": _median(med, rollout_s),
+                "rollout_vs_nospec": statistics.median(per_step) if per_step else None}
 
     co = {**variant_summary(rows), **v("rollout/accept_len", "time/rollout_s")}
     out = {"co-trained": co}
@@ -141,6 +146,8 @@ def variants_table(variants: dict[str, dict], title: str) -> str:
     nospec = variants.get("no-spec", {})
 
     def ratio(v, key):
+        if v.get(f"{key[:-2]}_vs_nospec") is not None:  # measured step by step (inrun_variants)
+            return f"{v[f'{key[:-2]}_vs_nospec']:.2f}x"
         a, b = v.get(key), nospec.get(key)
         return f"{a / b:.2f}x" if a is not None and b else "-"
 
