@@ -223,6 +223,9 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
     # The baselines run the same prompts with the frozen draft and without speculation.
     base = worker.baselines(prompts, sp)
     assert set(base) == {"frozen", "nospec"} and base["nospec"].verify_steps == base["nospec"].tokens
+    # In turned-over order (every other baseline step) no-spec runs first, with the same result.
+    turned = worker.baselines(prompts, sp, reverse=True)
+    assert list(turned) == ["nospec", "frozen"] and turned["nospec"].tokens == base["nospec"].tokens
 
 
 def _dead_engine(worker):

@@ -448,8 +448,9 @@ class RLConfig:
 
     baseline_interval: int = 10
     """Every this many steps (and at the first), generate the step's prompts again with the
-    frozen initial draft and without speculation, for the co-trained/frozen/no-spec comparison;
-    0 = never."""
+    frozen initial draft and without speculation, for the co-trained/frozen/no-spec comparison,
+    back to back with the step's rollouts (in turned-over order at every other baseline step);
+    0 = never. 1 gives a side-by-side ratio at every step (benchmarks)."""
 
     rollout_retries: int = 1
     """A rollout that raises is retried this many times on a rebuilt engine, then the run stops."""

@@ -213,10 +213,13 @@ class RolloutWorker:
             if acceptance is not None and name in state:
                 acceptance.load_state_dict(state[name])
 
-    def baselines(self, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, RolloutStats]:
-        """The same prompts and seed through the frozen-draft and no-speculation engines."""
+    def baselines(self, prompts: list[list[int]], sampling: SamplingParams,
+                  reverse: bool = False) -> dict[str, RolloutStats]:
+        """The same prompts and seed through the frozen-draft and no-speculation engines (in
+        that order; ``reverse``: no-spec first)."""
         out = {}
-        for name, engine in (("frozen", self.frozen), ("nospec", self.nospec)):
+        engines = (("frozen", self.frozen), ("nospec", self.nospec))
+        for name, engine in reversed(engines) if reverse else engines:
             if engine is not None:
                 t0 = time.perf_counter()
                 rollouts = engine.generate(prompts, sampling)

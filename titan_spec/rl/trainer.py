@@ -225,8 +225,16 @@ class RLTrainer(SpecTrainer):
         rl, tok = self.rl, self.tokenizer
         sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
                                   stop_token_ids=tuple(tok.stop_ids), seed=seed)
+        # The baselines are timed back to back with the step's rollouts, and where a call sits
+        # in such a sequence moves its time on CPU (the second of two identical calls measured
+        # up to 11% apart from the first), so the order turns over from one baseline step to
+        # the next: the step's rollouts, frozen, no-spec; then no-spec, frozen, the step's.
+        turned = baselines and (self.step // max(rl.baseline_interval, 1)) % 2 == 1
+        base = self.worker.baselines(prompts, sampling, reverse=True) if turned else {}
         rollouts, stats = self.worker.generate(prompts, sampling)
-        return rollouts, stats, self.worker.baselines(prompts, sampling) if baselines else {}
+        if baselines and not turned:
+            base = self.worker.baselines(prompts, sampling)
+        return rollouts, stats, base
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """3: rewards_PG of the batch's completions."""
