@@ -4,7 +4,8 @@ step by step, printing one JSON line with what each step did (tests/test_rl_upda
     python -m torch.distributed.run --nproc_per_node=1 tests/helpers/rl_updates.py ARGS...
 
 ARGS: titan_spec CLI arguments (--config included) of the RL run. Per step: the importance-ratio
-deviation max |pi / pi_behaviour - 1| of each update, in order; the optimizer steps the
+deviation max |pi / pi_behaviour - 1| of each update, in order, and its policy gradient
+norm (0 for a minibatch whose groups all have equal rewards); the optimizer steps the
 policy's and the draft's AdamW have taken after it (their per-parameter "step" state); the
 policy version the step's rollouts were generated with (what the engine was pushed); for a MoE
 policy, the largest |routing bias| of the trainer's MoE layers after the step and whether the
@@ -50,6 +51,7 @@ def main() -> None:
                 "max_expert_bias": max((float(v.abs().max()) for v in after.values()), default=None),
                 "engine_bias_pushed": bool(pushed) and all(torch.equal(served[k], v) for k, v in pushed.items()),
                 "ratio_dev": [u.ratio_dev for u in record.updates],
+                "grad_norm": [float(u.grad_norm) for u in record.updates],
                 "policy_adam_steps": _adam_steps(trainer.optimizers.optimizers[0]),
                 "draft_adam_steps": _adam_steps(trainer.draft_training.optimizer),
                 "policy_version": record.batch.policy_version,
