@@ -14,8 +14,9 @@ engine picks, before every round, the K that maximises expected tokens per secon
     depth j; each round weighs 1 whatever its rows) decayed by ``decay`` per round, smoothed
     by a Beta prior. A slower decay applies in K = 0 rounds, so the prior regains weight and
     a stale draft is probed again now and then (about one round in 200: each probe of a
-    stale draft is a wasted round). The estimate is carried from call to call (``AcceptanceState``, one
-    per sampling setting), so a call does not decide from its own first round alone;
+    stale draft is a wasted round). The estimate is carried from call to call
+    (``AcceptanceState``, one per sampling setting), so a call does not decide from its own
+    first round alone;
   - cost(K, B): ``RoundCosts``, the engine's own measured cost of a round, measured ONCE
     per (sampling mode, batch-size bucket) on first use, then frozen.
 
