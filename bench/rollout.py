@@ -229,10 +229,7 @@ def main(argv=None) -> int:
             prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(n)]
             sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed)
             for e in engines.values():  # warm-up (and compile, when on; adaptive: measures its costs)
-                e.config.max_batch_size = B
                 e.generate(prompts[:B], SamplingParams(T, max_new_tokens=8, seed=0))
-            for e in engines.values():
-                e.config.max_batch_size = 0
             passes = [run_interleaved(engines, prompts, sp, B) for _ in range(args.repeats)]
             for name in engines:
                 rs = [p[name] for p in passes]

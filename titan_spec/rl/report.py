@@ -146,8 +146,8 @@ def variants_table(variants: dict[str, dict], title: str) -> str:
     nospec = variants.get("no-spec", {})
 
     def ratio(v, key):
-        if v.get(f"{key[:-2]}_vs_nospec") is not None:  # measured step by step (inrun_variants)
-            return f"{v[f'{key[:-2]}_vs_nospec']:.2f}x"
+        if key == "rollout_s" and v.get("rollout_vs_nospec") is not None:  # step by step (inrun_variants)
+            return f"{v['rollout_vs_nospec']:.2f}x"
         a, b = v.get(key), nospec.get(key)
         return f"{a / b:.2f}x" if a is not None and b else "-"
 
