@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import titan_spec  # noqa: F401
-from titan_spec.models.hf_io import HFCheckpointError, load_hf_into, read_hf_arch, save_hf
+from titan_spec.models.hf_io import HFCheckpointError, read_hf_arch, save_hf
 from titan_spec.models.moe import ExactGroupedExperts, moe_layers
-from titan_spec.models.registry import active_parameter_count, build_target_config, flavor_arch, parameter_count
+from titan_spec.models.registry import active_parameter_count, flavor_arch, parameter_count
+
+from helpers.hf_assets import load_target
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,20 +36,12 @@ def _hf_moe(path, **kw):
     return model
 
 
-def _target(path, taps=(1, 2, 4)):
-    arch = read_hf_arch(path)
-    model = build_target_config(arch, tap_layer_ids=taps).build()
-    model.init_weights(buffer_device=None)
-    load_hf_into(model, path, arch)
-    return model.eval(), arch
-
-
 def test_logits_and_taps_match_transformers_qwen3_moe(tmp_path):
     """fp32: logits within 1e-4 of transformers', every tap equal to HF hidden_states[k+1] within
     1e-5, the embeddings bitwise; the routing is not degenerate (tokens go to different experts),
     so the parity covers the router, the dispatch and the experts."""
     hf = _hf_moe(tmp_path)
-    model, arch = _target(tmp_path)
+    model, arch = load_target(tmp_path)
     assert (arch.num_experts, arch.moe_top_k, arch.moe_hidden_dim, arch.moe_norm_topk) == (E, K, 32, True)
     assert all(isinstance(m.routed_experts.inner_experts, ExactGroupedExperts) for m in moe_layers(model))
     tok = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -65,7 +59,7 @@ def test_logits_and_taps_match_transformers_qwen3_moe(tmp_path):
 
 def test_export_round_trip_is_exact_and_a_moved_routing_bias_is_refused(tmp_path):
     hf = _hf_moe(tmp_path / "in")
-    model, arch = _target(tmp_path / "in")
+    model, arch = load_target(tmp_path / "in")
     save_hf(model, str(tmp_path / "out"), arch)
     assert read_hf_arch(str(tmp_path / "out")) == arch
     back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -237,7 +231,7 @@ def test_policy_names_for_sglang_are_the_hf_checkpoint_names(tmp_path):
     from titan_spec.rollout.weight_names import policy_to_hf_names
 
     _hf_moe(tmp_path)
-    model, arch = _target(tmp_path, taps=())
+    model, arch = load_target(tmp_path, taps=())
     hf_sd = load_file(tmp_path / "model.safetensors")
     pushed = dict(policy_to_hf_names(model.state_dict(), arch))
     assert sorted(pushed) == sorted(hf_sd)

@@ -11,6 +11,8 @@ from titan_spec.models.hf_io import HFCheckpointError, load_hf_into, read_hf_arc
 from titan_spec.models.registry import build_target_config
 from titan_spec.models.target import default_tap_layer_ids
 
+from helpers.hf_assets import load_target
+
 transformers = pytest.importorskip("transformers")
 
 V, L = 97, 6
@@ -39,18 +41,10 @@ def _hf_llama(path):
     return model
 
 
-def _target(path, taps=(1, 2, 4)):
-    arch = read_hf_arch(path)
-    model = build_target_config(arch, tap_layer_ids=taps).build()
-    model.init_weights(buffer_device=None)
-    load_hf_into(model, path, arch)
-    return model.eval(), arch
-
-
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_tied", "llama"])
 def test_logits_and_taps_match_transformers(tmp_path, family):
     hf = {"qwen3": lambda p: _hf_qwen3(p), "qwen3_tied": lambda p: _hf_qwen3(p, tie=True), "llama": _hf_llama}[family](tmp_path)
-    model, _ = _target(tmp_path)
+    model, _ = load_target(tmp_path)
     tok = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(24).repeat(2, 1)
     with torch.no_grad():
@@ -65,7 +59,7 @@ def test_logits_and_taps_match_transformers(tmp_path, family):
 
 def test_packed_documents_equal_separate_forwards(tmp_path):
     hf = _hf_qwen3(tmp_path)
-    model, _ = _target(tmp_path, taps=())
+    model, _ = load_target(tmp_path, taps=())
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(0, V, (n,), generator=g) for n in (9, 1, 14)]
     packed = torch.cat(docs)[None]
@@ -85,7 +79,7 @@ def test_default_tap_ids():
 
 def test_export_round_trip_exact(tmp_path):
     hf = _hf_qwen3(tmp_path / "in")
-    model, arch = _target(tmp_path / "in")
+    model, arch = load_target(tmp_path / "in")
     save_hf(model, str(tmp_path / "out"), arch)
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
     assert read_hf_arch(str(tmp_path / "out")) == arch
@@ -98,7 +92,7 @@ def test_sharded_index_is_read(tmp_path):
     from safetensors.torch import load_file, save_file
 
     _hf_qwen3(tmp_path / "one")
-    ref_model, arch = _target(tmp_path / "one")
+    ref_model, arch = load_target(tmp_path / "one")
     sd = load_file(tmp_path / "one" / "model.safetensors")
     keys = sorted(sd)
     shard = tmp_path / "two"
@@ -109,7 +103,7 @@ def test_sharded_index_is_read(tmp_path):
         save_file({k: sd[k] for k in ks}, shard / fname)
     weight_map = {k: f for f, ks in halves.items() for k in ks}
     (shard / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    model, _ = _target(shard)
+    model, _ = load_target(shard)
     for (n, a), (_, b) in zip(sorted(model.state_dict().items()), sorted(ref_model.state_dict().items())):
         assert torch.equal(a, b), n
 

@@ -176,3 +176,16 @@ def write_sparse_safetensors(path, shapes: dict[str, tuple[int, ...]], dtype: st
     if shards > 1:
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def load_target(path, taps=(1, 2, 4)):
+    """(the tapped torchtitan target built from the HF checkpoint at ``path``, in eval mode;
+    its Arch): what the HF-import tests compare against transformers."""
+    from titan_spec.models.hf_io import load_hf_into, read_hf_arch
+    from titan_spec.models.registry import build_target_config
+
+    arch = read_hf_arch(path)
+    model = build_target_config(arch, tap_layer_ids=taps).build()
+    model.init_weights(buffer_device=None)
+    load_hf_into(model, path, arch)
+    return model.eval(), arch
