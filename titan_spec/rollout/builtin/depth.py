@@ -148,12 +148,17 @@ class AcceptanceEstimate:
         self.reached = [0.0] * (k_max + 1)  # index j = 1..k_max (0 unused)
         self.accepted = [0.0] * (k_max + 1)
 
-    def observe(self, k: int, accepted: list[int], batch: int = 1) -> None:
+    def observe(self, k: int, accepted: list[int]) -> None:
         """One round at depth k, with each row's accepted draft count (before any stop or
-        budget cut: what the draft achieved); ``batch``: the rows the batch started with.
-        A row counts 1 / batch, so a full round weighs 1 whatever the batch size (and the
-        prior and the decays mean the same number of rounds at batch 1 and at batch 64),
-        while the last rounds of a batch, with few rows left, weigh what those rows do."""
+        budget cut: what the draft achieved). Each of the round's rows counts 1 / (its rows),
+        so every round weighs 1 whatever its batch size (the prior and the decays mean the
+        same number of rounds at batch 1 and at batch 64), the last rounds of a batch, with
+        few rows left, included: rows only leave a batch, so those rows are the ones the
+        next rounds decode. (Weighing a row 1 / (the rows the batch started with), the
+        decay scaled to match, speculates more in the next call, and loses where the
+        longest rows of a batch are the ones the draft cannot predict, as at the default's
+        start: 1.036x plain decoding per call against 1.012x, docs/PERFORMANCE.md "Session
+        of 2026-12-01 (6)".)"""
         d = self.decay if k else self.idle_decay
         self.reached = [x * d for x in self.reached]
         self.accepted = [x * d for x in self.accepted]

@@ -439,7 +439,7 @@ class TorchRolloutEngine:
                 c_B = c_B + a_B + 1
                 c_host = [c + a + 1 for c, a in zip(c_host, a_host)]
                 if est is not None:
-                    est.observe(K, a_host, B)
+                    est.observe(K, a_host)
                 if round_s is not None:
                     round_s.append(self._round_clock() - t0)
                 else:
