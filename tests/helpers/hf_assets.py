@@ -3,7 +3,8 @@
 tokenizer_config.json with Qwen's special tokens and a Qwen-style chat template), a
 GSM8K-format JSONL file, a tiny random Qwen3 checkpoint written by transformers, and
 Qwen3-sized checkpoint directories whose weights are absent (sparse safetensors: the
-headers are real, the data is holes on disk).
+headers are real, the data is holes on disk); and the tapped target built from such a
+checkpoint (``load_target``), which the HF-import tests compare against transformers.
 """
 
 from __future__ import annotations
