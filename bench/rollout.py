@@ -18,10 +18,10 @@
 # Every timed pass runs --requests prompts (or `batch`, when larger) through each engine,
 # `batch` per generate call (batch 1: one request after another), so acceptance and tokens/s
 # are not one prompt's, and adaptive depth carries its acceptance estimate from call to call
-# as it does from RL step to RL step. For every (temperature, batch) the engines take turns batch by batch (batch i of
-# every engine back to back), `--repeats` passes; a ratio (speedup, adaptive / best fixed)
-# is the median over passes of the ratio within one pass, so load that comes and goes on a
-# busy machine falls on all engines alike.
+# as it does from RL step to RL step. For every (temperature, batch) the engines take turns
+# batch by batch (batch i of every engine back to back), `--repeats` passes; a ratio
+# (speedup, adaptive / best fixed) is the median over passes of the ratio within one pass,
+# so load that comes and goes on a busy machine falls on all engines alike.
 #
 # Models: --policy (HF dir) and --draft (draft dir). Defaults: the embedded default's SFT
 # policy and offline draft (outputs/debug_cpu/sft/hf, outputs/debug_cpu/draft/draft), trained
