@@ -160,6 +160,7 @@ def _rank_main(rank: int, args: argparse.Namespace, init_file: str, out_dir: str
     from titan_spec.models.attention import DocMetadata
     from titan_spec.models.branch_attention import ttt_attention
     from titan_spec.parallelisms.context_parallel import CPMetadata, ZigzagLayout, ring_attention
+    from titan_spec.platform import exit_process
 
     group = dist.group.WORLD
     S, T, N, K, H, cp = args.seqlen, args.steps, args.heads, args.kv_heads, args.head_dim, args.cp
@@ -210,6 +211,7 @@ def _rank_main(rank: int, args: argparse.Namespace, init_file: str, out_dir: str
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "peak_mem_gib": peak / GIB, "cold_s": cold, "time_s": warm, "rows": R}, f)
     dist.destroy_process_group()
+    exit_process(0)
 
 
 def _worker(args: argparse.Namespace) -> dict:

@@ -103,6 +103,7 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     from titan_spec.config import load_config
+    from titan_spec.platform import exit_process
     from titan_spec.train import to_trainer_config
 
     rows = []
@@ -169,6 +170,7 @@ def _worker(args) -> None:
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     dist.destroy_process_group()
+    exit_process(0)
 
 
 def main(argv=None) -> None:

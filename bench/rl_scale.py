@@ -164,6 +164,8 @@ def _step_worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from titan_spec.platform import exit_process
+
     torch.set_num_threads(1)
     trainer = _build(_overrides(args, args.seqlen, args.cp), one_update=True)
     rows = []
@@ -188,12 +190,15 @@ def _step_worker(args) -> None:
         print("RESULT " + json.dumps(gathered), flush=True)
     trainer.close()
     dist.destroy_process_group()
+    exit_process(0)
 
 
 def _pp_worker(args) -> None:
     """Part 2: pp = 2, the RL step's channel vs control (bench/pp_taps.py's modes)."""
     import torch
     import torch.distributed as dist
+
+    from titan_spec.platform import exit_process
 
     sys.path.insert(0, str(Path(__file__).parent))
     from pp_taps import _LocalFeatures, _Timed, _use  # bench/pp_taps.py
@@ -241,6 +246,7 @@ def _pp_worker(args) -> None:
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     dist.destroy_process_group()
+    exit_process(0)
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from titan_spec.parallelisms.context_parallel import (
     zigzag_shard,
     zigzag_unshard,
 )
+from titan_spec.platform import exit_process
 
 ATOL = 1e-5
 
@@ -98,6 +99,7 @@ def _numerics_worker(rank, world, init_file):
                 doc_lens, inputs, w = _case(layout_name, heads, J, seed=100 * J + len(heads))
                 _check_ring(rank, group, doc_lens, inputs, w, f"cp={world} {layout_name} {heads} J={J}")
     dist.destroy_process_group()
+    exit_process(0)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -171,6 +173,7 @@ def _layout_and_compile_worker(rank, world, init_file):
     for g, cg in zip(grads, c_grads):
         _close(cg, g, "compiled grad")
     dist.destroy_process_group()
+    exit_process(0)
 
 
 def test_zigzag_roundtrip_and_compile(tmp_path):
@@ -278,6 +281,7 @@ def _target_worker(rank, world, init_file):
     # Whole-graph blocks (fullgraph) and no recompilation once shapes went dynamic.
     assert compiles[2] == 0, compiles
     dist.destroy_process_group()
+    exit_process(0)
 
 
 def test_target_under_cp_matches_one_process_compiled(tmp_path):

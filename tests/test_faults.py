@@ -6,7 +6,8 @@ batch is the same) at a constant learning rate, so a run in which step k is skip
 with exactly the weights of a run one step shorter: the independent reference of the
 finiteness guard (titan_spec/finite.py). The uninterrupted 4-step run is the reference of
 every resume. Test hooks: TITAN_SPEC_FAULTS (nan_grad_policy@k, nan_grad_draft@k,
-kill_in_checkpoint@k), read in titan_spec/finite.py only.
+kill_in_checkpoint@k), read in titan_spec/finite.py only. Last, a process's end: a gloo
+thread that runs Python as a finished rank exits (platform.exit_process).
 """
 
 import json
@@ -365,3 +366,22 @@ def test_rl_report_skips_null_values(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows = read_metrics(str(tmp_path))
     assert _mean(rows, "rl/reward") == 0.75 and _series(rows, "rl/reward") == ([1, 3], [0.5, 1.0])
+
+
+def test_a_finished_process_exits_0_while_a_gloo_thread_runs_python(tmp_path):
+    """platform.exit_process ends a process that ran process groups with its status, even
+    when a gloo worker thread runs Python after the process's work is done (a collective's
+    callback completing as it ends: tests/helpers/exit_after_collective.py). Python's own
+    exit aborts that process (CI saw a finished dp = 2 run end so): the control."""
+
+    def launch(mode):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(ROOT, "tests", "helpers", "exit_after_collective.py"), str(tmp_path / mode), mode]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
+
+    control = launch("sys_exit")
+    assert control.returncode != 0 and "terminate called without an active exception" in control.stderr, (
+        f"Python's own exit no longer aborts here (rc {control.returncode}; a torch that fixed it?):\n"
+        f"{control.stderr[-2000:]}")
+    out = launch("exit_process")
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -293,6 +293,7 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from titan_spec.platform import exit_process
     from titan_spec.rl.grpo import token_logprobs
 
     torch.set_num_threads(1)
@@ -319,6 +320,7 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
         torch.testing.assert_close(sharded.grad.full_tensor().double(), want_grad, rtol=0, atol=1e-5)
     finally:
         dist.destroy_process_group()
+    exit_process(0)
 
 
 def test_token_logprobs_of_vocab_sharded_logits_match_the_whole_vocabulary(tmp_path):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titan_spec.parallelisms.tap_channel import TapChannel, TapChannelError, TapLayout
+from titan_spec.platform import exit_process
 
 SHAPE_BLD = (1, 5, 3)
 # Stage 0 (rank 0) computes the embeddings (-1) and layer 1; stage 1 (rank 1, last) layer 4.
@@ -252,6 +253,7 @@ def _worker(rank, store_path, q):
         q.put((case, rank, _misuse(rank, case)))
         dist.barrier()
     dist.destroy_process_group()
+    exit_process(0)
 
 
 @pytest.fixture(scope="module")

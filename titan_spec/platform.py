@@ -3,19 +3,24 @@
 titan_spec runs the same code on GPU (cuda + nccl) and on CPU (cpu + gloo, several
 processes on one machine). torchtitan 0.3.0 assumes an accelerator in a handful of
 places; each is handled here, once, with the reason on its line. On a machine with
-a GPU nothing in this file changes torchtitan's behaviour.
+a GPU nothing in this file changes torchtitan's behaviour. One more, (6), is about
+torch's process groups at process exit, on either device.
 
 Import this module before anything from torchtitan (titan_spec/__init__.py does).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
+from typing import NoReturn
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["DEVICE_TYPE", "on_cpu", "apply_cpu_shims", "force_sum_reduction"]
+__all__ = ["DEVICE_TYPE", "on_cpu", "apply_cpu_shims", "force_sum_reduction", "exit_process"]
 
 # TITAN_SPEC_DEVICE=cpu forces the CPU path on a GPU machine (tests, benchmarks).
 _FORCED = os.environ.get("TITAN_SPEC_DEVICE", "").strip().lower()
@@ -147,3 +152,30 @@ def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) ->
             value = distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements)
         out[key] = value
     model.load_state_dict(out, strict=True)
+
+
+def exit_process(status: int) -> NoReturn:
+    """(6) End a process that ran torch.distributed with ``status``, skipping the
+    interpreter's finalization (call it after destroy_process_group).
+
+    Once DTensor or functional collectives have used a gloo process group, torch keeps a
+    reference to it from C++: destroy_process_group and gc.collect() leave its threads (two
+    pt_gloo_runloop, one gloo_tcp_loop, read from /proc/self/task) running on into the
+    interpreter's finalization. A native thread that asks for the GIL then is ended by Python
+    with pthread_exit, and the unwinding through a noexcept C++ frame calls std::terminate:
+    a process whose work is all done exits with SIGABRT ("terminate called without an active
+    exception"). CI saw it on rank 1 of a finished dp = 2 run, 60 ms after its last export;
+    tests/helpers/exit_after_collective.py makes it happen every time (a collective's Python
+    callback run by the gloo worker). So the process ends here, after what finalization does
+    that matters, done as Python does it: the non-daemon threads joined, the atexit handlers
+    run (logging's flush, multiprocessing's queue feeders, inductor's compile workers), the
+    standard streams flushed; then os._exit, which runs nothing more.
+    """
+    threading._shutdown()  # private: what Py_FinalizeEx calls first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
+            pass
+    os._exit(status)

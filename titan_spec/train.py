@@ -488,4 +488,4 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    platform.exit_process(main())

@@ -16,6 +16,7 @@ import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
 from torchtitan.tools.logging import init_logger
 
+from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.train import to_trainer_config
@@ -71,3 +72,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    platform.exit_process(0)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torchtitan.tools.logging import init_logger
 
+from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.data.problem import Problem
 from titan_spec.rl.records import RolloutBatch
@@ -126,3 +127,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    platform.exit_process(0)

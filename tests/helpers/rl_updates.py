@@ -19,6 +19,7 @@ import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
 from torchtitan.tools.logging import init_logger
 
+from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.models.moe import expert_biases
 from titan_spec.rl.rollouts import full_policy_state
@@ -65,3 +66,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    platform.exit_process(0)

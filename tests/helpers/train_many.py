@@ -22,6 +22,7 @@ import torch
 import torchtitan.trainer
 from torchtitan.tools.logging import init_logger
 
+from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.train import to_trainer_config, train_and_close
 
@@ -38,7 +39,7 @@ class _NoEndSleep:
         pass
 
 
-def main() -> None:
+def main() -> int:
     init_logger()
     torchtitan.trainer.time = _NoEndSleep()
     worst = 0
@@ -61,8 +62,8 @@ def main() -> None:
         worst = max(worst, rc)
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    sys.exit(worst)  # nonzero when any run stopped
+    return worst  # nonzero when any run stopped
 
 
 if __name__ == "__main__":
-    main()
+    platform.exit_process(main())
