@@ -210,7 +210,6 @@ def _rank_main(rank: int, args: argparse.Namespace, init_file: str, out_dir: str
     warm = time.perf_counter() - t0
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "peak_mem_gib": peak / GIB, "cold_s": cold, "time_s": warm, "rows": R}, f)
-    dist.destroy_process_group()
     exit_process(0)
 
 

@@ -169,7 +169,6 @@ def _worker(args) -> None:
         trainer.close()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
-    dist.destroy_process_group()
     exit_process(0)
 
 

@@ -189,7 +189,6 @@ def _step_worker(args) -> None:
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(gathered), flush=True)
     trainer.close()
-    dist.destroy_process_group()
     exit_process(0)
 
 
@@ -245,7 +244,6 @@ def _pp_worker(args) -> None:
         trainer.close()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
-    dist.destroy_process_group()
     exit_process(0)
 
 

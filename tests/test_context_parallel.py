@@ -98,7 +98,6 @@ def _numerics_worker(rank, world, init_file):
             for J in BRANCH_STEPS:
                 doc_lens, inputs, w = _case(layout_name, heads, J, seed=100 * J + len(heads))
                 _check_ring(rank, group, doc_lens, inputs, w, f"cp={world} {layout_name} {heads} J={J}")
-    dist.destroy_process_group()
     exit_process(0)
 
 
@@ -172,7 +171,6 @@ def _layout_and_compile_worker(rank, world, init_file):
     c_grads = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(*args), args)
     for g, cg in zip(grads, c_grads):
         _close(cg, g, "compiled grad")
-    dist.destroy_process_group()
     exit_process(0)
 
 
@@ -280,7 +278,6 @@ def _target_worker(rank, world, init_file):
             p.grad, rp.grad = None, None
     # Whole-graph blocks (fullgraph) and no recompilation once shapes went dynamic.
     assert compiles[2] == 0, compiles
-    dist.destroy_process_group()
     exit_process(0)
 
 

@@ -252,7 +252,6 @@ def _worker(rank, store_path, q):
     for case in CASES:
         q.put((case, rank, _misuse(rank, case)))
         dist.barrier()
-    dist.destroy_process_group()
     exit_process(0)
 
 

@@ -155,8 +155,8 @@ def load_full_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) ->
 
 
 def exit_process(status: int) -> NoReturn:
-    """(6) End a process that ran torch.distributed with ``status``, skipping the
-    interpreter's finalization (call it after destroy_process_group).
+    """(6) End a process that ran torch.distributed with ``status``: its process groups
+    destroyed (if they still are not), then without the interpreter's finalization.
 
     Once DTensor or functional collectives have used a gloo process group, torch keeps a
     reference to it from C++: destroy_process_group and gc.collect() leave its threads (two
@@ -171,6 +171,8 @@ def exit_process(status: int) -> NoReturn:
     run (logging's flush, multiprocessing's queue feeders, inductor's compile workers), the
     standard streams flushed; then os._exit, which runs nothing more.
     """
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     threading._shutdown()  # private: what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

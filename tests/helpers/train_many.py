@@ -61,7 +61,6 @@ def main() -> int:
         sys.stdout.flush()
         worst = max(worst, rc)
         torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
     return worst  # nonzero when any run stopped
 
 
