@@ -99,6 +99,7 @@ def test_ttt_loss_equals_direct_dense_computation():
         ce = -(tgt_p * torch.log_softmax(lg, -1)).sum(-1)
         expected = expected + 0.8**j * (ce * valid).sum() / valid.sum().clamp(min=1)
         assert int(out.count_S[j]) == int(valid.sum())
+    # tolerance: one fp32 forward of the same weights, summed in another order (no optimizer step)
     torch.testing.assert_close(out.loss, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -109,6 +110,7 @@ def test_targets_mask_argmax_outside_draft_vocab():
     logits[:, outside] = 100.0  # the target's argmax is outside the draft vocab everywhere
     for _, valid, tgt_p in ttt_targets(d, pos, labels, logits, 3):
         assert not valid.any()
+        # tolerance: a softmax row sums to 1 to fp32 rounding (torch's fp32 default)
         torch.testing.assert_close(tgt_p.sum(-1), torch.ones(len(pos)))
 
 

@@ -53,7 +53,7 @@ from safetensors.torch import load_file
 import titan_spec  # noqa: F401
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.io import load_draft_into, save_draft
-from titan_spec.rollout.builtin.kv_cache import CachedDraft
+from titan_spec.models.draft.eagle3.proposer import CachedDraft
 
 # target_hidden != hidden (fc must run), head_dim != hidden / heads and rope_theta != 1e4
 # (both must come from the config); GQA with 2 query heads per kv head.
@@ -223,6 +223,7 @@ def test_exported_draft_runs_in_sglangs_eagle3_layout_like_the_project(tmp_path)
     for which, d in (("exported draft", draft), ("re-imported draft", reimported.eval())):
         with torch.no_grad():
             logits, h = project_forward(d, taps_T3Ht, emb_VH, tokens_T)
+        # tolerance: the same weights in fp32 against SGLang's forward in fp64: fp32 rounding of a few GEMMs
         torch.testing.assert_close(logits.double(), ref_logits, rtol=1e-5, atol=2e-5, msg=lambda m: f"{which} logits: {m}")
         torch.testing.assert_close(h.double(), ref_h, rtol=1e-5, atol=2e-5, msg=lambda m: f"{which} hidden: {m}")
         assert torch.equal(d.draft_to_target_ids(), ref_hot)

@@ -51,9 +51,11 @@ def test_logits_and_taps_match_transformers_qwen3_moe(tmp_path):
         ref = hf(tok, output_hidden_states=True)
         chosen = model.layers["0"].moe.router(model.layers["0"].ffn_norm(taps.embeds_BLD))[1]
     assert len({tuple(sorted(c)) for c in chosen.reshape(-1, K).tolist()}) > 4  # many different expert pairs
+    # tolerance: one fp32 forward of the same weights as transformers' (other kernels and GEMM blockings)
     torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(taps.embeds_BLD, ref.hidden_states[0], atol=0, rtol=0)
     for k, tap in zip((1, 2, 4), taps.hidden):
+        # tolerance: the same forward's hidden states, before the lm_head's growth of rounding
         torch.testing.assert_close(tap, ref.hidden_states[k + 1], atol=1e-5, rtol=0)
 
 
@@ -117,6 +119,8 @@ def test_fsdp_dp2_and_expert_parallel_ep2_match_dp1(tmp_path, train, many):
               "max |ep2 - dp1|", max(abs(a[key] - c[key]) for a, c in zip(one, ep2)))
     for a, b, c in zip(one, dp2, ep2):
         for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm"):
+            # tolerance: fp32 sums in another order; step 2 after an AdamW step whose sign flips
+            # move only ~0-gradient weights, so the loss moves by a second-order term only.
             assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), (key, a, b)
             assert c[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), (key, a, c)
 

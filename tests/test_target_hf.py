@@ -50,10 +50,12 @@ def test_logits_and_taps_match_transformers(tmp_path, family):
     with torch.no_grad():
         logits, taps = model(tok, pos, model.get_attention_masks(pos))
         ref = hf(tok, output_hidden_states=True)
+    # tolerance: one fp32 forward of the same weights as transformers' (other kernels and GEMM blockings)
     torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
     assert len(taps.hidden) == 3
     torch.testing.assert_close(taps.embeds_BLD, ref.hidden_states[0], atol=0, rtol=0)
     for k, tap in zip((1, 2, 4), taps.hidden):
+        # tolerance: the same forward's hidden states (fp32, other kernels)
         torch.testing.assert_close(tap, ref.hidden_states[k + 1], atol=1e-4, rtol=0)
 
 
@@ -68,6 +70,7 @@ def test_packed_documents_equal_separate_forwards(tmp_path):
         out = model(packed, pos, model.get_attention_masks(pos))[0]
         start = 0
         for d in docs:
+            # tolerance: one fp32 forward of the same weights, packed vs one document (other shapes, other blockings)
             torch.testing.assert_close(out[start : start + len(d)], hf(d[None]).logits[0], atol=1e-4, rtol=0)
             start += len(d)
 
