@@ -4,9 +4,9 @@ kill -9 at a random step and during a checkpoint write, corrupted checkpoint fil
 Every run trains policy + draft on ONE repeated problem (a one-line JSONL task: every step's
 batch is the same) at a constant learning rate, so a run in which step k is skipped must end
 with exactly the weights of a run one step shorter: the independent reference of the
-finiteness guard (titan_spec/finite.py). The uninterrupted 4-step run is the reference of
+finiteness guard (titan_spec/training/finite.py). The uninterrupted 4-step run is the reference of
 every resume. Test hooks: TITAN_SPEC_FAULTS (nan_grad_policy@k, nan_grad_draft@k,
-kill_in_checkpoint@k), read in titan_spec/finite.py only. Last, a process's end: a gloo
+kill_in_checkpoint@k), read in titan_spec/training/finite.py only. Last, a process's end: a gloo
 thread that runs Python as a finished rank exits (platform.exit_process).
 """
 
@@ -275,7 +275,7 @@ def test_every_corrupted_file_is_detected_and_the_previous_checkpoint_chosen(run
     """Random bytes in each file of the newest checkpoint (.metadata and each rank's .distcp), a
     truncated or deleted file, an unsealed folder: each is reported by name and the previous
     verified checkpoint is chosen; with none verified the run stops (CheckpointCorrupt)."""
-    from titan_spec.checkpoint import MANIFEST, CheckpointCorrupt, choose_checkpoint
+    from titan_spec.training.checkpoint import MANIFEST, CheckpointCorrupt, choose_checkpoint
 
     src = os.path.join(runs["nan"], "checkpoint")
     names = sorted(os.listdir(os.path.join(src, "step-6")))

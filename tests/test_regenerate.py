@@ -1,4 +1,4 @@
-"""draft.data = "regenerated" (titan_spec/regenerate.py): offline draft batches made of the
+"""draft.data = "regenerated" (titan_spec/training/regenerate.py): offline draft batches made of the
 warm start's own greedy completions of the task's prompts. Checked against an independent
 reference: every packed document is a task prompt followed by exactly what the plain
 built-in engine decodes greedily for that prompt alone (batch 1), trained on the
@@ -15,7 +15,7 @@ import pytest
 from titan_spec.config import ConfigError, TaskConfig, load_config
 from titan_spec.data.loader import TaskDataLoader
 from titan_spec.data.tokenizer import CharTokenizer
-from titan_spec.regenerate import Regenerator
+from titan_spec.training.regenerate import Regenerator
 from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -35,7 +35,7 @@ def _loader(tok, regenerate=None):
     task = TaskConfig(name="trace", max_operand=20, min_count=2, max_count=6, trace_fraction=0.3, seed=5)
     loader = TaskDataLoader(TaskDataLoader.Config(task=task), dp_world_size=1, dp_rank=0, tokenizer=tok,
                             seq_len=ROW, local_batch_size=4)
-    loader.regenerate = regenerate
+    loader.use_regenerator(regenerate)
     return loader
 
 

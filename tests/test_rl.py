@@ -12,11 +12,11 @@ import torch
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, DraftConfig, RLConfig, load_config
-from titan_spec.draft_training import DraftTraining
+from titan_spec.training.draft import DraftTraining
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.co_training import CoTrainingLoss
+from titan_spec.training.co_training import CoTrainingLoss
 from titan_spec.rl.grpo import PPOPolicyLoss, token_logprobs
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.rollout import SamplingParams
@@ -139,7 +139,7 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
 
 
 def _worker(tmp_path, retries=1, costs_dir=None):
-    from titan_spec.draft_training import initial_draft
+    from titan_spec.training.draft import initial_draft
     from titan_spec.rl.rollouts import RolloutWorker
 
     model, arch = _tiny()

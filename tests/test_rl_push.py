@@ -17,7 +17,7 @@ import torch
 
 import titan_spec  # noqa: F401
 from titan_spec.config import load_config
-from titan_spec.draft_training import initial_draft
+from titan_spec.training.draft import initial_draft
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rollout import SamplingParams

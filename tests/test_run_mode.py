@@ -12,7 +12,7 @@ import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, RunMode, load_config, run_mode
 from titan_spec.rl.trainer import RLTrainer
 from titan_spec.train import to_trainer_config
-from titan_spec.trainer import SpecTrainer
+from titan_spec.training.trainer import SpecTrainer
 
 KEYS = ("rl.enable", "draft.enable", "draft.offline", "draft.co_train", "speculative.enabled")
 

@@ -5,7 +5,7 @@ The config (``titan_spec.config``) becomes torchtitan's ``Trainer.Config``
 (``resolve_arch``), the draft's (``draft_arch_for``), the parallelize and pipeline functions,
 optimizer, schedule, checkpointer. Everything checkable before a run starts is checked here
 (``validate_run``), for every run of a ``job.requires`` chain (``plan_runs``, ``--plan``),
-before torchrun starts any rank. The trainer itself is ``titan_spec.trainer.SpecTrainer``
+before torchrun starts any rank. The trainer itself is ``titan_spec.training.trainer.SpecTrainer``
 (SFT and offline draft training) or ``titan_spec.rl.trainer.RLTrainer`` (RL).
 """
 
@@ -20,13 +20,13 @@ from typing import Any
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, register_moe_load_balancing_hook
+from torchtitan.components.optimizer import ParamGroupConfig, register_moe_load_balancing_hook
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import init_logger
 
 from titan_spec import platform
-from titan_spec.checkpoint import CheckpointCorrupt, VerifiedCheckpointManager
+from titan_spec.training.checkpoint import CheckpointCorrupt, VerifiedCheckpointManager
 from titan_spec.config import (
     ConfigError, TitanSpecConfig, check_paths, document_multiple, load_config, locate, quiet_torchtitan,
 )
@@ -36,8 +36,8 @@ from titan_spec.data.rewards import RewardError, check_reward
 from titan_spec.data.generated import check_records_fit
 from titan_spec.data.tasks import check_task_file
 from titan_spec.data.tokenizer import build_tokenizer, tokenizer_config, tokenizer_source
-from titan_spec.draft_training import under_dump_folder
-from titan_spec.finite import NonFiniteStop
+from titan_spec.training.draft import under_dump_folder
+from titan_spec.training.finite import NonFiniteStop
 from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.models.draft import DraftKind, draft_kind
 from titan_spec.models.hf_io import check_hf_weights, read_hf_arch
@@ -49,7 +49,9 @@ from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import check_pipeline_config, pipeline_spec
 from titan_spec.rl.trainer import RLTrainer
 from titan_spec.rollout.sglang.engine import check_config as check_sglang_config
-from titan_spec.trainer import SpecTrainer
+from titan_spec.training.metrics import CoTrainingMetrics
+from titan_spec.training.optimizers import CoTrainingLRSchedulers, CoTrainingOptimizers
+from titan_spec.training.trainer import SpecTrainer
 
 __all__ = [
     "to_trainer_config", "resolve_arch", "check_inputs", "validate_run", "plan_runs", "main",
@@ -280,16 +282,18 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         hf_assets_path=cfg.model.hf_checkpoint or cfg.job.dump_folder,
         dump_folder=cfg.job.dump_folder,
         profiler=cfg.profiler,
-        metrics=cfg.metrics,
+        metrics=_config_as(CoTrainingMetrics.Config, cfg.metrics),
         tokenizer=tokenizer_config(tok_kind, tok_path),
         dataloader=TaskDataLoader.Config(
             task=cfg.task, step_rows=cfg.training.local_batch_size, document_multiple=document_multiple(cfg)
         ),
-        optimizer=OptimizersContainer.Config(
+        # The co-training components (training/optimizers.py, metrics.py): torchtitan's,
+        # stepping and logging the draft with the policy.
+        optimizer=CoTrainingOptimizers.Config(
             param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=o.name, optimizer_kwargs=kwargs)],
-            implementation=o.implementation,
+            implementation=o.implementation, max_consecutive_skips=cfg.training.max_consecutive_skips,
         ),
-        lr_scheduler=cfg.lr_scheduler,
+        lr_scheduler=_config_as(CoTrainingLRSchedulers.Config, cfg.lr_scheduler),
         training=training,
         parallelism=cfg.parallelism,
         checkpoint=checkpoint,
@@ -299,6 +303,12 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         debug=cfg.debug,
         loss=CrossEntropyLoss.Config(),
     )
+
+
+def _config_as(cls, config):
+    """``config`` (a torchtitan component's Config, as the TOML filled it) as the Config of
+    titan_spec's subclass of that component (the same fields)."""
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init})
 
 
 def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> None:

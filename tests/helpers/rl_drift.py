@@ -61,7 +61,7 @@ def main() -> None:
         for _ in range(2):
             trainer.step += 1  # what torchtitan's train() does before each train_step
             trainer.train_step(None)
-            logged = {k: v for k, v in trainer.extra_metrics().items()
+            logged = {k: v for k, v in trainer.step_metrics().items()
                       if k.startswith("drift/") or k.startswith("rollout/completion_len")}
             steps.append({"logged": logged, "independent": independent(trainer)})
     finally:

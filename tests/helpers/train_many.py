@@ -9,7 +9,7 @@ trains, exports and closes, as ``python -m titan_spec.train`` does (train_and_cl
 stopped by the finiteness guard prints its line, then "train_many: DUMP exit 1", and the next
 run starts). An entry may also be
 {"argv": [...], "env": {...}}: environment variables set for that run only (test hooks
-such as TITAN_SPEC_FAULTS, titan_spec/finite.py).
+such as TITAN_SPEC_FAULTS, titan_spec/training/finite.py).
 """
 
 import json

@@ -78,9 +78,13 @@ class TaskDataLoader(BaseDataLoader):
             raise ValueError(f"a step's {self.step_rows} rows do not split into batches of {self.rows}")
         self.batch_index = 0
         self._packed = (-1, None)  # the last global batch: its microbatches are consecutive
-        self.regenerate = None
-        """draft.data = "regenerated": prompt ids -> the policy's completion ids, which the
-        batches then train on instead of the demonstrations (titan_spec/regenerate.py)."""
+        self._regenerate = None  # use_regenerator
+
+    def use_regenerator(self, regenerate) -> None:
+        """draft.data = "regenerated": ``regenerate(prompt ids) -> the policy's completion ids``,
+        which the batches then train on instead of the demonstrations
+        (titan_spec/training/regenerate.py)."""
+        self._regenerate = regenerate
 
     def _global_batch(self, index: int):
         # Every rank packs the GLOBAL batch and keeps its own rows: the data of a step does
@@ -90,14 +94,14 @@ class TaskDataLoader(BaseDataLoader):
         docs: list[Document] = []
         budget, total = rows * self.row_len, 0
         while total < budget:
-            if self.regenerate is None:
+            if self._regenerate is None:
                 prob = self.task.sample(rng)
                 docs.append(sft_document(self.tokenizer, self.prompt_ids(prob), prob.sft_target))
                 total += len(docs[-1].tokens)
                 continue
             # Regenerated: a chunk of prompts decoded together, packed until the budget.
             prompts = [self.prompt_ids(self.task.sample(rng)) for _ in range(REGENERATE_CHUNK)]
-            for p, completion in zip(prompts, self.regenerate(prompts)):
+            for p, completion in zip(prompts, self._regenerate(prompts)):
                 if total < budget:
                     docs.append(Document(tokens=list(p) + completion, loss_from=len(p)))
                     total += len(docs[-1].tokens)

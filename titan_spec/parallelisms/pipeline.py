@@ -36,7 +36,7 @@ the pp group (every stage's part of the policy, the draft of the last stage, on 
 from __future__ import annotations
 
 import types
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -171,7 +171,7 @@ class TapStage(PipelineStage):
 
 class PipelineLoss:
     """The last stage's loss of one microbatch: the trainer's co-training loss
-    (titan_spec/co_training.py, policy + lambda * draft) on the microbatch's logits and the
+    (titan_spec/training/co_training.py, policy + lambda * draft) on the microbatch's logits and the
     taps the TapChannel brought.
 
     The co-training loss is attached once the trainer has built the draft (after the
@@ -295,19 +295,33 @@ def pipeline_spec(
 # ---------------------------------------------------------------------------
 
 
-def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_tokens,
+class PipelineRun(NamedTuple):
+    """What one pipelined forward/backward needs from the trainer that owns the schedule."""
+
+    schedule: Any
+    """torchtitan's pipeline schedule (pipeline_spec's)."""
+    loss: PipelineLoss
+    """The schedule's loss on the last stage (pipeline_spec's)."""
+    has_first_stage: bool
+    has_last_stage: bool
+    device: torch.device
+    train_context: Callable[[], Any]
+    """The trainer's train context (a context manager factory)."""
+
+
+def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], global_valid_tokens,
                               policy_loss_mbs: list | None = None) -> torch.Tensor:
     """One pipelined forward+backward of the local batch; returns the policy loss (the sum
     of the microbatches' losses, each normalized by the global token count) on the last
-    stage, -1 elsewhere, like torchtitan. ``policy_loss_mbs``: each microbatch's own policy
-    loss (RL), in microbatch order; None = the schedule's loss_fn for all."""
-    schedule = trainer.pp_schedule
-    loss: PipelineLoss = schedule.titan_spec_loss
+    stage, -1 elsewhere, like torchtitan. ``microbatches``: each one's (inputs, labels,
+    extra kwargs), already through the trainer's post_dataloading_process;
+    ``policy_loss_mbs``: each microbatch's own policy loss (RL), in microbatch order; None =
+    the schedule's loss_fn for all."""
+    loss = run.loss
     arg_mbs, kwarg_mbs, targets = [], [], []
-    if policy_loss_mbs is not None and len(policy_loss_mbs) != len(label_mbs):
-        raise ValueError(f"{len(policy_loss_mbs)} policy losses for {len(label_mbs)} microbatches")
-    for i, (input_dict, labels) in enumerate(zip(input_dict_mbs, label_mbs, strict=True)):
-        inputs, labels, extra = trainer.post_dataloading_process(input_dict, labels)
+    if policy_loss_mbs is not None and len(policy_loss_mbs) != len(microbatches):
+        raise ValueError(f"{len(policy_loss_mbs)} policy losses for {len(microbatches)} microbatches")
+    for i, (inputs, labels, extra) in enumerate(microbatches):
         arg_mbs.append((inputs,))
         kwarg_mbs.append(extra)
         own = policy_loss_mbs[i] if policy_loss_mbs is not None else None
@@ -320,20 +334,20 @@ def pipeline_forward_backward(trainer, input_dict_mbs, label_mbs, global_valid_t
     if loss.channel is not None:
         loss.channel.begin_step(len(targets))
     loss.policy_losses, loss.policy_stats = [], {}
-    with trainer.train_context():
-        schedule.step(
-            arg_mbs=arg_mbs if trainer.pp_has_first_stage else None,
+    with run.train_context():
+        run.schedule.step(
+            arg_mbs=arg_mbs if run.has_first_stage else None,
             kwarg_mbs=kwarg_mbs,
-            target_mbs=targets if trainer.pp_has_last_stage else None,
-            losses=[] if trainer.pp_has_last_stage else None,
+            target_mbs=targets if run.has_last_stage else None,
+            losses=[] if run.has_last_stage else None,
             loss_kwargs={"global_valid_tokens": global_valid_tokens},
             return_outputs=False,
         )
     if loss.channel is not None:
         loss.channel.end_step()
-    if trainer.pp_has_last_stage:
-        return torch.stack(loss.policy_losses).sum().to(trainer.device)
-    return torch.tensor([-1.0], device=trainer.device)
+    if run.has_last_stage:
+        return torch.stack(loss.policy_losses).sum().to(run.device)
+    return torch.tensor([-1.0], device=run.device)
 
 
 def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:

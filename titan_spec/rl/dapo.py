@@ -63,6 +63,23 @@ class DAPOPolicyLoss:
     """The [rl] section (temperature, clip_low, clip_high, kl_beta)."""
     ref_logp_BL: torch.Tensor | None = None
 
+    @staticmethod
+    def keep(values_BL: dict[str, torch.Tensor], rl) -> torch.Tensor:
+        """1 on the tokens that take part: all, or (rl.overlong_filter) those of completions
+        not cut at the budget."""
+        if rl.overlong_filter:
+            return 1.0 - values_BL["truncated"]
+        return torch.ones_like(values_BL["advantages"])
+
+    @classmethod
+    def counts(cls, values_BL: dict[str, torch.Tensor], targets_BL: torch.Tensor, rl) -> dict[str, torch.Tensor]:
+        """The kept completion tokens of the (unsharded) minibatch (rl/losses.py)."""
+        return {"kept": (targets_BL & (cls.keep(values_BL, rl) > 0)).sum()}
+
+    @classmethod
+    def from_values(cls, values: dict[str, torch.Tensor], counts: dict, rl, ref_logp_BL=None) -> "DAPOPolicyLoss":
+        return cls(values["behaviour_logp"], values["advantages"], cls.keep(values, rl), counts["kept"], rl, ref_logp_BL)
+
     def __call__(self, logits_BLV, labels_BL, global_valid_tokens) -> tuple[torch.Tensor, PolicyLossOutput]:
         del global_valid_tokens  # the kept tokens' count replaces it
         rl = self.rl

@@ -118,6 +118,15 @@ class PPOPolicyLoss:
     """The [rl] section (temperature, clip_low, clip_high, kl_beta)."""
     ref_logp_BL: torch.Tensor | None = None
 
+    @staticmethod
+    def counts(values_BL: dict[str, torch.Tensor], targets_BL: torch.Tensor, rl) -> dict[str, int]:
+        """What the loss divides by besides the global token count (rl/losses.py): nothing."""
+        return {}
+
+    @classmethod
+    def from_values(cls, values: dict[str, torch.Tensor], counts: dict, rl, ref_logp_BL=None) -> "PPOPolicyLoss":
+        return cls(values["behaviour_logp"], values["advantages"], rl, ref_logp_BL)
+
     def __call__(self, logits_BLV, labels_BL, global_valid_tokens) -> tuple[torch.Tensor, PolicyLossOutput]:
         rl = self.rl
         out = ppo_clip_loss(

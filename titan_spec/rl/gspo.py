@@ -98,6 +98,16 @@ class GSPOPolicyLoss:
     """The [rl] section (temperature, clip_low, clip_high, kl_beta)."""
     ref_logp_BL: torch.Tensor | None = None
 
+    @staticmethod
+    def counts(values_BL: dict[str, torch.Tensor], targets_BL: torch.Tensor, rl) -> dict[str, int]:
+        """The completions of the (unsharded) minibatch (rl/losses.py)."""
+        return {"sequences": torch.unique(values_BL["seq_index"][targets_BL]).numel()}
+
+    @classmethod
+    def from_values(cls, values: dict[str, torch.Tensor], counts: dict, rl, ref_logp_BL=None) -> "GSPOPolicyLoss":
+        return cls(values["behaviour_logp"], values["advantages"], values["seq_index"], counts["sequences"], rl,
+                   ref_logp_BL)
+
     def __call__(self, logits_BLV, labels_BL, global_valid_tokens) -> tuple[torch.Tensor, PolicyLossOutput]:
         del global_valid_tokens  # GSPO averages over sequences, not tokens
         rl = self.rl

@@ -25,7 +25,7 @@
   8 metrics    reward, PPO stats, acceptance length, tokens/s, time split (StepRecord)
 
 How it uses torchtitan: ``Trainer.train`` runs the loop (steps, checkpoints through
-titan_spec/checkpoint.py, profiler, GC) and calls this ``train_step`` once per step; the
+titan_spec/training/checkpoint.py, profiler, GC) and calls this ``train_step`` once per step; the
 mesh, FSDP2, compile, activation checkpointing, the optimizers and LR schedulers, the
 gradient clipping (``dist_utils.clip_grad_norm_``), the loss reductions and the
 MetricsProcessor are torchtitan's. The data iterator it passes is not used: an RL step
@@ -48,20 +48,20 @@ from torchtitan.tools.logging import logger
 
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.rewards import reward_fn, score
-from titan_spec.draft_training import initial_draft
+from titan_spec.training.draft import initial_draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
-from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
+from titan_spec.rl.dapo import overlong_penalty
 from titan_spec.rl.drift import DriftMeter, percentile_from_counts
-from titan_spec.rl.grpo import PPOPolicyLoss, group_advantages, token_logprobs
-from titan_spec.rl.gspo import GSPOPolicyLoss
+from titan_spec.rl.grpo import group_advantages, token_logprobs
+from titan_spec.rl.losses import POLICY_LOSSES
 from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
 from titan_spec.rl.rollouts import RolloutStats, RolloutWorker, full_policy_state
 from titan_spec.rl.sharing import same_data_group, share_work
 from titan_spec.rollout.base import SamplingParams
-from titan_spec.trainer import SpecTrainer
+from titan_spec.training.trainer import SpecTrainer
 
 __all__ = ["RLTrainer"]
 
@@ -153,10 +153,8 @@ class RLTrainer(SpecTrainer):
         advantages_PG = group_advantages(rewards_PG + self.reward_shaping(batch), rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
         record = StepRecord(batch, rewards_PG, rollout_done=time.perf_counter())
-        # torchtitan's throughput account (its batch generator keeps it for a data
-        # iterator): the rollouts are this step's data loading.
-        self.metrics_processor.data_loading_times.append(record.rollout_done - t0)
-        self.metrics_processor.ntokens_since_last_log += sum(mb.labels_BL.numel() for mb in minibatches)
+        # torchtitan's throughput account: the rollouts are this step's data loading.
+        self.metrics_processor.count_data(record.rollout_done - t0, sum(mb.labels_BL.numel() for mb in minibatches))
         for _ in range(rl.ppo_epochs):
             for mb in minibatches:
                 record.updates.append(self.update(mb))
@@ -311,7 +309,7 @@ class RLTrainer(SpecTrainer):
             pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
         )
         self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()  # guarded: the policy's step (or skip), then the draft's
+        self.optimizers.step()  # the policy's step (or the guard's skip), then the draft's (training/optimizers.py)
         return UpdateStats(
             loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
             grad_norm=grad_norm, policy_tokens=policy_tokens, **stats,
@@ -348,8 +346,10 @@ class RLTrainer(SpecTrainer):
             input_mbs.append({k: v[part].to(dev) for k, v in mb.inputs.items()})
             label_mbs.append(mb.labels_BL[part].to(dev))
             loss_mbs.append(self.policy_loss(self.token_values(mb, part), counts, None))
-        loss = pipeline_forward_backward(self, input_mbs, label_mbs, global_valid_tokens, loss_mbs)
-        got = list(self.pp_schedule.titan_spec_loss.policy_stats.values())
+        run = self.pipeline_run()
+        loss = pipeline_forward_backward(run, self.prepare_microbatches(input_mbs, label_mbs), global_valid_tokens,
+                                         loss_mbs)
+        got = list(run.loss.policy_stats.values())
         n = float(sum(count for _, count in got))
         weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
         stats = {"clip_fraction": weighted("clip_fraction"), "kl": weighted("kl"),
@@ -370,13 +370,9 @@ class RLTrainer(SpecTrainer):
         """What a loss variant divides by, counted on the WHOLE (unsharded) minibatch and
         summed over the data-parallel ranks, like global_valid_tokens: DAPO's kept completion
         tokens (overlong filtering), GSPO's completions. Shards and microbatches then add up."""
-        rl, targets_BL = self.rl, mb.labels_BL != IGNORE_INDEX
-        if rl.loss == "dapo":
-            keep_BL = (1.0 - mb.values_BL["truncated"]) if rl.overlong_filter else torch.ones_like(mb.advantages_BL)
-            return {"kept": self._global_sum((targets_BL & (keep_BL > 0)).sum())}
-        if rl.loss == "gspo":
-            return {"sequences": self._global_sum(torch.unique(mb.values_BL["seq_index"][targets_BL]).numel())}
-        return {}
+        values_BL = {"advantages": mb.advantages_BL, **mb.values_BL}
+        local = POLICY_LOSSES[self.rl.loss].counts(values_BL, mb.labels_BL != IGNORE_INDEX, self.rl)
+        return {name: self._global_sum(n) for name, n in local.items()}
 
     def reference_logprobs(self, inputs, labels_BL, extra_kwargs) -> torch.Tensor | None:
         """With a reference (rl.kl_beta > 0 or rl.drift_metrics): the frozen starting policy's
@@ -388,16 +384,9 @@ class RLTrainer(SpecTrainer):
             return token_logprobs(self.reference(inputs, **extra_kwargs), labels_BL, self.rl.temperature)
 
     def policy_loss(self, values: dict[str, torch.Tensor], counts: dict[str, torch.Tensor], ref_logp_BL):
-        """The policy loss of kind rl.loss over ``values`` (token_values): PPO-clip for grpo
-        (rl/grpo.py), rl/dapo.py, rl/gspo.py; ``ref_logp_BL`` adds the KL term."""
-        rl = self.rl
-        behaviour_BL, adv_BL = values["behaviour_logp"], values["advantages"]
-        if rl.loss == "grpo":
-            return PPOPolicyLoss(behaviour_BL, adv_BL, rl, ref_logp_BL)
-        if rl.loss == "dapo":
-            keep_BL = (1.0 - values["truncated"]) if rl.overlong_filter else torch.ones_like(behaviour_BL)
-            return DAPOPolicyLoss(behaviour_BL, adv_BL, keep_BL, counts["kept"], rl, ref_logp_BL)
-        return GSPOPolicyLoss(behaviour_BL, adv_BL, values["seq_index"], counts["sequences"], rl, ref_logp_BL)
+        """The policy loss of kind rl.loss (rl/losses.py) over ``values`` (token_values);
+        ``ref_logp_BL`` adds the KL term."""
+        return POLICY_LOSSES[self.rl.loss].from_values(values, counts, self.rl, ref_logp_BL)
 
     def _global_sum(self, n) -> torch.Tensor:
         """A count summed over the data-parallel ranks (collective under data parallelism)."""
@@ -432,7 +421,7 @@ class RLTrainer(SpecTrainer):
 
     def log_step(self, record: StepRecord, lr_metrics: dict) -> None:
         """torchtitan's step log (loss, max loss, grad norm, tokens seen, LRs), averaged over
-        the step's updates; extra_metrics adds the RL metrics of ``record``."""
+        the step's updates; step_metrics adds the RL metrics of ``record``."""
         pd = self.parallel_dims
         losses, max_losses = [], []
         for u in record.updates:
@@ -455,8 +444,8 @@ class RLTrainer(SpecTrainer):
             extra_metrics={"n_tokens_seen": ntokens, **lr_metrics},
         )
 
-    def extra_metrics(self) -> dict[str, float]:
-        out = super().extra_metrics()
+    def step_metrics(self) -> dict[str, float]:
+        out = super().step_metrics()
         record = self.last_step
         if record is None:
             return out

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
-from titan_spec.finite import fault
+from titan_spec.training.finite import fault
 
 __all__ = ["VerifiedCheckpointManager", "CheckpointCorrupt", "MANIFEST", "choose_checkpoint", "seal_checkpoint", "verify_checkpoint"]
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from titan_spec.draft_training import DraftTraining
+from titan_spec.training.draft import DraftTraining
 from titan_spec.models.target import Taps, full_local
 
 __all__ = ["CoTrainingLoss", "LossTerms", "PolicyLoss"]

@@ -6,7 +6,7 @@ SpecTrainer owns one ``DraftTraining`` when ``[draft] enable = true``. Per step:
                               detached taps and logits,
                               normalized by normalizer(): the trainable rows of the whole
                               step (all microbatches, all data-parallel ranks)
-    step(k)                   the draft's own clipping, finiteness guard (titan_spec/finite.py:
+    step(k)                   the draft's own clipping, finiteness guard (titan_spec/training/finite.py:
                               a non-finite draft loss or gradient norm skips the AdamW step),
                               AdamW step
     scheduler.step()          its LR schedule, stepped with the policy's
@@ -35,7 +35,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 from titan_spec import platform
 from titan_spec.config import DraftConfig
-from titan_spec.finite import StepGuard, fault, inject_nan_grad
+from titan_spec.training.finite import StepGuard, fault, inject_nan_grad
 from titan_spec.models.draft import DraftLossResult, draft_kind
 from titan_spec.models.target import Taps
 

@@ -11,37 +11,37 @@ each capability titan_spec adds hooks in at one of the parent's seams:
 - ``post_dataloading_process``: attach titan_spec's document-attention metadata;
 - ``_forward_backward_body``: the ONE training forward (``co_train_forward_backward``);
   with ``[draft] enable`` its detached taps and logits also give the draft's loss, and
-  policy + lambda * draft is backpropagated (titan_spec/co_training.py);
+  policy + lambda * draft is backpropagated (titan_spec/training/co_training.py);
 - ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
   stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
-- ``forward_backward_step`` / ``optimizers.step`` / ``lr_schedulers.step`` (wrapped): the
-  finiteness guard (titan_spec/finite.py): a step whose policy or draft loss or gradient
-  norm is not finite is skipped for that model and counted; the draft's optimizer steps
-  right after the policy's (its own clipping and guard) and its LR schedule with the
-  policy's;
+- ``forward_backward_step``: the guard's bookkeeping (the step's loss and global pre-clip
+  gradient norm, handed to the optimizers with ``record``);
+- the components, built by torchtitan from the trainer config (``to_trainer_config``) and
+  called plainly by its ``train_step``: ``optimizers`` (training/optimizers.py: the
+  finiteness guard, finite.py, decides the policy's step; the draft's own step follows),
+  ``lr_schedulers`` (the policy's and the draft's), ``metrics_processor``
+  (training/metrics.py: metrics.jsonl and this trainer's ``step_metrics``);
 - ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
   sharded over the cp ranks (parallelisms/cp_batch.py);
 - ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
   rank's token count goes under its own key);
-- ``extra_metrics``: the draft's loss and per-step accuracy join the step's metrics;
+- ``step_metrics``: the draft's loss and per-step accuracy join the step's metrics;
 - ``checkpoint``: torchtitan's DCP checkpointer with an integrity manifest
-  (titan_spec/checkpoint.py); metrics.jsonl rows are strict JSON (``_log_jsonl``).
+  (titan_spec/training/checkpoint.py).
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
 -> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
-loss) -> optimizers.step (+ DraftTraining.step in its post-hook) -> lr_schedulers.step.
+loss) -> clip -> optimizers.step (policy, then draft) -> lr_schedulers.step -> metrics.
 
 One RL step (titan_spec/rl/trainer.py) has its own ``train_step`` and uses the same
 pieces: ``begin_step``, ``post_dataloading_process``, ``co_train_forward_backward``,
-``account_loss``, the guarded ``optimizers.step`` and the joint ``lr_schedulers.step``.
+``account_loss``, ``optimizers.step`` and ``lr_schedulers.step``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,15 +53,15 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from titan_spec import platform
-from titan_spec.co_training import CoTrainingLoss, LossTerms
+from titan_spec.training.co_training import CoTrainingLoss, LossTerms
 from titan_spec.config import TitanSpecConfig
-from titan_spec.draft_training import DraftTraining, under_dump_folder
-from titan_spec.finite import NonFiniteStop, StepGuard, fault, global_grad_norm, inject_nan_grad
+from titan_spec.training.draft import DraftTraining, under_dump_folder
+from titan_spec.training.finite import fault, global_grad_norm, inject_nan_grad
 from titan_spec.models.attention import DocCausalAttention
 from titan_spec.models.hf_io import load_hf_into, save_hf
 from titan_spec.parallelisms.cp_batch import shard_batch
-from titan_spec.parallelisms.pipeline import pipeline_forward_backward
-from titan_spec.regenerate import Regenerator
+from titan_spec.parallelisms.pipeline import PipelineRun, pipeline_forward_backward
+from titan_spec.training.regenerate import Regenerator
 
 __all__ = ["SpecTrainer"]
 
@@ -93,34 +93,27 @@ class SpecTrainer(Trainer):
         platform.init_like_unsharded(self.model_parts, self.model_config, config.debug.seed)
         if torch.distributed.get_rank() == 0:
             self.tokenizer.save(config.dump_folder)
-        self.metrics_processor.log = self._log_jsonl(self.metrics_processor.log)
+        self.metrics_processor.join(self.step_metrics)
         if spec.model.hf_checkpoint:
             # A resumed run restores its own weights over these in train() (checkpointer.load).
             for part in self.model_parts:
                 load_hf_into(part, spec.model.hf_checkpoint, config.arch, stage=self.parallel_dims.pp_enabled)
             logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
         if spec.draft.data == "regenerated":
-            self.dataloader.regenerate = Regenerator(
-                spec.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device)
+            self.dataloader.use_regenerator(Regenerator(
+                spec.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device))
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
         self.draft_training = self._build_draft_training() if spec.mode.trains_draft and on_draft_stage else None
         self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=spec.mode.trains != "draft")
         if self.draft_training is not None and self.parallel_dims.pp_enabled:
             self.pp_schedule.titan_spec_loss.attach(self.co_loss)
-        # torchtitan's train_step calls optimizers.step() right after its clip: the guarded
-        # step applies (or skips) the policy's step, then the draft's (its own clipping and
-        # guard), inside train_step, so the step's metrics include both; the draft's LR
-        # schedule advances with the policy's.
-        self.guard = StepGuard("policy", config.training.max_consecutive_skips)
-        self._policy_step = self.optimizers.step
-        self.optimizers.step = self._guarded_step
-        self._policy_schedule_step = self.lr_schedulers.step
-        self.lr_schedulers.step = self._schedules_step
+        # The draft steps with the policy: optimizers.step() applies (or skips) the policy's
+        # step, then the draft's; lr_schedulers.step() advances both schedules.
+        self.optimizers.join_draft(self.draft_training, self._last_good)
+        self.lr_schedulers.join_draft(self.draft_training)
         self._fb_calls = 0
         self._step_loss: torch.Tensor | None = None
-        self._pre_clip_norm: torch.Tensor | None = None
-        self._loss_was_finite = True
         self._cp_sums = torch.zeros(2, dtype=torch.float64)  # CP: this shard's [loss sum, valid tokens]
         self._metrics_trimmed = False
 
@@ -157,7 +150,7 @@ class SpecTrainer(Trainer):
         if not self._metrics_trimmed:
             # The first step of this process (after any checkpoint load): rows of later
             # steps come from an interrupted earlier attempt and are written again now.
-            self._trim_metrics(self.step - 1)  # train() has already counted this step
+            self.metrics_processor.trim(self.step - 1)  # train() has already counted this step
             self._metrics_trimmed = True
         self._cp_sums.zero_()
 
@@ -165,9 +158,9 @@ class SpecTrainer(Trainer):
         """Before the gradients of one optimizer step accumulate."""
         if self.draft_training is not None:
             self.draft_training.zero_grad()
-        self._fb_calls, self._step_loss, self._pre_clip_norm = 0, None, None
+        self._fb_calls, self._step_loss = 0, None
 
-    # --- the finiteness guard (titan_spec/finite.py) ----------------------------------------
+    # --- the finiteness guard (titan_spec/training/finite.py) ----------------------------------------
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
@@ -188,42 +181,16 @@ class SpecTrainer(Trainer):
             params = [p for m in self.model_parts for p in m.parameters()]
             if fault("nan_grad_policy", self.step) and torch.distributed.get_rank() == 0:
                 inject_nan_grad(params)
-            self._pre_clip_norm = global_grad_norm(params, self.device, self.parallel_dims.get_optional_mesh("pp"))
+            norm = global_grad_norm(params, self.device, self.parallel_dims.get_optional_mesh("pp"))
+            self.optimizers.record(self.step, self._step_loss, norm)
         # A non-finite loss means the step is skipped; torchtitan's own post-step "Loss is not
         # finite" stop would then end the run although the weights are intact: it sees 0 and
-        # the log the true value (_log_jsonl). torch.where: no host sync per microbatch.
+        # the log the true value (step_metrics). torch.where: no host sync per microbatch.
         return torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss))
 
-    def _guarded_step(self) -> None:
-        """optimizers.step() as torchtitan's train_step calls it, after its clip."""
-        ok = self.guard.check(self._step_loss, self._pre_clip_norm, torch.distributed.group.WORLD)
-        self._loss_was_finite = not self.guard.last_loss_bad
-        if ok:
-            self._policy_step()
-        else:
-            self.guard.log_skip(self.step)
-            self.optimizers.zero_grad(set_to_none=True)
-        if self.draft_training is not None:
-            self.draft_training.step(self.step)
-        # Stop on every rank together (under PP the draft lives on the last stage only).
-        draft_guard = self.draft_training.guard if self.draft_training is not None else None
-        limit = self.guard.max_consecutive
-        flags = torch.tensor([
-            float(self.guard.consecutive >= limit),
-            float(draft_guard is not None and draft_guard.consecutive >= limit),
-        ], device=self.device)  # on the device: NCCL has no CPU tensors
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        flags = flags.cpu()
-        if flags.any():
-            last_good = self.checkpointer.last_good() if self.checkpointer.enable else "none (checkpoint.enable = false)"
-            guard = self.guard if flags[0] else (draft_guard or StepGuard("draft", limit))
-            raise NonFiniteStop(guard.stop_message(self.step, last_good))
-
-    def _schedules_step(self) -> None:
-        """lr_schedulers.step(): the policy's LR schedule, then the draft's."""
-        self._policy_schedule_step()
-        if self.draft_training is not None:
-            self.draft_training.scheduler.step()
+    def _last_good(self) -> str:
+        """The last good checkpoint, for the message a stopped run ends with."""
+        return self.checkpointer.last_good() if self.checkpointer.enable else "none (checkpoint.enable = false)"
 
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
         if self.draft_training is None:  # the policy alone: torchtitan's own step
@@ -248,7 +215,17 @@ class SpecTrainer(Trainer):
 
     def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
         # Each microbatch's loss on the last stage is policy + lambda * draft (pipeline.py).
-        return pipeline_forward_backward(self, input_dict_mbs, label_mbs, global_valid_tokens)
+        return pipeline_forward_backward(self.pipeline_run(), self.prepare_microbatches(input_dict_mbs, label_mbs),
+                                         global_valid_tokens)
+
+    def pipeline_run(self) -> PipelineRun:
+        """What one pipelined forward/backward needs of this trainer (parallelisms/pipeline.py)."""
+        return PipelineRun(self.pp_schedule, self.pp_schedule.titan_spec_loss, self.pp_has_first_stage,
+                           self.pp_has_last_stage, self.device, self.train_context)
+
+    def prepare_microbatches(self, input_dict_mbs, label_mbs) -> list[tuple]:
+        """Each microbatch's (inputs, labels, extra kwargs) after post_dataloading_process."""
+        return [self.post_dataloading_process(d, labels) for d, labels in zip(input_dict_mbs, label_mbs, strict=True)]
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -257,7 +234,7 @@ class SpecTrainer(Trainer):
         # ONE copy of a plain value that every rank saves under the same key, so each rank's
         # count goes under its own key.
         sd[_ntokens_key()] = sd.pop("ntokens_seen")
-        sd["guard"] = self.guard.state_dict()
+        sd["guard"] = self.optimizers.guard.state_dict()
         if self.draft_training is not None:
             sd["draft"] = self.draft_training.state_dict()
         return sd
@@ -266,7 +243,7 @@ class SpecTrainer(Trainer):
         state_dict = dict(state_dict)
         state_dict["ntokens_seen"] = state_dict.pop(_ntokens_key())
         super().load_state_dict(state_dict)
-        self.guard.load_state_dict(state_dict["guard"])
+        self.optimizers.guard.load_state_dict(state_dict["guard"])
         if self.draft_training is not None and "draft" in state_dict:
             self.draft_training.load_state_dict(state_dict["draft"])
 
@@ -289,58 +266,8 @@ class SpecTrainer(Trainer):
         if self.draft_training is not None and spec.draft.export_dir:
             path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)
             # One writer: the first rank of the last stage (all its other mesh coordinates 0).
-            self.draft_training.export(path, write=self._metrics_writer())
+            self.draft_training.export(path, write=self.metrics_processor.is_writer())
             logger.info(f"Exported the draft ({spec.draft.kind}) to {path}")
-
-    def _metrics_writer(self) -> bool:
-        # The first rank of the last pipeline stage sees the loss (torchtitan's loss-visible rank).
-        pd = self.parallel_dims
-        return torch.distributed.get_rank() == (pd.world_size // pd.pp) * (pd.pp - 1)
-
-    def _trim_metrics(self, last_step: int) -> None:
-        """Keep the metrics.jsonl rows of steps <= last_step (the steps this run does not
-        redo) and drop a torn last line, so a resumed run writes each step's row once."""
-        path = os.path.join(self.config.dump_folder, "metrics.jsonl")
-        if not self._metrics_writer() or not os.path.exists(path):
-            return
-        kept = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill
-                if row.get("step", 0) <= last_step:
-                    kept.append(json.dumps(row, allow_nan=False) + "\n")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
-
-    def _log_jsonl(self, log):
-        """Wrap MetricsProcessor.log to also append full-precision metrics to metrics.jsonl:
-        one strict-JSON row per logged step; a non-finite value is written as null and named
-        in the row's ``nonfinite`` list."""
-        path = os.path.join(self.config.dump_folder, "metrics.jsonl")
-
-        def logged(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-            extra_metrics = {**(extra_metrics or {}), **self.extra_metrics()}
-            if not self._loss_was_finite:  # the guard saw a non-finite loss; torchtitan was shown 0
-                global_avg_loss = global_max_loss = float("nan")
-            elif self.parallel_dims.cp_enabled:
-                global_max_loss = self._cp_max_loss()
-            log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-            if self._metrics_writer():
-                row = {"step": step, "loss": global_avg_loss, "max_loss": global_max_loss, "grad_norm": grad_norm}
-                row.update({k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))})
-                bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
-                row.update({k: None for k in bad})
-                if bad:
-                    row["nonfinite"] = bad
-                with open(path, "a") as f:
-                    f.write(json.dumps(row, allow_nan=False) + "\n")
-
-        return logged
 
     def _cp_max_loss(self) -> float:
         """max_loss under context parallelism: the largest mean loss of one data-parallel
@@ -354,11 +281,20 @@ class SpecTrainer(Trainer):
             dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=self.parallel_dims.get_mesh("batch").get_group())
         return float(mean)
 
-    def extra_metrics(self) -> dict[str, float]:
-        """Metrics of the step besides torchtitan's (collective: every rank calls it)."""
+    def step_metrics(self) -> dict[str, float]:
+        """The logged step's metrics besides torchtitan's (metrics.py; collective: every rank
+        calls it): ``loss`` / ``max_loss`` where torchtitan's reductions are not the step's
+        (a skipped non-finite step: torchtitan was shown 0; CP's max loss), the guard's
+        skips, the draft's loss and accuracies."""
+        out = {}
+        if not self.optimizers.loss_was_finite:
+            out["loss"] = out["max_loss"] = float("nan")
+        elif self.parallel_dims.cp_enabled:
+            out["max_loss"] = self._cp_max_loss()
+        out["skipped_steps"] = self.optimizers.guard.skipped
         if self.draft_training is None:
-            return {"skipped_steps": self.guard.skipped}
-        out = {"skipped_steps": self.guard.skipped, **self.draft_training.metrics()}
+            return out
+        out.update(self.draft_training.metrics())
         if self.parallel_dims.pp_enabled:  # taps of the last step, counted by microbatch tag
             out["pp/taps_delivered"] = self.pp_schedule.titan_spec_loss.channel.received
         return out
