@@ -104,7 +104,7 @@ def _worker(args) -> None:
 
     from titan_spec.config import load_config
     from titan_spec.platform import exit_process
-    from titan_spec.train import to_trainer_config
+    from titan_spec.preflight import to_trainer_config
 
     rows = []
     for n in [int(x) for x in args.microbatches.split(",")]:

@@ -148,7 +148,7 @@ def _fixed_batch(trainer, task_cfg, seed: int):
 def _build(argv_overrides, one_update: bool = False):
     import titan_spec  # noqa: F401  (CPU shims before torchtitan)
     from titan_spec.config import load_config
-    from titan_spec.train import to_trainer_config
+    from titan_spec.preflight import to_trainer_config
 
     cfg = load_config(str(CONFIG), argv_overrides)
     trainer = to_trainer_config(cfg).build()

@@ -81,10 +81,10 @@ def pytest_configure(config):
 
 
 def load_checked(path, overrides=None, world_size=None):
-    """``load_config`` plus titan_spec.train.check_inputs (the task file, the SGLang inputs),
+    """``load_config`` plus titan_spec.preflight.check_inputs (the task file, the SGLang inputs),
     errors located as ``validate_run`` locates them: what `--check` finds about a config's
     inputs, without building its trainer."""
-    from titan_spec.train import check_inputs
+    from titan_spec.preflight import check_inputs
 
     cfg = load_config(path, overrides, world_size, check_paths=False)
     try:

@@ -337,7 +337,7 @@ def test_sglang_serves_the_trainers_tokenizer(tok_dir, tmp_path):
     import shutil
 
     from titan_spec.config import load_config
-    from titan_spec.train import _check_sglang_tokenizer
+    from titan_spec.preflight.inputs import _check_sglang_tokenizer
 
     served, same = tmp_path / "served", tmp_path / "same"
     CharTokenizer().save(str(served))

@@ -96,7 +96,7 @@ def test_records_noisy_demonstrations_keep_the_true_answer():
     (["--training.seq_len", "70000"], ["training.seq_len = 70000 exceeds the model's maximum of 65536"]),
 ])
 def test_records_bad_lengths_are_one_config_line(overrides, needles):
-    from titan_spec.train import validate_run
+    from titan_spec.preflight import validate_run
 
     cfg = load_config(LONG_SFT, overrides, world_size=2, check_paths=False)
     with pytest.raises(ConfigError) as info:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from titan_spec.config import ConfigError, load_config
-from titan_spec.train import to_trainer_config
+from titan_spec.preflight import to_trainer_config
 
 from numerics import assert_same_draft_accuracy, assert_same_draft_export
 

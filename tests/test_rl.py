@@ -285,7 +285,7 @@ def test_rl_config_errors(args, needle):
 
 
 def test_plan_runs_follows_requires_and_skips_finished_runs(tmp_path):
-    from titan_spec.train import plan_runs
+    from titan_spec.preflight import plan_runs
 
     def write(name, dump, requires=(), extra=""):
         req = ", ".join(f'"{r}"' for r in requires)

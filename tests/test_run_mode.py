@@ -1,7 +1,7 @@
 """The run mode (titan_spec/config/mode.py): every one of the 32 combinations of the five
 keys that select it gives the mode in the hand-written table below or one of the three
 contradiction errors, word for word as before the mode existed, with the same origin; and
-each mode answers the boolean formulas that train.py, trainer.py, rl/trainer.py and
+each mode answers the boolean formulas that preflight, training/trainer.py, rl/trainer.py and
 rl/rollouts.py used before (written out here as the reference)."""
 
 import itertools
@@ -11,7 +11,7 @@ import pytest
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, RunMode, load_config, run_mode
 from titan_spec.rl.trainer import RLTrainer
-from titan_spec.train import to_trainer_config
+from titan_spec.preflight import to_trainer_config
 from titan_spec.training.trainer import SpecTrainer
 
 KEYS = ("rl.enable", "draft.enable", "draft.offline", "draft.co_train", "speculative.enabled")
@@ -86,9 +86,9 @@ def test_each_mode_answers_the_boolean_formulas_it_replaces(bits):
     """The reference: how each reader combined the keys before the mode (a3a54f2)."""
     rl, draft, offline, co_train, spec = map(bool, bits)
     m = run_mode(rl=rl, draft=draft, offline=offline, co_train=co_train, speculative=spec)
-    assert (m.trains == "rl") == rl  # train.py: RLTrainer if rl.enable
-    assert m.has_draft == draft  # train.py: draft_arch if draft.enable; RLTrainer builds the initial draft
-    # train.py's trains_draft (taps); SpecTrainer (draft.enable) with RLTrainer's override (co_train).
+    assert (m.trains == "rl") == rl  # preflight: RLTrainer if rl.enable
+    assert m.has_draft == draft  # preflight: draft_arch if draft.enable; RLTrainer builds the initial draft
+    # preflight's trains_draft (taps); SpecTrainer (draft.enable) with RLTrainer's override (co_train).
     assert m.trains_draft == (draft and (co_train or not rl))
     # SpecTrainer: the policy is frozen (no grad, not in the total) iff the draft trains offline.
     assert (m.trains == "draft") == (draft and offline)
@@ -108,7 +108,7 @@ def test_each_mode_answers_the_boolean_formulas_it_replaces(bits):
     (["--rl.enable", "true", "--draft.enable", "true", "--draft.co_train", "false"], RLTrainer, True, False),
 ])
 def test_the_trainer_config_follows_the_mode(args, trainer, has_draft, taps):
-    # What train.py builds from the mode: the trainer class, the draft's architecture (None
+    # What preflight builds from the mode: the trainer class, the draft's architecture (None
     # without a draft), and the taps the policy returns (only for a draft that trains).
     cfg = load_config(None, ["--rl.prompts_per_step", "2", *args], world_size=1, check_paths=False)
     tc = to_trainer_config(cfg)

@@ -79,7 +79,7 @@ def _first_batch_draft_loss(hf: str, draft_dir: str, overrides: tuple[str, ...])
     from titan_spec.models.hf_io import load_hf_into, read_hf_arch
     from titan_spec.models.registry import build_target_config
     from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
-    from titan_spec.train import to_trainer_config
+    from titan_spec.preflight import to_trainer_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "train_configs", "debug_cpu_sft.toml"),

@@ -19,7 +19,7 @@ from torchtitan.tools.logging import init_logger
 from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.models.attention import doc_metadata_from_positions
-from titan_spec.train import to_trainer_config
+from titan_spec.preflight import to_trainer_config
 
 
 def _logps(model, ids: list[int], start: int, temperature: float) -> torch.Tensor:

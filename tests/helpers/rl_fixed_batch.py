@@ -40,7 +40,7 @@ from titan_spec.data.problem import Problem
 from titan_spec.rl.records import RolloutBatch
 from titan_spec.rl.rollouts import RolloutStats
 from titan_spec.rollout.base import Rollout
-from titan_spec.train import to_trainer_config
+from titan_spec.preflight import to_trainer_config
 
 
 def _take(argv: list[str], flag: str, has_value: bool = True):

@@ -23,7 +23,7 @@ from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.models.moe import expert_biases
 from titan_spec.rl.rollouts import full_policy_state
-from titan_spec.train import to_trainer_config
+from titan_spec.preflight import to_trainer_config
 
 
 def _adam_steps(optimizer) -> list[float]:

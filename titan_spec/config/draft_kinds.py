@@ -2,7 +2,7 @@
 
 A leaf of the ground floor: it imports nothing, so every floor calls it (config/validate.py
 checks ``draft.kind`` and the tap-id count before any target is known;
-models/target.py, models/draft/*, train.py and rollout/weight_names.py check the ids
+models/target.py, models/draft/*, preflight/resolve.py and rollout/weight_names.py check the ids
 against the target's depth or SGLang's capture rule through the same function).
 
 The kinds' implementations are registered in titan_spec/models/draft/__init__.py; a test
@@ -25,7 +25,7 @@ def tap_ids_problem(ids, n_layers: int | None = None, count: int | None = None) 
     n_layers: the target's depth (ids must be in 0..n_layers-1; None = not known yet).
     count: how many distinct ids the draft kind reads (DRAFT_KINDS); None = any number,
     but no layer twice. The range is checked first, then the count (or the repeats),
-    the order train.py's checks have always run in (tests pin the messages)."""
+    the order the preflight checks have always run in (tests pin the messages)."""
     ids = list(ids)
     if n_layers is not None:
         bad = [i for i in ids if not 0 <= i < n_layers]

@@ -222,7 +222,7 @@ def load_config(
     """Read, type-check and validate a config (``check_paths``: and that the directories it
     names exist). Raises ConfigError with a one-line message that says where the value at
     fault came from. The checks that need other parts of titan_spec (the task file, the
-    SGLang engine's inputs, the architectures) are ``titan_spec.train.check_inputs`` and
+    SGLang engine's inputs, the architectures) are ``titan_spec.preflight.check_inputs`` and
     ``validate_run``."""
     with quiet_torchtitan():
         cfg = TitanSpecConfig()

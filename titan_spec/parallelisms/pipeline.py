@@ -53,7 +53,6 @@ from torchtitan.distributed.pipeline_parallel import (
     _split_module,
 )
 
-from titan_spec.config import ConfigError
 from titan_spec.models.target import EMBEDS_TAP, Taps
 from titan_spec.parallelisms.tap_channel import TapChannel, TapLayout
 
@@ -66,7 +65,6 @@ __all__ = [
     "pipeline_forward_backward",
     "stage_module_names",
     "check_pipeline_split",
-    "check_pipeline_config",
     "gather_over_stages",
     "broadcast_from_last_stage",
 ]
@@ -348,54 +346,6 @@ def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], globa
     if run.has_last_stage:
         return torch.stack(loss.policy_losses).sum().to(run.device)
     return torch.tensor([-1.0], device=run.device)
-
-
-def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
-    """Everything about PP that the config alone decides, as one-line ConfigErrors raised
-    before any process starts (``python -m titan_spec.train --check`` runs this)."""
-    p = cfg.parallelism
-    n_layers = len(model_config.layers)
-    if p.pipeline_parallel_degree > n_layers:
-        raise ConfigError(
-            f"pipeline parallelism: parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree} is larger than "
-            f"the {n_layers} decoder layers of model {cfg.model.name}/{cfg.model.flavor}; every stage needs at least "
-            f"one layer, so pp must be at most {n_layers}"
-        )
-    try:
-        check_schedule(p, cfg.training.local_batch_size)
-        names = stage_module_names(p, n_layers, model_config)
-        check_pipeline_split(names, tap_ids, draft=cfg.mode.has_draft)
-    except ValueError as e:
-        raise ConfigError(f"pipeline parallelism: {e}") from None
-    if getattr(model_config, "enable_weight_tying", False):
-        raise ConfigError(
-            f"pipeline parallelism: model {cfg.model.name}/{cfg.model.flavor} ties its embedding and lm_head, "
-            "which sit on different stages; torchtitan does not support weight tying under PP (use an untied "
-            "model, e.g. model.name = 'llama3')"
-        )
-    if cfg.mode.trains == "draft":
-        raise ConfigError("pipeline parallelism: draft.offline (a frozen target) is not supported; the pipeline "
-                          "backward needs a trainable target (run offline draft training with pp = 1)")
-    if cfg.mode.trains == "rl" and cfg.rl.kl_beta > 0:
-        raise ConfigError(
-            f"pipeline parallelism: rl.kl_beta = {cfg.rl.kl_beta:g} is not supported (the KL term needs a frozen "
-            "whole reference model next to the logits on the last stage); RL under PP runs with rl.kl_beta = 0, "
-            "or use pp = 1 for the KL term"
-        )
-    if cfg.mode.trains == "rl" and cfg.rl.drift_metrics:
-        raise ConfigError(
-            "pipeline parallelism: rl.drift_metrics = true is not supported (the drift measure needs the frozen "
-            "starting policy's logits on the last stage, as the KL term does); set rl.drift_metrics = false under PP"
-        )
-    if cfg.mode.trains == "rl" and cfg.rollout.engine != "torch":
-        raise ConfigError(
-            f"pipeline parallelism: rollout.engine = {cfg.rollout.engine!r} is not supported with rl.enable "
-            "(every stage's rank pushes the gathered weights into its own built-in engine); use "
-            "rollout.engine = 'torch' under PP"
-        )
-    if cfg.job.export_hf:
-        raise ConfigError("pipeline parallelism: job.export_hf is not supported (each stage holds part of the "
-                          "policy); export from a checkpoint with pp = 1")
 
 
 def check_schedule(parallelism, local_batch_size: int) -> None:

@@ -50,7 +50,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from titan_spec.config import ConfigError, TitanSpecConfig
+from titan_spec.config import TitanSpecConfig
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams
 from titan_spec.rollout.sglang.client import EngineDied, InProcessClient, SGLangError, launch_server
@@ -60,7 +60,7 @@ from titan_spec.rollout.weight_names import (
 )
 
 __all__ = [
-    "SGLangRolloutEngine", "check_config", "sglang_server_args", "sampling_to_sglang", "rollout_from_result",
+    "SGLangRolloutEngine", "sglang_server_args", "sampling_to_sglang", "rollout_from_result",
     "MANAGED_SERVER_ARGS",
     "MEMORY_TAGS", "SEEDS_IGNORED", "SEED_MIX",
 ]
@@ -148,39 +148,6 @@ def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_
         )
     args.update(cfg.server_args)
     return args
-
-
-def check_config(cfg: TitanSpecConfig, files: bool = True) -> None:
-    """A config whose rollout.engine is 'sglang' can start this engine: the policy and draft
-    directories it needs are named, server_args sets no field this module sets, and (with
-    ``files``) the draft fits the policy and its tap ids are ones SGLang captures. One
-    ConfigError line each, before any run starts (``titan_spec.train.check_inputs`` runs it).
-    ``files`` False: an earlier run of the job.requires chain writes those directories
-    (``titan_spec.train.draft_arch_for`` checks the draft promised there)."""
-    if cfg.rollout.engine != "sglang":
-        return
-    if not cfg.model.hf_checkpoint:
-        raise ConfigError("rollout.engine = 'sglang' needs model.hf_checkpoint: SGLang loads the policy from a local HF directory")
-    if not cfg.speculative.enabled:
-        return
-    if not cfg.draft.init_from:
-        raise ConfigError(
-            "rollout.engine = 'sglang' with speculative.enabled needs draft.init_from: the exported EAGLE-3 "
-            "draft directory SGLang starts from (train one with --draft.offline true)"
-        )
-    clash = sorted(set(cfg.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
-    if clash:
-        raise ConfigError(f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys")
-    if not files:
-        return
-    try:
-        check_draft_fits_policy(cfg.model.hf_checkpoint, cfg.draft.init_from)
-        why = cfg.draft.tap_layer_ids and sglang_tap_misfit(
-            cfg.draft.tap_layer_ids, read_hf_arch(cfg.model.hf_checkpoint).n_layers)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if why:
-        raise ConfigError(f"draft.tap_layer_ids: {why} (rollout.engine = 'sglang')")
 
 
 def sampling_to_sglang(sp: SamplingParams, n: int, seeded: bool = True) -> list[dict]:

@@ -1,0 +1,57 @@
+"""The inputs a config names, checked before anything is built: its directories exist, its
+task file reads, a 'records' task's prompts fit training.seq_len, the reward function
+resolves, the rollout engine can start from them (preflight/engines.py)."""
+
+from __future__ import annotations
+
+import os
+
+from titan_spec.config import ConfigError, TitanSpecConfig, check_paths
+from titan_spec.data.generated import check_records_fit
+from titan_spec.data.rewards import check_reward
+from titan_spec.data.tasks import check_task_file
+from titan_spec.preflight.engines import check_sglang_config
+from titan_spec.preflight.resolve import Made
+
+__all__ = ["check_inputs"]
+
+
+def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> None:
+    """The inputs a config names, before anything is built: its directories exist
+    (config.check_paths), its task file reads (data.tasks.check_task_file), a 'records' task's
+    prompts fit training.seq_len (data.generated.check_records_fit), the SGLang
+    engine can start from them (rollout.sglang.engine.check_config). ``made``: directories
+    an earlier run of the chain writes (not there yet; see ``Made``). Raises ConfigError,
+    not yet located (``validate_run`` says where the value came from)."""
+    made = made or {}
+    check_paths(cfg, made)
+    check_task_file(cfg.task)
+    check_records_fit(cfg)
+    check_reward(cfg.task.reward)
+    written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
+    check_sglang_config(cfg, files=not written)
+    if cfg.rollout.engine == "sglang" and not written:
+        _check_sglang_tokenizer(cfg)
+
+
+def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:
+    """SGLang serves model.hf_checkpoint with ITS tokenizer files (token ids in and out, but
+    its EOS handling and any text it reports are that directory's): a tokenizer.path
+    elsewhere must hold the same tokenizer.json, or the engines disagree on the ids."""
+    ours, served = cfg.tokenizer.path, cfg.model.hf_checkpoint
+    if not ours or not served or os.path.realpath(ours) == os.path.realpath(served):
+        return
+
+    def content(d: str) -> bytes | None:
+        f = os.path.join(d, "tokenizer.json")
+        if not os.path.isfile(f):
+            return None
+        with open(f, "rb") as fh:
+            return fh.read()
+
+    served_json = content(served)
+    if served_json is not None and content(ours) != served_json:
+        raise ConfigError(
+            f"tokenizer.path {ours!r} is not the tokenizer SGLang serves model.hf_checkpoint {served!r} with "
+            "(their tokenizer.json differ): leave tokenizer.path empty, or copy the tokenizer into the checkpoint",
+            key="tokenizer.path")
