@@ -22,7 +22,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from titan_spec.config import ConfigError, DraftConfig, load_config
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.config.validate import SECTION_CHECKS
-from titan_spec.draft_training import DraftTraining
+from titan_spec.training.draft import DraftTraining
 from titan_spec.models.draft import KINDS, DraftKind, DraftLossResult, draft_kind
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.target import Taps, validate_tap_layer_ids

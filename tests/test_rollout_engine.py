@@ -115,7 +115,8 @@ def check_stats(rollouts, K):
 def test_cached_target_and_draft_mirror_the_training_forward_and_ttt():
     """KV-cached target (prefill + a decode step) against the training forward, and the
     cached draft chain (teacher-forced) against the TTT unroll of models/draft/eagle3/ttt.py, row by row."""
-    from titan_spec.rollout.builtin.kv_cache import CachedDraft, CachedTarget
+    from titan_spec.models.draft.eagle3.proposer import CachedDraft
+    from titan_spec.rollout.builtin.cached_target import CachedTarget
 
     model, arch = make_target(3)
     draft = make_draft(arch, 4)
@@ -262,7 +263,7 @@ def chi2_groups(groups) -> tuple[float, int]:
 
 
 def policy_probs(model, contexts: list[list[int]], sp: SamplingParams) -> torch.Tensor:
-    from titan_spec.rollout.builtin.engine import filtered_probs
+    from titan_spec.rollout.builtin.sampling import filtered_probs
 
     return torch.stack([filtered_probs(full_logits(model, c)[-1], sp) for c in contexts])
 
@@ -615,7 +616,7 @@ def test_depth_choice_and_estimate_by_hand():
 
     # The measured cost row is made non-decreasing in K by pooling inversions, not by
     # trusting the lowest measurement (which sent every round to the deepest of a tie).
-    from titan_spec.rollout.builtin.engine import _non_decreasing
+    from titan_spec.rollout.builtin.depth import _non_decreasing
 
     assert _non_decreasing([2.0, 5.6, 7.0, 6.0, 8.0]) == pytest.approx([2.0, 5.6, 6.5, 6.5, 8.0])
     assert _non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])

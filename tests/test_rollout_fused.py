@@ -11,8 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_spec.models.draft.eagle3.model import apply_rotary, rotate_half
-from titan_spec.rollout.builtin.fused import FusedLinearWeight, RotaryTable
-from titan_spec.rollout.builtin.kv_cache import _rms
+from titan_spec.models.draft.eagle3.proposer import RotaryTable
+from titan_spec.models.fused import FusedLinearWeight
+from titan_spec.models.kv_cache import rms as _rms
 
 from numerics import EPS32, assert_gemm_regroup_close
 

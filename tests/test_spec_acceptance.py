@@ -37,7 +37,7 @@ import torch
 
 import titan_spec  # noqa: F401
 from titan_spec.rollout.base import SamplingParams
-from titan_spec.rollout.builtin.engine import filtered_probs, sample_rows, speculative_accept
+from titan_spec.rollout.builtin.sampling import filtered_probs, sample_rows, speculative_accept
 
 # --- the acceptance rule ------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ A draft kind (``draft.kind``, registered in models/draft/__init__.py; adding one
 docs/draft_kinds.md) is one ``DraftKind``.
 Who uses what (read from the callers):
 
-    train.py draft_arch_for     default_tap_layer_ids, read_arch, arch_from_target (its checks),
+    preflight draft_arch_for    default_tap_layer_ids, read_arch, arch_from_target (its checks),
                                 mismatches, check_weights
     draft_training.py           initial (build + init), normalizer_counts, loss, build + save (export),
                                 load_into (draft.init_from)
@@ -16,7 +16,7 @@ Who uses what (read from the callers):
     context parallelism         nothing: the loss takes a CPMetadata as its attention metadata and
                                 gathers whatever rows it reads across shards itself
     rollout/builtin/engine.py   read_arch + build + load_into (from_pretrained), arch.tap_layer_ids,
-                                arch.misfits, the cached proposer (rollout/builtin/kv_cache.PROPOSERS),
+                                arch.misfits, cached_proposer (its decode path),
                                 model.draft_to_target_ids / d2t (speculative acceptance)
     rl/rollouts.py              arch.tap_layer_ids (which taps the engine's target computes)
     tap ids, everywhere         titan_spec.config.draft_kinds.tap_ids_problem with the kind's tap count
@@ -57,8 +57,8 @@ class DraftLossResult:
 
 class CachedProposer(Protocol):
     """What the built-in engine (rollout/builtin/engine.py ``_propose``) drives to draft K tokens
-    per round; built as ``PROPOSERS[arch.kind](draft, embed)`` (rollout/builtin/kv_cache.py,
-    where the KV cache lives). EAGLE-3's is kv_cache.CachedDraft."""
+    per round; built by the kind, ``DraftKind.cached_proposer(draft, embed)``, over the KV-cache
+    pieces of models/kv_cache.py. EAGLE-3's is models/draft/eagle3/proposer.CachedDraft."""
 
     cache: Any
     """The batch's KV cache (``keep(rows_B)`` drops finished rows; None between batches)."""
@@ -142,3 +142,11 @@ class DraftKind(ABC):
     @abstractmethod
     def load_into(self, model: nn.Module, path: str) -> None:
         """Initialize ``model`` from a draft directory after checking that it fits."""
+
+    # --- serving -----------------------------------------------------------------------
+
+    def cached_proposer(self, model: nn.Module, embed: Callable[[torch.Tensor], torch.Tensor]) -> CachedProposer | None:
+        """The built-in engine's proposer over a KV cache for ``model``; ``embed`` maps token
+        ids to the target's embeddings (shared, not the draft's). None: this kind does not
+        speculate in the built-in engine (it still trains; the engine refuses it with one line)."""
+        return None

@@ -1,6 +1,7 @@
 """EAGLE-3 as a draft kind (``draft.kind = "eagle3"``): models/draft/base.DraftKind over
 model.py (the draft), ttt.py (its training-time-test loss), halo.py (TTT under context
-parallelism) and io.py (the SGLang / SpecForge directory).
+parallelism), io.py (the SGLang / SpecForge directory) and proposer.py (the built-in
+engine's KV-cached decode path).
 
 Shape legend: B = batch rows, L = row length, T = B*L packed tokens, V = target vocab,
 H = hidden, S = TTT steps.
@@ -19,6 +20,7 @@ from titan_spec.models.draft.base import DraftKind, DraftLossResult
 from titan_spec.models.draft.eagle3.halo import TTTHalo
 from titan_spec.models.draft.eagle3.io import check_draft_weights, draft_mismatches, load_draft_into, read_draft_arch, save_draft
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_vocab_mapping
+from titan_spec.models.draft.eagle3.proposer import CachedDraft
 from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
 from titan_spec.models.target import default_tap_layer_ids
 
@@ -105,6 +107,11 @@ class Eagle3Kind(DraftKind):
 
     def load_into(self, model: Eagle3Draft, path: str) -> None:
         load_draft_into(model, path)
+
+    # --- serving -----------------------------------------------------------------------
+
+    def cached_proposer(self, model: Eagle3Draft, embed) -> CachedDraft:
+        return CachedDraft(model, embed)
 
 
 KIND = Eagle3Kind()

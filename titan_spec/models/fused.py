@@ -1,13 +1,13 @@
-"""Small helpers that cut per-op overhead in the rollout engine's decode path.
+"""Fused projection weights for the cached (decode-path) forwards.
 
-Shape legend: O = output features, I = input features, S = positions, Hd = head dim.
+Shape legend: O = output features, I = input features.
 
 At decode sizes (a handful of tokens per row) a forward is bound by the number of ops and
-Python calls, not by FLOPs, so the engine (a) fuses projections that read the same input
-into one matmul, over weights concatenated once and rebuilt only when a source weight
-changes, and (b) reads rotary cos/sin from a table instead of recomputing them per call.
-Both give the same numbers as the unfused ops: a row of a matmul's output depends only on
-its own weight row, and the table holds exactly the values the on-the-fly formula computes.
+Python calls, not by FLOPs, so the cached forwards (rollout/builtin/cached_target.py, a
+kind's models/draft/<kind>/proposer.py) fuse projections that read the same input into one
+matmul, over weights concatenated once and rebuilt only when a source weight changes. That
+gives the same numbers as the unfused ops: a row of a matmul's output depends only on its
+own weight row.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from titan_spec.models.draft.eagle3.model import rotary_cos_sin
-
-__all__ = ["FusedLinearWeight", "RotaryTable"]
+__all__ = ["FusedLinearWeight"]
 
 
 class FusedLinearWeight:
@@ -52,16 +50,3 @@ class FusedLinearWeight:
             self._key = key
         return self._weight_OI
 
-
-class RotaryTable:
-    """cos/sin of the draft's rotary embedding (models.draft.rotary_cos_sin) for positions
-    0..S-1, so gathering a row is the on-the-fly result. Grows on demand; never shrinks."""
-
-    def __init__(self, head_dim: int, theta: float, device=None):
-        self.head_dim, self.theta, self.device = head_dim, float(theta), device
-        self.cos_SHd = self.sin_SHd = torch.empty(0, head_dim, device=device)
-
-    def ensure(self, n_positions: int) -> None:
-        if self.cos_SHd.shape[0] < n_positions:
-            pos_S = torch.arange(n_positions, device=self.device)
-            self.cos_SHd, self.sin_SHd = rotary_cos_sin(pos_S, self.head_dim, self.theta)
