@@ -95,7 +95,7 @@ def _use(trainer, channel):
     sched = trainer.pp_schedule
     for stage in getattr(sched, "_stages", None) or [sched._stage]:
         stage.channel = channel
-    sched.titan_spec_loss.channel = channel
+    trainer.pp_loss.channel = channel
 
 
 def _worker(args) -> None:
@@ -119,7 +119,7 @@ def _worker(args) -> None:
             "--training.steps", str(10**6),
         ])
         trainer = to_trainer_config(cfg).build()
-        real = _Timed(trainer.pp_schedule.titan_spec_loss.channel)
+        real = _Timed(trainer.pp_loss.channel)
         control = _LocalFeatures(real)
         data = trainer.batch_generator(trainer.dataloader)
         times = {"channel": [], "control": []}

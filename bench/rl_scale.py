@@ -125,7 +125,7 @@ def _fixed_batch(trainer, task_cfg, seed: int):
     the sum off by one (rewards 1, 0), behaviour log-probs -1.5 per token. Every rank builds the
     same batch (seeded)."""
     from titan_spec.data.tasks import build_task
-    from titan_spec.rl.records import RolloutBatch
+    from titan_spec.rl.step_records import RolloutBatch
     from titan_spec.rl.rollouts import RolloutStats
     from titan_spec.rollout.base import Rollout
 
@@ -206,7 +206,7 @@ def _pp_worker(args) -> None:
     rows = []
     for n in [int(x) for x in args.pp_microbatches.split(",")]:
         trainer = _build(_overrides(args, args.pp_seq_len, 1, pp=2, n_micro=n))
-        real = _Timed(trainer.pp_schedule.titan_spec_loss.channel)
+        real = _Timed(trainer.pp_loss.channel)
         control = _LocalFeatures(real)
         cpu, wall, inside = {"channel": [], "control": []}, {"channel": [], "control": []}, []
 

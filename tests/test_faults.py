@@ -329,7 +329,7 @@ def test_rl_resume_hint_and_degenerate_reward_warning(caplog):
     and a step with signal resets the count."""
     from types import SimpleNamespace
 
-    from titan_spec.rl.trainer import DEGENERATE_WARN_STEPS, RLTrainer
+    from titan_spec.rl.step import DEGENERATE_WARN_STEPS, RLTrainer
 
     none = SimpleNamespace(checkpointer=SimpleNamespace(last_verified=None))
     assert "no verified checkpoint" in RLTrainer._resume_hint(none)

@@ -17,8 +17,8 @@ from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rl.grpo import group_advantages, ppo_clip_loss
 from titan_spec.training.co_training import CoTrainingLoss
-from titan_spec.rl.records import Minibatch
-from titan_spec.rl.trainer import RLTrainer
+from titan_spec.rl.step_records import Minibatch
+from titan_spec.rl.step import RLTrainer
 from titan_spec.training.trainer import SpecTrainer
 from titan_spec.data.packing import Document, pack_documents
 

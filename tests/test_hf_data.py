@@ -203,7 +203,7 @@ def test_a_raising_reward_stops_the_run_with_one_line_naming_the_record(capsys):
     record; train_and_close prints it as one line and returns 1 (no DONE), not a traceback."""
     from types import SimpleNamespace
 
-    from titan_spec.rl.trainer import RLTrainer
+    from titan_spec.rl.step import RLTrainer
     from titan_spec.train import train_and_close
 
     def boom(completion, answer, record):

@@ -15,8 +15,8 @@ from titan_spec.data.packing import Document, pack_documents
 from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
 from titan_spec.rl.grpo import PPOPolicyLoss, ppo_clip_loss
 from titan_spec.rl.gspo import GSPOPolicyLoss, gspo_loss
-from titan_spec.rl.records import Minibatch
-from titan_spec.rl.trainer import RLTrainer
+from titan_spec.rl.step_records import Minibatch
+from titan_spec.rl.step import RLTrainer
 
 F64 = torch.float64
 

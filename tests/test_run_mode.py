@@ -1,7 +1,7 @@
 """The run mode (titan_spec/config/mode.py): every one of the 32 combinations of the five
 keys that select it gives the mode in the hand-written table below or one of the three
 contradiction errors, word for word as before the mode existed, with the same origin; and
-each mode answers the boolean formulas that preflight, training/trainer.py, rl/trainer.py and
+each mode answers the boolean formulas that preflight, training/trainer.py, rl/step.py and
 rl/rollouts.py used before (written out here as the reference)."""
 
 import itertools
@@ -10,7 +10,7 @@ import pytest
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, RunMode, load_config, run_mode
-from titan_spec.rl.trainer import RLTrainer
+from titan_spec.rl.step import RLTrainer
 from titan_spec.preflight import to_trainer_config
 from titan_spec.training.trainer import SpecTrainer
 
@@ -118,7 +118,7 @@ def test_the_trainer_config_follows_the_mode(args, trainer, has_draft, taps):
 
 
 def test_rl_under_context_parallelism_loads_and_its_mode_contradictions_still_stop_it():
-    # RL runs under CP (rl/trainer.py shards the update, rl/sharing.py shares generation):
+    # RL runs under CP (rl/step.py shards the update, rl/sharing.py shares generation):
     # cp = 2 with rl.enable loads as an RL run; a mode contradiction
     # (speculation without a draft) is still refused, for what it is.
     cp = ["--parallelism.context_parallel_degree", "2", "--rl.prompts_per_step", "2"]

@@ -261,7 +261,7 @@ def test_unseeded_copies_of_a_prompt_differ_under_deterministic_inference(dirs, 
 
 
 def test_adjacent_rank_seeds_never_share_a_request_seed(dirs, stubs):  # noqa: F811
-    # The RL loop seeds rank r's step with base * 4096 + r (rl/trainer.py). Request i of seed s
+    # The RL loop seeds rank r's step with base * 4096 + r (rl/step.py). Request i of seed s
     # must not get the seed of request i' of seed s + 1 (seed + i would: s + 1 + 0 == s + 1).
     det = _engine(dirs, stubs, cfg=_cfg(request_timeout_s=60.0, deterministic=True))
     s = 7 * 4096 + 2

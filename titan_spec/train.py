@@ -4,7 +4,7 @@ Everything checkable before a run starts is checked by ``titan_spec.preflight`` 
 run of a ``job.requires`` chain with ``--plan``, before torchrun starts any rank), which also
 turns the config into torchtitan's ``Trainer.Config``; then the trainer
 (``titan_spec.training.trainer.SpecTrainer`` for SFT and offline draft training,
-``titan_spec.rl.trainer.RLTrainer`` for RL) trains, exports and closes.
+``titan_spec.rl.step.RLTrainer`` for RL) trains, exports and closes.
 """
 
 from __future__ import annotations

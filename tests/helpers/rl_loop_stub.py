@@ -13,7 +13,7 @@ import torch
 from titan_spec.config import RLConfig
 from titan_spec.data.rewards import exact_match
 from titan_spec.rl.grpo import group_advantages
-from titan_spec.rl.trainer import RLTrainer
+from titan_spec.rl.step import RLTrainer
 from titan_spec.rollout.base import Rollout
 
 BOS, EOS, PAD = 1, 2, 0

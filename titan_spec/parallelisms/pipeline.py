@@ -61,7 +61,7 @@ __all__ = [
     "Microbatch",
     "PipelineLoss",
     "TapStage",
-    "pipeline_spec",
+    "pipeline_spec", "TapPipeline",
     "pipeline_forward_backward",
     "stage_module_names",
     "check_pipeline_split",
@@ -231,7 +231,8 @@ def pipeline_spec(
     loss_fn,
 ):
     """Same contract as torchtitan's ``pipeline_llm``: (schedule, model parts, has first
-    stage, has last stage). The schedule carries ``titan_spec_loss`` (a PipelineLoss)."""
+    stage, has last stage). Called through ``TapPipeline``, which keeps the schedule's
+    PipelineLoss for the trainer."""
     pp_mesh = parallel_dims.get_mesh("pp")
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     schedule_name = parallelism.pipeline_parallel_schedule
@@ -284,8 +285,21 @@ def pipeline_spec(
     schedule = _build_pipeline_schedule(
         parallelism=parallelism, local_batch_size=training.local_batch_size, stages=stages, loss_fn=loss
     )
-    schedule.titan_spec_loss = loss
-    return schedule, parts, any(st.is_first for st in stages), any(st.is_last for st in stages)
+    return schedule, parts, any(st.is_first for st in stages), any(st.is_last for st in stages), loss
+
+
+class TapPipeline:
+    """titan_spec's ``ModelSpec.pipelining_fn``: ``pipeline_spec`` under torchtitan's contract
+    (it returns what torchtitan's ``pipeline_llm`` returns), keeping the PipelineLoss it
+    built in ``loss`` for the trainer (the schedule's own copy is private to torch)."""
+
+    def __init__(self) -> None:
+        self.loss: PipelineLoss | None = None
+        """The built schedule's loss (None before the build)."""
+
+    def __call__(self, model: torch.nn.Module, **kwargs):
+        schedule, parts, has_first, has_last, self.loss = pipeline_spec(model, **kwargs)
+        return schedule, parts, has_first, has_last
 
 
 # ---------------------------------------------------------------------------

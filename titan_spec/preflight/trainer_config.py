@@ -23,10 +23,10 @@ from titan_spec.data.tokenizer import build_tokenizer, tokenizer_config
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import without_torch_cp
-from titan_spec.parallelisms.pipeline import pipeline_spec
+from titan_spec.parallelisms.pipeline import TapPipeline
 from titan_spec.preflight.parallelism import check_pipeline_config, check_tensor_parallel
 from titan_spec.preflight.resolve import Made, _made, draft_arch_for, resolve_arch, resolve_tokenizer
-from titan_spec.rl.trainer import RLTrainer
+from titan_spec.rl.step import RLTrainer
 from titan_spec.training.checkpoint import VerifiedCheckpointManager
 from titan_spec.training.metrics import CoTrainingMetrics
 from titan_spec.training.optimizers import CoTrainingLRSchedulers, CoTrainingOptimizers
@@ -91,7 +91,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         flavor="hf" if cfg.model.hf_checkpoint else cfg.model.flavor,
         model=model_config,
         parallelize_fn=_parallelize(parallelize_fn),
-        pipelining_fn=pipeline_spec,
+        pipelining_fn=TapPipeline(),
         # torchtitan's aux-loss-free balancing: moves each MoE layer's routing bias before
         # every optimizer step (models/moe.py); off, the bias stays 0 (HF's routing).
         post_optimizer_build_fn=register_moe_load_balancing_hook if coeff > 0 else None,

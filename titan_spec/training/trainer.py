@@ -33,7 +33,7 @@ One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_s
 -> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
 loss) -> clip -> optimizers.step (policy, then draft) -> lr_schedulers.step -> metrics.
 
-One RL step (titan_spec/rl/trainer.py) has its own ``train_step`` and uses the same
+One RL step (titan_spec/rl/step.py) has its own ``train_step`` and uses the same
 pieces: ``begin_step``, ``post_dataloading_process``, ``co_train_forward_backward``,
 ``account_loss``, ``optimizers.step`` and ``lr_schedulers.step``.
 """
@@ -103,11 +103,13 @@ class SpecTrainer(Trainer):
             self.dataloader.use_regenerator(Regenerator(
                 spec.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device))
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
+        # The schedule's loss (parallelisms/pipeline.py PipelineLoss), kept by the pipelining_fn.
+        self.pp_loss = config.model_spec.pipelining_fn.loss if self.parallel_dims.pp_enabled else None
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
         self.draft_training = self._build_draft_training() if spec.mode.trains_draft and on_draft_stage else None
         self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=spec.mode.trains != "draft")
         if self.draft_training is not None and self.parallel_dims.pp_enabled:
-            self.pp_schedule.titan_spec_loss.attach(self.co_loss)
+            self.pp_loss.attach(self.co_loss)
         # The draft steps with the policy: optimizers.step() applies (or skips) the policy's
         # step, then the draft's; lr_schedulers.step() advances both schedules.
         self.optimizers.join_draft(self.draft_training, self._last_good)
@@ -220,7 +222,7 @@ class SpecTrainer(Trainer):
 
     def pipeline_run(self) -> PipelineRun:
         """What one pipelined forward/backward needs of this trainer (parallelisms/pipeline.py)."""
-        return PipelineRun(self.pp_schedule, self.pp_schedule.titan_spec_loss, self.pp_has_first_stage,
+        return PipelineRun(self.pp_schedule, self.pp_loss, self.pp_has_first_stage,
                            self.pp_has_last_stage, self.device, self.train_context)
 
     def prepare_microbatches(self, input_dict_mbs, label_mbs) -> list[tuple]:
@@ -296,7 +298,7 @@ class SpecTrainer(Trainer):
             return out
         out.update(self.draft_training.metrics())
         if self.parallel_dims.pp_enabled:  # taps of the last step, counted by microbatch tag
-            out["pp/taps_delivered"] = self.pp_schedule.titan_spec_loss.channel.received
+            out["pp/taps_delivered"] = self.pp_loss.channel.received
         return out
 
     def post_dataloading_process(self, input_dict, labels):

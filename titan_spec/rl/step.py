@@ -29,7 +29,7 @@ titan_spec/training/checkpoint.py, profiler, GC) and calls this ``train_step`` o
 mesh, FSDP2, compile, activation checkpointing, the optimizers and LR schedulers, the
 gradient clipping (``dist_utils.clip_grad_norm_``), the loss reductions and the
 MetricsProcessor are torchtitan's. The data iterator it passes is not used: an RL step
-makes its own batch. What passes between the phases is typed (rl/records.py).
+makes its own batch. What passes between the phases is typed (rl/step_records.py).
 
 Shape legend: B = packed rows, L = row length, P = prompts, G = group size.
 """
@@ -56,7 +56,7 @@ from titan_spec.rl.dapo import overlong_penalty
 from titan_spec.rl.drift import DriftMeter, percentile_from_counts
 from titan_spec.rl.grpo import group_advantages, token_logprobs
 from titan_spec.rl.losses import POLICY_LOSSES
-from titan_spec.rl.records import Minibatch, RolloutBatch, StepRecord, UpdateStats
+from titan_spec.rl.step_records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
 from titan_spec.rl.rollouts import RolloutStats, RolloutWorker, full_policy_state
 from titan_spec.rl.sharing import same_data_group, share_work

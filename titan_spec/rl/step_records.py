@@ -1,4 +1,4 @@
-"""What passes between the phases of one RL step (titan_spec/rl/trainer.py), as typed records.
+"""What passes between the phases of one RL step (titan_spec/rl/step.py), as typed records.
 
 Shape legend: P = prompts of this rank, G = group size, B = packed rows, L = row length.
 
