@@ -15,14 +15,66 @@ if [[ ! "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
   echo "run_train.sh: NGPU = '$NGPU' is not allowed; it must be a positive integer (processes per node)" >&2
   exit 2
 fi
+# SIGTERM / SIGINT (a scheduler, Ctrl-C, kill PID) are forwarded to the command running now
+# and this script waits for it to exit, then stops: a bash script running a command in the
+# foreground neither passes the signal on nor returns before the command does, and without a
+# trap it dies at once and leaves torchrun running orphaned. So every Python runs as `child`
+# (in the background, waited for). torchrun passes the signal to every rank and waits for them
+# (SIGKILL after 30 s). A rerun of the same command skips the runs that finished (DONE) and
+# resumes the stopped one from its last verified checkpoint (training/checkpoint.py: a save
+# the signal cut short has no manifest and is passed over).
+CHILD=""
+SIGNAL=""
+# A background command of a script ignores SIGINT (bash), so SIGTERM is what is passed on.
+forward() {
+  SIGNAL=$1
+  if [[ -n "$CHILD" ]]; then kill -s TERM "$CHILD" 2>/dev/null || true; fi
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+# child CMD...: runs CMD in the background and waits until it has exited, through any number
+# of forwarded signals; its exit status. A trapped signal ends `wait` early (status > 128),
+# not the command, so after one it waits again; a last `wait` collects a status bash reaped
+# meanwhile (127: none left to collect, the one already read stands).
+child() {
+  local rc=0 again=0
+  "$@" &
+  CHILD=$!
+  wait "$CHILD" || rc=$?
+  while [[ -n "$SIGNAL" ]] && kill -0 "$CHILD" 2>/dev/null; do
+    rc=0
+    wait "$CHILD" || rc=$?
+  done
+  if [[ -n "$SIGNAL" ]]; then
+    wait "$CHILD" 2>/dev/null || again=$?
+    (( again == 127 )) || rc=$again
+  fi
+  CHILD=""
+  return "$rc"
+}
+stop_if_signalled() {
+  [[ -z "$SIGNAL" ]] && return 0
+  echo "run_train.sh: stopped by SIG$SIGNAL; every process of the run has exited; rerun the same command to resume from the last verified checkpoint" >&2
+  [[ "$SIGNAL" == INT ]] && exit 130
+  exit 143
+}
 PY=$(scripts/ensure_env.sh)
+stop_if_signalled  # a signal during the set-up waited for it (a command substitution)
 export HF_HUB_OFFLINE=1
 # Read and check every config of the run in one process first (the default requires an SFT
 # warm start and an offline draft run; job.requires): a config error prints one line and
 # nothing starts. Runs already finished (DONE in their dump folder) are skipped.
-mapfile -t RUNS < <(WORLD_SIZE=$NGPU "$PY" -m titan_spec.train --plan --config "$CONFIG_FILE" "$@" || echo "!")
-[[ "${RUNS[-1]}" == "!" ]] && exit 2
-if [[ "$("$PY" -c 'import torch; print(torch.cuda.is_available())')" == "False" ]]; then
+PLAN=$(mktemp)
+trap 'rm -f "$PLAN"' EXIT
+PLAN_RC=0
+WORLD_SIZE=$NGPU child "$PY" -m titan_spec.train --plan --config "$CONFIG_FILE" "$@" > "$PLAN" || PLAN_RC=$?
+stop_if_signalled
+(( PLAN_RC == 0 )) || exit 2
+mapfile -t RUNS < "$PLAN"
+CUDA=0
+child "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' || CUDA=$?
+stop_if_signalled
+if (( CUDA == 3 )); then
   # CPU: split the cores between the processes.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 fi
@@ -32,8 +84,13 @@ for i in "${!RUNS[@]}"; do
   ARGS=()
   (( i == ${#RUNS[@]} - 1 )) && ARGS=("$@")
   echo "titan_spec: run $RUN"
-  WORLD_SIZE=$NGPU "$PY" -m titan_spec.train --check --config "$RUN" "${ARGS[@]}"
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+  RC=0
+  WORLD_SIZE=$NGPU child "$PY" -m titan_spec.train --check --config "$RUN" "${ARGS[@]}" || RC=$?
+  stop_if_signalled
+  (( RC == 0 )) || exit "$RC"
+  child "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m titan_spec.train --config "$RUN" "${ARGS[@]}"
+    -m titan_spec.train --config "$RUN" "${ARGS[@]}" || RC=$?
+  stop_if_signalled
+  (( RC == 0 )) || exit "$RC"
 done

@@ -497,7 +497,8 @@ def test_gpu_recipe_checks(dirs, capsys, monkeypatch, tmp_path):
     # is the character one, without a chat template; tests/test_recipes.py checks the recipe
     # against Qwen3-8B's structure).
     tiny = ["--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft, "--draft.draft_vocab_size", "16",
-            "--training.seq_len", "1024", "--task.path", str(gsm), "--task.chat_template", "off"]
+            "--training.seq_len", "1024", "--task.path", str(gsm), "--task.chat_template", "off",
+            "--rl.max_new_tokens", "256"]  # a prompt and its completion fit the tiny policy's 1024-token rows
     assert main(["--check", "--config", path, *tiny]) == 0
     capsys.readouterr()
     assert main(["--check", "--config", path]) == 2  # its /models paths are not on this machine

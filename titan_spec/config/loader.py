@@ -156,6 +156,11 @@ def _assign(obj: Any, table: dict, where: str, path: str, origins: dict[str, str
             continue
         tp = hints[key]
         out = _coerce(value, tp)
+        if out is _NO and typing.get_origin(tp) is Literal:  # a value of the right type, not one of the allowed
+            near = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{here}: {dotted} = {value!r} is not allowed; it must be {_type_name(tp)}{hint}",
+                              key=dotted)
         if out is _NO:
             raise ConfigError(f"{here}: {dotted} = {value!r} has the wrong type; it must be {_type_name(tp)}")
         # The ONE finiteness check of every numeric key: an inf/nan learning rate, temperature or

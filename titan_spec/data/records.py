@@ -39,8 +39,12 @@ def read_records(path: str) -> tuple[list[tuple[str, Any]], list[str]]:
         raise ValueError(f"{path!r}: not a .jsonl, .json or .parquet file")
     import datasets  # optional heavy dependency, imported where used
 
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path}: the file is empty (0 bytes); allowed: a .jsonl, .json or .parquet file of records")
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # Its own errors too: a file it cannot read is named once, by the ValueError below
+    # (the Parquet reader logs "Failed to read schema ..." before raising).
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         with tempfile.TemporaryDirectory(prefix="titan_spec_ds_") as cache:
             ds = datasets.load_dataset(FORMATS[ext], data_files=path, split="train", cache_dir=cache,
@@ -48,7 +52,9 @@ def read_records(path: str) -> tuple[list[tuple[str, Any]], list[str]]:
             rows = ds.to_list()
     except Exception as e:  # pyarrow / datasets errors: name the lines where we can
         if ext != ".jsonl":
-            raise ValueError(f"{path}: cannot be read: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            what = "not a complete Parquet file (truncated or corrupt)" if ext == ".parquet" else "cannot be read"
+            raise ValueError(f"{path}: {what}: {why}") from None
         records, errors = [], []
         for n, line in _lines(path):
             try:

@@ -95,6 +95,7 @@ class DatasetTask:
                     key = "task.prompt_field" if f == cfg.prompt_field else "task.answer_field"
                     found = sorted(rows[0][1]) if isinstance(rows[0][1], dict) else type(rows[0][1]).__name__
                     raise ValueError(f"{path}: no record has the field {f!r} ({key}); its records have: {found}")
+        format_misses: list[tuple[str, str, str]] = []  # (record, answer text, why) final_answer refused
         for name, row in rows:
             try:
                 raw = field_value(row, cfg.prompt_field)
@@ -108,13 +109,19 @@ class DatasetTask:
                 if not isinstance(text, (str, int, float)) or isinstance(text, bool):
                     raise ValueError(f"answer {cfg.answer_field!r} is a {type(text).__name__}, not text or a number")
                 text = str(text)
-                answer = final_answer(text, cfg.answer_format)
+                try:
+                    answer = final_answer(text, cfg.answer_format)
+                except ValueError as e:
+                    format_misses.append((name, text, str(e)))
+                    raise
                 self.problems.append(Problem(prompt, answer, text.strip() if text.strip() != answer else "",
                                              messages, name, row))
             except KeyError as e:
                 self.errors.append(f"{name}: missing field {e.args[0]!r}")
             except ValueError as e:
                 self.errors.append(f"{name}: {e}")
+        if rows and len(format_misses) == len(rows) and cfg.answer_format != "auto":
+            _answer_format_misfit(cfg, format_misses)
         if self.errors:
             n = len(self.errors)
             if cfg.on_malformed == "reject":
@@ -127,6 +134,27 @@ class DatasetTask:
 
     def sample(self, rng: random.Random) -> Problem:
         return self.problems[rng.randrange(len(self.problems))]
+
+
+def _answer_format_misfit(cfg: TaskConfig, misses: list[tuple[str, str, str]]) -> None:
+    """No record has a final answer in task.answer_format: the format is at fault, not the
+    file (a record or two without one is the file's: malformed records, task.path)."""
+    # 'plain' reads any text, so it is suggested by no one: the specific formats first.
+    fits = [f for f in ("gsm8k", "boxed", "auto") if f != cfg.answer_format and all(_reads(t, f) for _, t, _ in misses)]
+    hint = f"; did you mean {fits[0]!r}? it reads every record" if fits else ""
+    name, _, why = misses[0]
+    raise ConfigError(
+        f"task.answer_format = {cfg.answer_format!r} finds no final answer in any of the {len(misses)} records of "
+        f"{cfg.path} (first: {name}: {why}); allowed: 'auto' (each record's own), 'gsm8k' (after '####'), "
+        f"'boxed' (the last \\boxed{{}}), 'plain' (the whole field){hint}", key="task.answer_format")
+
+
+def _reads(text: str, fmt: str) -> bool:
+    try:
+        final_answer(text, fmt)
+        return True
+    except ValueError:
+        return False
 
 
 def _has(row: Any, dotted: str) -> bool:
@@ -162,6 +190,8 @@ def check_task_file(task_cfg: TaskConfig) -> None:
         return
     try:
         build_task(task_cfg)
+    except ConfigError:
+        raise  # already names its key (task.answer_format)
     except (OSError, ValueError) as e:
         raise ConfigError(f"task.path: {e}", key="task.path") from None
 

@@ -124,11 +124,23 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
             found = kind.read_arch(path)
         except ValueError as e:
             raise ConfigError(f"draft.init_from: {e}", key="draft.init_from") from None
+    # A value the config leaves unset comes from the directory: a bad one is blamed on its
+    # config.json (through draft.init_from, the key the user set), not on a [draft] key.
+    src = None if found is None else (
+        os.path.join(path, "config.json") if promise is None else f"{path} (the draft {promise.run} exports)")
+    taps_src = src if not taps and found is not None and found.tap_layer_ids else None
+    vocab_src = src if not vocab and found is not None else None
     if found is not None:
         vocab, taps = vocab or found.draft_vocab_size, taps or found.tap_layer_ids
     why = taps and tap_ids_problem(taps, arch.n_layers)
+    if why and taps_src:
+        raise ConfigError(f"draft.init_from: {taps_src}: eagle_aux_hidden_state_layer_ids {list(taps)}: {why} "
+                          "(a draft trained on another target; or set draft.tap_layer_ids)", key="draft.init_from")
     if why:
         raise ConfigError(f"draft.tap_layer_ids: {why}", key="draft.tap_layer_ids")
+    if vocab_src and not 1 <= vocab <= arch.vocab_size:
+        raise ConfigError(f"draft.init_from: {vocab_src}: draft_vocab_size = {vocab} must be in 1..{arch.vocab_size} "
+                          "(the target vocabulary; a draft trained on another target?)", key="draft.init_from")
     taps = taps or tap_ids_for(cfg, arch.n_layers, kind)
     try:
         d = kind.arch_from_target(arch, taps, vocab)

@@ -24,6 +24,7 @@ from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import TapPipeline
+from titan_spec.preflight.lengths import check_documents_fit
 from titan_spec.preflight.parallelism import check_pipeline_config, check_tensor_parallel
 from titan_spec.preflight.resolve import Made, _made, draft_arch_for, resolve_arch, resolve_tokenizer
 from titan_spec.rl.step import RLTrainer
@@ -57,7 +58,8 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     tok_kind, tok_path = resolve_tokenizer(cfg, made)
     # A promised directory's tokenizer is its source's (the same files, copied there later).
     tok = build_tokenizer(tok_kind, tok_path)
-    PromptFormat(cfg.task, tok)  # the chat-template keys fit this tokenizer (ConfigError otherwise)
+    prompts = PromptFormat(cfg.task, tok)  # the chat-template keys fit this tokenizer (ConfigError otherwise)
+    check_documents_fit(cfg, tok, prompts)  # every record's document fits training.seq_len
     arch = resolve_arch(cfg, tok.get_vocab_size(), made)
     # Taps are read only when the draft trains from them; the LM step returns logits.
     draft_arch = draft_arch_for(cfg, arch, made)  # validates tap ids and draft vocab even when unused
