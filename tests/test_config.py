@@ -69,7 +69,7 @@ MALFORMED = [
     ("", ["--draft.loss_decay", "0"], 1, ["draft.loss_decay", "(0, 1]"]),
     ("[metrics]\nlog_freq = 0\n", [], 1, ["metrics.log_freq"]),
     ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
-    ("[rollout]\nengine = 'vllm'\n", [], 1, ["rollout.engine", "'torch', 'sglang'"]),
+    ("[rollout]\nengine = 'vlm'\n", [], 1, ["rollout.engine", "'torch', 'sglang', 'vllm'"]),
     ("[speculative]\ndepth = 'auto'\n", [], 1, ["speculative.depth", "'fixed', 'adaptive'"]),
     ("[speculative]\ndepth = 'adaptive'\n[rollout]\nengine = 'sglang'\n", [], 1,
      ["speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'", "must be 'fixed'"]),
@@ -165,7 +165,7 @@ def _repo_view(tmp_path) -> str:
 
 
 def test_tap_ids_out_of_range_is_a_config_error():
-    from titan_spec.train import to_trainer_config
+    from titan_spec.preflight import to_trainer_config
 
     cfg = load_config(DEFAULT, ["--draft.tap_layer_ids", "[1, 3, 8]"])
     with pytest.raises(ConfigError, match=r"out of range: the target has 8 layers"):
@@ -189,7 +189,7 @@ def test_tp_not_dividing_the_heads_is_one_line_before_any_process(tp, why, monke
 
 
 def test_draft_vocab_larger_than_target_is_an_error():
-    from titan_spec.train import to_trainer_config
+    from titan_spec.preflight import to_trainer_config
 
     cfg = load_config(DEFAULT, ["--draft.enable", "true", "--draft.draft_vocab_size", "100000"])
     with pytest.raises(ConfigError, match=r"draft.draft_vocab_size = 100000 must be in 1\.\.100"):

@@ -11,7 +11,7 @@
 
 This package stands on the ground floor: it imports no other titan_spec module. The checks
 that need one (the task file, the SGLang engine's inputs, architectures and checkpoints)
-live next to what they check; ``titan_spec.train.validate_run`` runs them all before a run.
+live next to what they check; ``titan_spec.preflight.validate_run`` runs them all before a run.
 """
 
 from titan_spec.config.errors import ConfigError
@@ -19,7 +19,7 @@ from titan_spec.config.loader import load_config, locate, parse_overrides, quiet
 from titan_spec.config.mode import RunMode, run_mode
 from titan_spec.config.schema import (
     ActivationCheckpointConfig, DraftConfig, JobConfig, ModelConfig, OptimizerConfig, RLConfig, RolloutConfig,
-    SGLangConfig, SpeculativeConfig, TaskConfig, TitanSpecConfig, TokenizerConfig, TrainingConfig,
+    SGLangConfig, SpeculativeConfig, TaskConfig, TitanSpecConfig, TokenizerConfig, TrainingConfig, VLLMConfig,
 )
 from titan_spec.config.validate import check_paths, document_multiple, validate
 
@@ -27,5 +27,5 @@ __all__ = [
     "ConfigError", "TitanSpecConfig", "load_config", "parse_overrides", "locate", "quiet_torchtitan",
     "RunMode", "run_mode", "validate", "check_paths", "document_multiple",
     "ActivationCheckpointConfig", "DraftConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "RLConfig",
-    "RolloutConfig", "SGLangConfig", "SpeculativeConfig", "TaskConfig", "TokenizerConfig", "TrainingConfig",
+    "RolloutConfig", "SGLangConfig", "SpeculativeConfig", "TaskConfig", "TokenizerConfig", "TrainingConfig", "VLLMConfig",
 ]

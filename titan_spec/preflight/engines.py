@@ -5,9 +5,10 @@ from __future__ import annotations
 from titan_spec.config import ConfigError, TitanSpecConfig
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.rollout.sglang.engine import MANAGED_SERVER_ARGS
+from titan_spec.rollout.vllm.serving import vllm_misfit
 from titan_spec.rollout.weight_names import check_draft_fits_policy, sglang_tap_misfit
 
-__all__ = ["check_sglang_config"]
+__all__ = ["check_sglang_config", "check_vllm_config"]
 
 
 def check_sglang_config(cfg: TitanSpecConfig, files: bool = True) -> None:
@@ -41,3 +42,21 @@ def check_sglang_config(cfg: TitanSpecConfig, files: bool = True) -> None:
         raise ConfigError(str(e)) from None
     if why:
         raise ConfigError(f"draft.tap_layer_ids: {why} (rollout.engine = 'sglang')")
+
+
+def check_vllm_config(cfg: TitanSpecConfig, files: bool = True) -> None:
+    """A config whose rollout.engine is 'vllm' can start vLLM from its directories: the
+    policy's and the draft's head sizes are ones vLLM's CPU attention serves and a
+    full-vocabulary draft carries no d2t (rollout/vllm/serving.py ``vllm_misfit``). The
+    config's values are checked at load (config/validate.py). ``files`` False: an earlier
+    run of the job.requires chain writes those directories."""
+    if cfg.rollout.engine != "vllm" or not cfg.rl.enable or not files or not cfg.model.hf_checkpoint:
+        return
+    draft = cfg.draft.init_from if cfg.speculative.enabled else None
+    try:
+        why = vllm_misfit(cfg.model.hf_checkpoint, draft)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if why:
+        key = "draft.init_from" if draft and why.startswith(f"the draft {draft}") else "model.hf_checkpoint"
+        raise ConfigError(f"{why} (rollout.engine = 'vllm')", key=key)

@@ -5,33 +5,61 @@ resolves, the rollout engine can start from them (preflight/engines.py)."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 from titan_spec.config import ConfigError, TitanSpecConfig, check_paths
 from titan_spec.data.generated import check_records_fit
 from titan_spec.data.rewards import check_reward
 from titan_spec.data.tasks import check_task_file
-from titan_spec.preflight.engines import check_sglang_config
+from titan_spec.preflight.engines import check_sglang_config, check_vllm_config
 from titan_spec.preflight.resolve import Made
 
-__all__ = ["check_inputs"]
+__all__ = ["check_inputs", "check_writable"]
 
 
 def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> None:
     """The inputs a config names, before anything is built: its directories exist
     (config.check_paths), its task file reads (data.tasks.check_task_file), a 'records' task's
-    prompts fit training.seq_len (data.generated.check_records_fit), the SGLang
-    engine can start from them (rollout.sglang.engine.check_config). ``made``: directories
+    prompts fit training.seq_len (data.generated.check_records_fit), the SGLang or vLLM
+    engine can start from them (preflight/engines.py). ``made``: directories
     an earlier run of the chain writes (not there yet; see ``Made``). Raises ConfigError,
     not yet located (``validate_run`` says where the value came from)."""
     made = made or {}
     check_paths(cfg, made)
+    check_writable(cfg.job.dump_folder)
     check_task_file(cfg.task)
     check_records_fit(cfg)
     check_reward(cfg.task.reward)
     written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
     check_sglang_config(cfg, files=not written)
+    check_vllm_config(cfg, files=not written)
     if cfg.rollout.engine == "sglang" and not written:
         _check_sglang_tokenizer(cfg)
+
+
+def check_writable(dump: str) -> None:
+    """job.dump_folder can be made and written, and so can every folder a former run left in it
+    (checkpoint/, comm_traces/, tb/, ...): a file is made and removed in each (the permission
+    bits alone do not say it: root ignores them, a read-only mount does not). Otherwise the
+    first write of the run is a traceback (torchtitan's comm_traces, the first checkpoint)."""
+    where = os.path.abspath(dump)
+    while not os.path.exists(where):  # the folder the run will make its dump folder in
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise ConfigError(f"job.dump_folder {dump!r} cannot be made: {where} is a file", key="job.dump_folder")
+    folders = [where]
+    if where == os.path.abspath(dump):
+        folders += sorted(e.path for e in os.scandir(where) if e.is_dir(follow_symlinks=False))
+    for folder in folders:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".titan_spec_write_check_", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(
+                f"job.dump_folder {dump!r} is not writable: {folder}: {e.strerror or e}; allowed: a folder this "
+                "user can create files in (the run writes its checkpoints, metrics and exports there)",
+                key="job.dump_folder") from None
 
 
 def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:

@@ -16,7 +16,8 @@ The three share ONE target module, so a policy push reaches all of them at once.
 With ``rollout.engine = "sglang"`` the main engine is this rank's SGLang server, started from
 ``model.hf_checkpoint`` and ``draft.init_from`` (rollout/sglang/engine.py; it restarts
 itself and re-pushes both weight sets when the server dies); the baselines are built-in-engine
-measurements and are skipped.
+measurements and are skipped. ``rollout.engine = "vllm"`` is the same with this rank's vLLM
+server (rollout/vllm/engine.py, its own environment .venv-vllm).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.builtin.depth import RoundCosts
 from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
 from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
+from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
 
 __all__ = ["RolloutStats", "RolloutWorker", "full_policy_state"]
 
@@ -107,7 +109,7 @@ class RolloutWorker:
         # models, same shapes): they make the same depth choices from the same acceptance.
         self.costs = RoundCosts()
         self._costs_file = None
-        if costs_dir is not None and cfg.rollout.engine != "sglang":
+        if costs_dir is not None and cfg.rollout.engine == "torch":
             rank = dist.get_rank() if dist.is_initialized() else 0
             self._costs_file = os.path.join(costs_dir, f"rollout_costs.rank{rank}.json")
             if os.path.isfile(self._costs_file):
@@ -117,6 +119,10 @@ class RolloutWorker:
         if cfg.rollout.engine == "sglang":
             self.main = SGLangRolloutEngine.from_config(cfg)
             self._rebuild = None  # the SGLang engine restarts its server itself
+            return
+        if cfg.rollout.engine == "vllm":
+            self.main = VLLMRolloutEngine.from_config(cfg)
+            self._rebuild = None  # the vLLM engine restarts its server itself
             return
         taps = tuple(draft.arch.tap_layer_ids) if spec else ()
         with torch.device(device):

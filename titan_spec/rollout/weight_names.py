@@ -88,6 +88,11 @@ def draft_to_export_names(named_tensors: NamedTensors) -> list[tuple[str, torch.
             f"draft weights: unknown name(s) {unknown[:4]}{'...' if len(unknown) > 4 else ''}; "
             f"allowed: {', '.join(EXPORT_KEYS)}"
         )
+    maps = {n: t for n, t in out if n in ("d2t", "t2d")}
+    if len(maps) == 2 and bool(maps["t2d"].all()) and not bool(maps["d2t"].any()):
+        # A full vocabulary's identity maps: the exporter omits them and neither server holds
+        # them (models/draft/eagle3/io.py says why vLLM refuses a d2t there).
+        out = [(n, t) for n, t in out if n not in maps]
     return out
 
 

