@@ -126,7 +126,7 @@ def _fixed_batch(trainer, task_cfg, seed: int):
     same batch (seeded)."""
     from titan_spec.data.tasks import build_task
     from titan_spec.rl.step_records import RolloutBatch
-    from titan_spec.rl.rollouts import RolloutStats
+    from titan_spec.rl.worker import RolloutStats
     from titan_spec.rollout.base import Rollout
 
     tok, G = trainer.tokenizer, trainer.rl.group_size

@@ -140,7 +140,7 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
 
 def _worker(tmp_path, retries=1, costs_dir=None):
     from titan_spec.training.draft import initial_draft
-    from titan_spec.rl.rollouts import RolloutWorker
+    from titan_spec.rl.worker import RolloutWorker
 
     model, arch = _tiny()
     cfg = load_config(None, ["--rl.enable", "true", "--draft.enable", "true", "--rl.rollout_retries", str(retries),

@@ -1,4 +1,4 @@
-"""The rollout worker's weight push (rl/rollouts.py RolloutWorker.push ->
+"""The rollout worker's weight push (rl/worker.py RolloutWorker.push ->
 TorchRolloutEngine.update_*_weights): a pushed draft really reaches the main engine and only
 it, so the co-trained draft is what serves the rollouts while the frozen baseline keeps the
 draft as it was before RL.
@@ -22,7 +22,7 @@ from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rollout import SamplingParams
 from titan_spec.rollout.builtin.engine import TorchRolloutEngine
-from titan_spec.rl.rollouts import RolloutWorker
+from titan_spec.rl.worker import RolloutWorker
 
 TAPS = (1, 3, 4)
 # This seeded tiny policy decodes greedily by repeating a prompt's last token, so a draft that

@@ -2,7 +2,7 @@
 keys that select it gives the mode in the hand-written table below or one of the three
 contradiction errors, word for word as before the mode existed, with the same origin; and
 each mode answers the boolean formulas that preflight, training/trainer.py, rl/step.py and
-rl/rollouts.py used before (written out here as the reference)."""
+rl/worker.py used before (written out here as the reference)."""
 
 import itertools
 
@@ -92,7 +92,7 @@ def test_each_mode_answers_the_boolean_formulas_it_replaces(bits):
     assert m.trains_draft == (draft and (co_train or not rl))
     # SpecTrainer: the policy is frozen (no grad, not in the total) iff the draft trains offline.
     assert (m.trains == "draft") == (draft and offline)
-    if rl:  # rl/rollouts.py RolloutWorker: spec, co_train (also the frozen-draft baseline engine)
+    if rl:  # rl/worker.py RolloutWorker: spec, co_train (also the frozen-draft baseline engine)
         assert m.speculates == (spec and draft)
         assert m.trains_draft == (spec and draft and co_train)
     else:

@@ -38,7 +38,7 @@ from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.data.problem import Problem
 from titan_spec.rl.step_records import RolloutBatch
-from titan_spec.rl.rollouts import RolloutStats
+from titan_spec.rl.worker import RolloutStats
 from titan_spec.rollout.base import Rollout
 from titan_spec.preflight import to_trainer_config
 

@@ -44,7 +44,7 @@ class ScriptedWorker:
         self.pushes.append((draft_state, version))
 
     def generate(self, prompts, sampling):
-        from titan_spec.rl.rollouts import RolloutStats
+        from titan_spec.rl.worker import RolloutStats
 
         taken: dict[str, int] = {}
         out = []

@@ -22,7 +22,7 @@ from torchtitan.tools.logging import init_logger
 from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.models.moe import expert_biases
-from titan_spec.rl.rollouts import full_policy_state
+from titan_spec.rl.worker import full_policy_state
 from titan_spec.preflight import to_trainer_config
 
 

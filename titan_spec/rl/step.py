@@ -3,7 +3,7 @@
 ``RLTrainer.train_step`` is the step, top to bottom:
 
   1 push       the trainer's full weights to this rank's engine, versioned by the
-               optimizer steps they have seen (rl/rollouts.py; under PP gathered over
+               optimizer steps they have seen (rl/worker.py; under PP gathered over
                the stages, the draft from the last one)
   2 generate   this rank's prompts of the step (deterministic in seed, step and rank),
                G completions each, speculative, with behaviour log-probs; at intervals
@@ -58,7 +58,7 @@ from titan_spec.rl.grpo import group_advantages, token_logprobs
 from titan_spec.rl.losses import POLICY_LOSSES
 from titan_spec.rl.step_records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
-from titan_spec.rl.rollouts import RolloutStats, RolloutWorker, full_policy_state
+from titan_spec.rl.worker import RolloutStats, RolloutWorker, full_policy_state
 from titan_spec.rl.sharing import same_data_group, share_work
 from titan_spec.rollout.base import SamplingParams
 from titan_spec.training.trainer import SpecTrainer
@@ -97,8 +97,8 @@ class RLTrainer(SpecTrainer):
             if not spec.draft.init_from:
                 counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, config.arch.vocab_size)
             draft = initial_draft(spec.draft, config.draft_arch, counts, config.debug.seed or 0)
-        self.worker = RolloutWorker(spec, config.arch, self.device, draft, costs_dir=spec.job.dump_folder)
-        self.worker.resume_hint = self._resume_hint
+        self.worker = RolloutWorker(spec, config.arch, self.device, draft, costs_dir=spec.job.dump_folder,
+                                    resume_hint=self._resume_hint)
         # The ranks that hold this rank's data-parallel rank (its CP ranks) share each
         # step's generation (rl/sharing.py); None when it is alone.
         self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from titan_spec.data.problem import Problem
-from titan_spec.rl.rollouts import RolloutStats
+from titan_spec.rl.worker import RolloutStats
 from titan_spec.rollout.base import Rollout
 
 __all__ = ["RolloutBatch", "Minibatch", "UpdateStats", "StepRecord"]

@@ -18,7 +18,7 @@ Who uses what (read from the callers):
     rollout/builtin/engine.py   read_arch + build + load_into (from_pretrained), arch.tap_layer_ids,
                                 arch.misfits, cached_proposer (its decode path),
                                 model.draft_to_target_ids / d2t (speculative acceptance)
-    rl/rollouts.py              arch.tap_layer_ids (which taps the engine's target computes)
+    rl/worker.py              arch.tap_layer_ids (which taps the engine's target computes)
     tap ids, everywhere         titan_spec.config.draft_kinds.tap_ids_problem with the kind's tap count
 
 The arch a kind returns is a frozen dataclass with at least ``tap_layer_ids`` (the target

@@ -92,16 +92,18 @@ class RolloutWorker:
         device: torch.device,
         draft: torch.nn.Module | None,
         costs_dir: str | None = None,
+        resume_hint: Callable[[], str] | None = None,
     ):
         """``draft``: the draft before RL (unsharded; None without speculation; any draft kind
-        the engine has a proposer for, rollout/builtin/kv_cache.PROPOSERS).
+        whose ``DraftKind.cached_proposer`` gives one).
         ``costs_dir``: where adaptive depth's round-cost table lives
         (rollout_costs.rank<R>.json): read when it exists (a resumed run makes the
-        interrupted run's choices), written when it grows; None = kept in memory only."""
+        interrupted run's choices), written when it grows; None = kept in memory only.
+        ``resume_hint()``: what a rerun would do, for the stop message (the trainer knows
+        whether a verified checkpoint exists)."""
         self.cfg = cfg
-        # What a rerun would do, for the stop message; the trainer sets it (only it knows
-        # whether a verified checkpoint exists).
-        self.resume_hint: Callable[[], str] = lambda: "whether a checkpoint exists to resume from is unknown here"
+        self.resume_hint: Callable[[], str] = resume_hint or (
+            lambda: "whether a checkpoint exists to resume from is unknown here")
         spec = cfg.mode.speculates
         self.co_train = cfg.mode.trains_draft
         self.frozen = self.nospec = None
