@@ -167,8 +167,8 @@ class AcceptanceEstimate:
         next rounds decode. (Weighing a row 1 / (the rows the batch started with), the
         decay scaled to match, speculates more in the next call, and loses where the
         longest rows of a batch are the ones the draft cannot predict, as at the default's
-        start: 1.036x plain decoding per call against 1.012x, docs/PERFORMANCE.md "Session
-        of 2026-12-01 (6)".)"""
+        start: 1.036x plain decoding per call against 1.012x, docs/PERFORMANCE.md
+        "Adaptive depth".)"""
         d = self.decay if k else self.idle_decay
         self.reached = [x * d for x in self.reached]
         self.accepted = [x * d for x in self.accepted]
