@@ -481,3 +481,33 @@ def test_read_only_dump_folder_is_one_line(inside, read_only_folder, tmp_path, c
                      "allowed: a folder this user can create files in (the run writes its checkpoints, metrics and "
                      "exports there)"], err
     assert (tree(tmp_path), tree(ROOT)) == before
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("def reward(completion, answer, record):\n    raise KeyError('score')\n",
+     "raised on record", ),
+    ("def reward(completion, answer, record):\n    return 'yes'\n",
+     "returned str 'yes'"),
+    ("def reward(completion, answer, record):\n    return float('nan')\n",
+     "returned nan"),
+])
+def test_a_reward_that_cannot_score_is_one_line_before_the_start(body, needle, tmp_path, capsys, monkeypatch):
+    """A user's reward (task.reward = 'module:function') that raises or returns a non-number on
+    the task's first problems is refused by --plan (preflight/inputs.py check_reward_scores),
+    not at step 1 after the start-up; a reward that scores them plans fine."""
+    (tmp_path / "user_reward_probe.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("user_reward_probe", None)
+    confs = fresh_checkout(tmp_path)
+    before = tree(tmp_path / "train_configs")
+    rc, out, err = plan_in_process(capsys, confs, RL, ["--task.reward", "user_reward_probe:reward"])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("titan_spec: config error: command line --task.reward: task.reward = "
+                               "'user_reward_probe:reward' does not score the task before the start: "), lines[0]
+    assert needle in lines[0] and "allowed: a function (completion, answer, record) -> a finite number" in lines[0]
+    assert tree(tmp_path / "train_configs") == before and not (tmp_path / "outputs").exists()
+    (tmp_path / "user_reward_probe.py").write_text("def reward(completion, answer, record):\n    return len(completion)\n")
+    sys.modules.pop("user_reward_probe", None)
+    rc, out, err = plan_in_process(capsys, confs, RL, ["--task.reward", "user_reward_probe:reward"])
+    assert rc == 0, err

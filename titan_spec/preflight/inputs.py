@@ -1,16 +1,17 @@
 """The inputs a config names, checked before anything is built: its directories exist, its
 task file reads, a 'records' task's prompts fit training.seq_len, the reward function
-resolves, the rollout engine can start from them (preflight/engines.py)."""
+resolves and scores, the rollout engine can start from them (preflight/engines.py)."""
 
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 
 from titan_spec.config import ConfigError, TitanSpecConfig, check_paths
 from titan_spec.data.generated import check_records_fit
-from titan_spec.data.rewards import check_reward
-from titan_spec.data.tasks import check_task_file
+from titan_spec.data.rewards import RewardError, check_reward, reward_fn, score
+from titan_spec.data.tasks import build_task, check_task_file
 from titan_spec.preflight.engines import check_sglang_config, check_vllm_config
 from titan_spec.preflight.resolve import Made
 
@@ -30,11 +31,36 @@ def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> N
     check_task_file(cfg.task)
     check_records_fit(cfg)
     check_reward(cfg.task.reward)
+    check_reward_scores(cfg)
     written = {os.path.abspath(cfg.model.hf_checkpoint), os.path.abspath(cfg.draft.init_from)} & set(made)
     check_sglang_config(cfg, files=not written)
     check_vllm_config(cfg, files=not written)
     if cfg.rollout.engine == "sglang" and not written:
         _check_sglang_tokenizer(cfg)
+
+
+REWARD_PROBES = 4
+"""Problems of the task a reward scores before an RL run starts (each with 2 completions)."""
+
+
+def check_reward_scores(cfg: TitanSpecConfig) -> None:
+    """An RL run's reward gives a finite number before the first step: on the first
+    REWARD_PROBES problems the task hands out, for their reference answer (what SFT shows)
+    and for an empty completion (what an untrained policy may write). A reward that raises
+    or returns a non-number for these is otherwise found at step 1, after every rank has
+    built its model and engine; one that fails only on other completions is still a
+    RewardError naming the record at its step (data/rewards.py ``score``)."""
+    if cfg.mode.trains != "rl":
+        return
+    rng = random.Random(cfg.task.seed)
+    task = build_task(cfg.task)
+    problems = [task.sample(rng) for _ in range(REWARD_PROBES)]
+    try:
+        score(reward_fn(cfg.task.reward), cfg.task.reward, [p.sft_target for p in problems] + [""] * len(problems),
+              problems * 2)
+    except RewardError as e:
+        raise ConfigError(f"task.reward = {cfg.task.reward!r} does not score the task before the start: {e}; allowed: "
+                          "a function (completion, answer, record) -> a finite number", key="task.reward") from None
 
 
 def check_writable(dump: str) -> None:
