@@ -385,3 +385,34 @@ def test_a_finished_process_exits_0_while_a_gloo_thread_runs_python(tmp_path):
         f"{control.stderr[-2000:]}")
     out = launch("exit_process")
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A dump folder whose checkpoint/ is a 256 KiB tmpfs (a checkpoint of this run is ~MBs):
+    the disk is full at the first checkpoint. Needs root's right to mount (CI runs as root)."""
+    dump = tmp_path / "full"
+    ckpt = dump / "checkpoint"
+    ckpt.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ckpt)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs is not allowed here (needs root)")
+    try:
+        yield str(dump)
+    finally:
+        subprocess.run(["umount", str(ckpt)], capture_output=True)
+
+
+def test_disk_full_at_a_checkpoint_is_one_line_that_says_so(full_disk, tmp_path):
+    """ENOSPC while DCP writes the step-1 checkpoint: every rank stops with the same one line
+    (no space left on device, the checkpoint, the last good one), exit 1, no DONE; the
+    half-written folder has no manifest, so a resume passes over it."""
+    out = _run(_args(str(tmp_path), full_disk, 2))
+    assert out.returncode != 0
+    lines = {ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("titan_spec: writing checkpoint")}
+    assert len(lines) == 1, (lines, out.stderr[-3000:])  # the same line on both ranks
+    line = lines.pop()
+    assert "step-1 failed: no space left on device" in line and "last good checkpoint: none yet" in line, line
+    assert not os.path.exists(os.path.join(full_disk, "DONE"))
+    step1 = os.path.join(full_disk, "checkpoint", "step-1")
+    assert not os.path.exists(os.path.join(step1, "titan_spec_manifest.json"))
+    assert [r["step"] for r in _rows(full_disk)] == [1]  # step 1 trained and logged, its checkpoint refused

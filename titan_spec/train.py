@@ -20,7 +20,7 @@ from titan_spec.config import ConfigError, load_config
 from titan_spec.data.rewards import RewardError
 from titan_spec.models.registry import active_parameter_count, parameter_count
 from titan_spec.preflight import plan_runs, validate_run, weightless_inputs
-from titan_spec.training.checkpoint import CheckpointCorrupt
+from titan_spec.training.checkpoint import CheckpointCorrupt, CheckpointWriteFailed
 from titan_spec.training.finite import NonFiniteStop
 
 __all__ = ["main", "train_and_close"]
@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
     """Build, train (export, DONE) and close one run; the exit status. A run stopped by the
-    finiteness guard, by a checkpoint it cannot resume from or by a reward that raised prints one line and returns 1
-    (no DONE: run_train.sh does not treat it as finished)."""
+    finiteness guard, by a checkpoint it cannot resume from or write, or by a reward that
+    raised prints one line and returns 1 (no DONE: run_train.sh does not treat it as finished)."""
     trainer = None
     try:
         trainer = trainer_config.build()
         trainer.train()
-    except (NonFiniteStop, CheckpointCorrupt, RewardError) as e:
+    except (NonFiniteStop, CheckpointCorrupt, CheckpointWriteFailed, RewardError) as e:
         # One write: the line of each rank stays whole even with unbuffered stderr.
         sys.stderr.write(f"titan_spec: {e}\n")
         sys.stderr.flush()

@@ -34,12 +34,13 @@ import re
 import signal
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from titan_spec.training.finite import fault
 
-__all__ = ["VerifiedCheckpointManager", "CheckpointCorrupt", "MANIFEST", "choose_checkpoint", "seal_checkpoint", "verify_checkpoint"]
+__all__ = ["VerifiedCheckpointManager", "CheckpointCorrupt", "CheckpointWriteFailed", "MANIFEST", "choose_checkpoint", "seal_checkpoint", "verify_checkpoint"]
 
 MANIFEST = "titan_spec_manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -48,6 +49,29 @@ _HALF_WRITTEN = "incomplete"
 
 class CheckpointCorrupt(RuntimeError):
     """No checkpoint can be resumed from (the message is one line)."""
+
+
+class CheckpointWriteFailed(RuntimeError):
+    """A checkpoint could not be written: disk full, a read-only or vanished folder (the
+    message is one line). The run stops; the folder stays unsealed, so a resume passes over
+    it to the last good checkpoint."""
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError under a failed save: DCP wraps each rank's writer exception in a
+    CheckpointException (a BaseException) with the original as its failures' first item."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return x
+        if isinstance(x, CheckpointException):
+            todo += [failure[0] for failure in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return None
 
 
 def _files(path: str) -> list[str]:
@@ -198,7 +222,17 @@ class VerifiedCheckpointManager(CheckpointManager):
         # A folder saved again (a resumed run redoing a step) is unsealed until it is complete.
         if _rank_world()[0] == 0 and os.path.isfile(os.path.join(checkpoint_id, MANIFEST)):
             os.remove(os.path.join(checkpoint_id, MANIFEST))
-        ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        try:
+            ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        except (Exception, CheckpointException) as e:
+            err = _os_error(e)
+            if err is None:
+                raise
+            what = os.strerror(err.errno) if err.errno else str(err)
+            raise CheckpointWriteFailed(
+                f"writing checkpoint {checkpoint_id} failed: {what.lower()}; it stays "
+                f"unsealed and a resume passes over it; last good checkpoint: {self.last_good()}; free space (or "
+                "fix the folder) and rerun the same command to resume") from None
         if async_mode == AsyncMode.DISABLED:
             self._seal(checkpoint_id)
         else:
