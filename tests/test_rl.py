@@ -184,6 +184,34 @@ def test_rollout_worker_keeps_its_depth_cost_table_for_a_resume(tmp_path):
     assert later.main.last_depths == worker.main.last_depths
 
 
+def test_baselines_measure_both_drafts_at_fixed_depth_whatever_adaptive_depth_chose(tmp_path):
+    """issue 30: at baseline steps the worker also runs the step's draft and the frozen one at
+    FIXED K = speculative.num_draft_tokens on the same prompts and seed. Before any draft push
+    the two are the same draft: identical counts. A pushed draft reaches the fixed engine of
+    the step's draft (it shares the module) and not the frozen one; every fixed round drafts
+    K tokens (budget permitting), whatever K the adaptive engines chose."""
+    worker, _ = _worker(tmp_path)
+    K = worker.cfg.speculative.num_draft_tokens
+    assert set(worker.fixed) == {"fixed", "frozen_fixed"}
+    assert worker.fixed["fixed"].draft is worker.main.draft and worker.fixed["frozen_fixed"].draft is worker.frozen.draft
+    prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
+    base = worker.baselines(prompts, sp)
+    assert list(base) == ["frozen", "nospec", "fixed", "frozen_fixed"]
+    fixed, frozen = base["fixed"], base["frozen_fixed"]
+    assert (fixed.tokens, fixed.verify_steps, fixed.drafted_tokens) == (frozen.tokens, frozen.verify_steps,
+                                                                        frozen.drafted_tokens)
+    assert fixed.rounds > 0 and fixed.drafted_tokens > 0.8 * K * fixed.rounds  # K per round but the last ones
+    # A different draft pushed into the step's engines (the co-trained one moved).
+    moved = {k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v
+             for k, v in worker.main.draft.state_dict().items()}
+    worker.push(worker._target.state_dict(), moved, version=8)
+    assert torch.equal(worker.fixed["fixed"].draft.fc.weight, moved["fc.weight"])
+    again = worker.baselines(prompts, sp)
+    assert (again["frozen_fixed"].tokens, again["frozen_fixed"].verify_steps) == (frozen.tokens, frozen.verify_steps)
+    assert (again["fixed"].verify_steps, again["fixed"].tokens) != (fixed.verify_steps, fixed.tokens)
+
+
 def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(tmp_path):
     worker, _ = _worker(tmp_path)
     prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
@@ -222,10 +250,11 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
         worker.generate(prompts, sp)
     # The baselines run the same prompts with the frozen draft and without speculation.
     base = worker.baselines(prompts, sp)
-    assert set(base) == {"frozen", "nospec"} and base["nospec"].verify_steps == base["nospec"].tokens
-    # In turned-over order (every other baseline step) no-spec runs first, with the same result.
+    assert set(base) == {"frozen", "nospec", "fixed", "frozen_fixed"} and base["nospec"].verify_steps == base["nospec"].tokens
+    # In turned-over order (every other baseline step) no-spec runs first, with the same result;
+    # the fixed-depth measurements come after the trio either way.
     turned = worker.baselines(prompts, sp, reverse=True)
-    assert list(turned) == ["nospec", "frozen"] and turned["nospec"].tokens == base["nospec"].tokens
+    assert list(turned) == ["nospec", "frozen", "fixed", "frozen_fixed"] and turned["nospec"].tokens == base["nospec"].tokens
 
 
 def _dead_engine(worker):

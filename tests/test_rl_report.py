@@ -104,3 +104,24 @@ def test_ema_matches_a_hand_computation():
     got = ema([1.0, 3.0, 2.0], span=3)
     want = [1.0, (0.25 * 1 + 0.5 * 3) / 0.75, (0.125 * 1 + 0.25 * 3 + 0.5 * 2) / 0.875]
     assert all(math.isclose(a, b) for a, b in zip(got, want))
+
+
+def test_the_headline_compares_the_drafts_at_fixed_depth_and_shows_the_adaptive_ratio_beside_it(tmp_path):
+    """issue 30: with the fixed-K baselines in the rows, the summary carries both drafts'
+    acceptance at fixed K (start = first baseline step, end = last) and a headline ratio
+    from the last baseline step, the adaptive one beside it; without them, neither."""
+    rows = synthetic_rows()
+    for r in rows:
+        if "rollout/accept_len_frozen" in r:
+            r.update({"rollout/accept_len_fixed": 3.0 + r["step"] / 30, "rollout/accept_len_frozen_fixed": 2.5,
+                      "rollout/fixed_k": 4})
+    _write(tmp_path, rows)
+    lines = write_report(str(tmp_path), plots=False).splitlines()
+    assert "| acceptance at fixed K = 4, co-trained draft (same prompts) | 3.033 | 4.000 |" in lines
+    assert "| acceptance at fixed K = 4, frozen draft (same prompts) | 2.500 | 2.500 |" in lines
+    # Last baseline step (30): fixed 4.0 / 2.5 = 1.60x; adaptive 3.0 / (3.0 - 1.0) = 1.50x.
+    head = next(line for line in lines if line.startswith("At the last baseline step"))
+    assert "accepts 1.60x the frozen draft's tokens per verify at fixed K = 4" in head and "choice 1.50x" in head
+    _write(tmp_path / "old", synthetic_rows())
+    text = write_report(str(tmp_path / "old"), plots=False)
+    assert "at fixed K" not in text and "At the last baseline step" not in text

@@ -82,7 +82,12 @@ def panel_acceptance(ax, rows, runs):
     for key, name in (("rollout/accept_len", "co-trained"), ("rollout/accept_len_frozen", "frozen")):
         bx, by = _series(base, key)
         if bx:
-            ax.plot(bx, by, "o-", ms=4, lw=2, color=COLORS[name], label=f"{name} draft, same prompts")
+            ax.plot(bx, by, "o-", ms=4, lw=2, color=COLORS[name], label=f"{name} draft, same prompts (adaptive K)")
+    # The drafts at equal depth (fixed K): their quality, apart from the depth policy's choice.
+    for key, name in (("rollout/accept_len_fixed", "co-trained"), ("rollout/accept_len_frozen_fixed", "frozen")):
+        bx, by = _series(base, key)
+        if bx:
+            ax.plot(bx, by, "s--", ms=4, lw=1.5, color=COLORS[name], label=f"{name} draft, same prompts, fixed K")
     if not xs and not base:
         _empty(ax, "acceptance length")
     _finish(ax, "Acceptance length (tokens per target forward)", "tokens")

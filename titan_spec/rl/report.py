@@ -3,8 +3,10 @@
 Written next to the TensorBoard logs: ``<dump_folder>/summary.md`` and
 ``<dump_folder>/plots/*.png`` (rl/plots.py draws them). Two tables:
 
-- start vs end of the run: reward, acceptance length, completion length and its tail,
-  the drift from the starting policy (rl/drift.py), the time split;
+- start vs end of the run: reward, acceptance length (under the engine's depth choice, and
+  each draft at fixed K: the drafts' quality at equal depth), completion length and its
+  tail, the drift from the starting policy (rl/drift.py), the time split; and the headline:
+  co-trained / frozen acceptance at fixed K at the end, the adaptive-depth ratio beside it;
 - the three rollout variants side by side (co-trained draft / frozen draft / no
   speculation): reward, acceptance length, rollout and step seconds, each with its ratio to
   no speculation. From one run these are the in-run baselines (the step's prompts again
@@ -68,6 +70,7 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     head, tail = rl[:window], rl[-window:]
     base = _baseline_rows(rl)
     b_head, b_tail = base[:1], base[-1:]
+    k_fixed = next((int(r["rollout/fixed_k"]) for r in base if r.get("rollout/fixed_k") is not None), "K")
 
     def row(name, key, src=(head, tail), spec=".3f"):
         return f"| {name} | {_fmt(_mean(src[0], key), spec)} | {_fmt(_mean(src[1], key), spec)} |"
@@ -80,6 +83,10 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
         row("reward", "rl/reward"),
         row("acceptance length, co-trained draft (same prompts)", "rollout/accept_len", (b_head, b_tail)),
         row("acceptance length, frozen draft (same prompts)", "rollout/accept_len_frozen", (b_head, b_tail)),
+        row(f"acceptance at fixed K = {k_fixed}, co-trained draft (same prompts)", "rollout/accept_len_fixed",
+            (b_head, b_tail)),
+        row(f"acceptance at fixed K = {k_fixed}, frozen draft (same prompts)", "rollout/accept_len_frozen_fixed",
+            (b_head, b_tail)),
         row("acceptance length, co-trained draft (every step)", "rollout/accept_len"),
         row("completion length, mean tokens", "rollout/completion_len", spec=".1f"),
         row("completion length, p90 tokens", "rollout/completion_len_p90", spec=".1f"),
@@ -90,10 +97,29 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     ]
     if not any(r.get("rollout/draft_k") is not None for r in rl):
         lines.pop()
+    if not any(r.get("rollout/accept_len_fixed") is not None for r in base):  # older runs, co_train off
+        lines = [ln for ln in lines if "at fixed K" not in ln]
     for key, name in (("time/push_s", "weight push"), ("time/rollout_s", "rollout"), ("time/train_s", "train"),
                       ("time/step_s", "step")):
         lines.append(row(f"{name} s/step", key))
-    return "\n".join(lines)
+    headline = _headline(b_tail[0] if b_tail else {}, k_fixed)
+    return "\n".join(lines + ([headline] if headline else []))
+
+
+def _headline(last: dict, k) -> str:
+    """Co-trained vs frozen at the last baseline step: at fixed K (the drafts) and under the
+    engine's depth choice (what the engine achieved), each as a ratio."""
+    def ratio(a, b):
+        x, y = last.get(a), last.get(b)
+        return f"{x / y:.2f}x" if x is not None and y else None
+
+    fixed = ratio("rollout/accept_len_fixed", "rollout/accept_len_frozen_fixed")
+    if fixed is None:
+        return ""
+    adaptive = ratio("rollout/accept_len", "rollout/accept_len_frozen")
+    return (f"\nAt the last baseline step the co-trained draft accepts {fixed} the frozen draft's tokens per "
+            f"verify at fixed K = {k} (the drafts' quality at equal depth); under the engine's own depth choice "
+            f"{adaptive or '-'} (what the engine achieved: a draft it keeps at K = 0 counts 1.00).")
 
 
 def variant_summary(rows: list[dict], window: int = 10) -> dict:

@@ -449,7 +449,7 @@ class RLTrainer(SpecTrainer):
         record = self.last_step
         if record is None:
             return out
-        b, names = record.batch, ("frozen", "nospec")
+        b, names = record.batch, ("frozen", "nospec", "fixed", "frozen_fixed")
         stats = b.stats
         # The rollouts are the same on every rank of a data-parallel rank (its CP ranks hold
         # the group's exchanged rollouts): counted once, summed over the data-parallel ranks ...
@@ -517,6 +517,12 @@ class RLTrainer(SpecTrainer):
         if "nospec" in b.baselines:
             out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
             out["time/rollout_s_nospec"] = maxes["nospec"]
+        # The drafts at equal depth (rl/worker.py): tokens per verify at fixed K, the drafts' quality.
+        for n, key in (("fixed", "rollout/accept_len_fixed"), ("frozen_fixed", "rollout/accept_len_frozen_fixed")):
+            if n in b.baselines:
+                out[key] = sums[f"{n}_tokens"] / max(sums[f"{n}_verify"], 1)
+        if "fixed" in b.baselines:
+            out["rollout/fixed_k"] = self.config.spec.speculative.num_draft_tokens
         return out
 
     def _reduce(self, values: dict[str, float], op, mesh) -> dict[str, float]:

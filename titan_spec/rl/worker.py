@@ -11,7 +11,11 @@ Engines of one worker:
   main     the policy + the co-trained draft (K draft tokens), or plain decoding (K = 0)
   frozen   the policy + the draft as it was before RL (baseline; only when co-training)
   nospec   the policy alone, K = 0 (baseline; only when speculating)
-The three share ONE target module, so a policy push reaches all of them at once.
+  fixed, frozen_fixed
+           the main engine's draft and the frozen one at fixed K (baselines: the drafts'
+           quality at equal depth, whatever depth the adaptive engines chose)
+They share ONE target module (and the fixed engines their drafts' modules), so a push
+reaches all of them at once.
 
 With ``rollout.engine = "sglang"`` the main engine is this rank's SGLang server, started from
 ``model.hf_checkpoint`` and ``draft.init_from`` (rollout/sglang/engine.py; it restarts
@@ -107,6 +111,7 @@ class RolloutWorker:
         spec = cfg.mode.speculates
         self.co_train = cfg.mode.trains_draft
         self.frozen = self.nospec = None
+        self.fixed: dict[str, TorchRolloutEngine] = {}
         # One cost table for the main engine, its rebuilds and the frozen-draft engine (same
         # models, same shapes): they make the same depth choices from the same acceptance.
         self.costs = RoundCosts()
@@ -142,6 +147,17 @@ class RolloutWorker:
             if baselines and self.co_train else None
         )
         self.nospec = TorchRolloutEngine(target, None, dataclasses.replace(quiet, num_draft_tokens=0)) if baselines else None
+        # The drafts' quality at EQUAL depth: the step's draft and the frozen one at fixed K =
+        # speculative.num_draft_tokens on the baselines' prompts and seed. Under adaptive depth
+        # the main and frozen engines' acceptance is the depth policy's result (a draft it
+        # keeps at K = 0 "accepts" 1.00 by definition); these measure the drafts. They share
+        # the draft modules, so a push reaches them (the fused decode weights follow the
+        # modules' version counters, models/fused.py).
+        fixed = dataclasses.replace(quiet, depth="fixed")
+        if baselines:
+            self.fixed["fixed"] = TorchRolloutEngine(target, self._draft, fixed)
+            if self.frozen is not None:
+                self.fixed["frozen_fixed"] = TorchRolloutEngine(target, self.frozen.draft, fixed)
 
     def _build_main(self) -> TorchRolloutEngine:
         return TorchRolloutEngine(self._target, self._draft, self._engine_cfg, costs=self.costs)
@@ -224,10 +240,11 @@ class RolloutWorker:
     def baselines(self, prompts: list[list[int]], sampling: SamplingParams,
                   reverse: bool = False) -> dict[str, RolloutStats]:
         """The same prompts and seed through the frozen-draft and no-speculation engines (in
-        that order; ``reverse``: no-spec first)."""
+        that order; ``reverse``: no-spec first), then each draft at fixed depth ("fixed",
+        "frozen_fixed": timed after the trio, whose order the rollout-time ratios read)."""
         out = {}
         engines = (("frozen", self.frozen), ("nospec", self.nospec))
-        for name, engine in reversed(engines) if reverse else engines:
+        for name, engine in [*(reversed(engines) if reverse else engines), *self.fixed.items()]:
             if engine is not None:
                 t0 = time.perf_counter()
                 rollouts = engine.generate(prompts, sampling)
@@ -236,6 +253,6 @@ class RolloutWorker:
         return out
 
     def close(self) -> None:
-        for engine in (self.main, self.frozen, self.nospec):
+        for engine in (self.main, self.frozen, self.nospec, *self.fixed.values()):
             if engine is not None:
                 engine.close()
