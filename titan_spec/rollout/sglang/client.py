@@ -29,13 +29,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions with ForkingPickler)
+
+from titan_spec.rollout.http import NoAnswer, request_json
 
 __all__ = [
     "EngineDied", "SGLangError", "SGLangStartError", "INSTALL_HINT", "require_sglang",
@@ -131,18 +131,10 @@ class HttpClient:
 
     def _call(self, endpoint: str, payload: dict | None = None, method: str = "POST", timeout: float | None = None):
         """-> (status, decoded body). HTTP errors are answers; no answer is EngineDied."""
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(f"{self.url}/{endpoint}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                status, raw = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        except TimeoutError:
-            raise self._died(f"no answer to /{endpoint} within {timeout or self.timeout:g}s") from None
-        except (urllib.error.URLError, ConnectionError, OSError) as e:
-            raise self._died(f"/{endpoint} failed: {getattr(e, 'reason', e)}") from None
+            status, raw = request_json(self.url, endpoint, payload, method, timeout or self.timeout)
+        except NoAnswer as e:
+            raise self._died(str(e)) from None
         try:
             body = json.loads(raw) if raw else None
         except ValueError:

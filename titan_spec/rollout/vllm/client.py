@@ -18,8 +18,8 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
+
+from titan_spec.rollout.http import NoAnswer, request_json
 
 __all__ = ["EngineDied", "VLLMError", "VLLMStartError", "SERVER_SCRIPT", "HttpClient", "launch_server"]
 
@@ -59,18 +59,11 @@ class HttpClient:
         return EngineDied(f"vLLM server at {self.url}: {what}")
 
     def _call(self, endpoint: str, payload: dict | None = None, timeout: float | None = None):
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(f"{self.url}/{endpoint}", data=data, method="GET" if data is None else "POST",
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                status, raw = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        except TimeoutError:
-            raise self._died(f"no answer to /{endpoint} within {timeout or self.timeout:g}s") from None
-        except (urllib.error.URLError, ConnectionError, OSError) as e:
-            raise self._died(f"/{endpoint} failed: {getattr(e, 'reason', e)}") from None
+            status, raw = request_json(self.url, endpoint, payload, "GET" if payload is None else "POST",
+                                       timeout or self.timeout)
+        except NoAnswer as e:
+            raise self._died(str(e)) from None
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:
