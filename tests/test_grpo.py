@@ -15,7 +15,8 @@ from titan_spec.config import DraftConfig, RLConfig, load_config
 from titan_spec.training.draft import DraftTraining
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.rl.grpo import group_advantages, ppo_clip_loss
+from helpers.policy_loss import ppo_clip_loss
+from titan_spec.rl.grpo import group_advantages
 from titan_spec.training.co_training import CoTrainingLoss
 from titan_spec.rl.step_records import Minibatch
 from titan_spec.rl.step import RLTrainer
@@ -48,7 +49,8 @@ def test_ppo_clip_loss_by_hand():
     mask = torch.tensor([1, 1, 1, 1, 0])
     out = ppo_clip_loss(logp, behaviour, adv, mask, global_tokens=8)
     assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 2.2) / 8, rel=1e-6)
-    assert out.clip_fraction.item() == pytest.approx(3 / 4)  # |ratio - 1| > eps: tokens 0, 1, 2
+    assert out.clip_fraction.item() == pytest.approx(2 / 4)  # the clip takes effect: tokens 0 and 2 (verl's)
+    assert out.out_of_band.item() == pytest.approx(3 / 4)  # |ratio - 1| > eps: tokens 0, 1, 2
     out.loss.backward()
     # Gradient flows only through unclipped tokens: d/dlogp of -r*A = -r*A.
     expected = torch.tensor([0.0, -0.5, 0.0, 2.2, 0.0]) / 8
@@ -98,7 +100,9 @@ def test_asymmetric_clip_values_and_gradients_per_token_by_hand():
     mask = torch.tensor([1] * n + [0])  # the last token is a prompt token with a huge ratio * advantage
     out = ppo_clip_loss(logp, behaviour, adv_T, mask, global_tokens=N, clip_low=LO, clip_high=HI)
     assert out.loss.item() == pytest.approx(sum(value) / N, rel=1e-12)
-    assert out.clip_fraction.item() == pytest.approx(sum(outside) / n)
+    assert out.out_of_band.item() == pytest.approx(sum(outside) / n)
+    # verl's and TRL's clip fraction: where the clipped term wins, i.e. no gradient flows
+    assert out.clip_fraction.item() == pytest.approx(sum(g == 0.0 for g in grad) / n)
     out.loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor(grad + [0.0], dtype=torch.float64) / N, rtol=1e-12, atol=1e-15)
 
@@ -249,7 +253,7 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
                        b.values_BL["behaviour_logp"], b.values_BL["advantages"])
         ref_logp = RLTrainer.reference_logprobs(fake, b.input_BL, b.labels_BL, extra)
         values = {"behaviour_logp": mb.behaviour_logp_BL, "advantages": mb.advantages_BL}
-        policy_loss = RLTrainer.policy_loss(fake, values, {}, ref_logp)
+        policy_loss = RLTrainer.policy_loss(fake, values, {"tokens": N, "sequences": 1}, ref_logp)
         terms = SpecTrainer.co_train_forward_backward(fake, b.input_BL, b.labels_BL, N, extra, policy_loss)
         draft_grads = [p.grad.clone() for p in dt.draft.parameters() if p.grad is not None]
         return [p.grad.clone() for p in model.parameters()], draft_grads, terms.policy_stats
@@ -294,7 +298,7 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from titan_spec.platform import exit_process
-    from titan_spec.rl.grpo import token_logprobs
+    from titan_spec.rl.logprobs import token_logprobs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

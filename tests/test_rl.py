@@ -17,7 +17,8 @@ from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.training.co_training import CoTrainingLoss
-from titan_spec.rl.grpo import PPOPolicyLoss, token_logprobs
+from helpers.policy_loss import ppo_policy_loss
+from titan_spec.rl.logprobs import token_logprobs
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.rollout import SamplingParams
 from titan_spec.data.tasks import JsonlTask
@@ -107,7 +108,7 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
         model.zero_grad(set_to_none=True)
         dt.zero_grad()
         logits, taps = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
-        policy = PPOPolicyLoss(b.values_BL["behaviour_logp"], b.values_BL["advantages"], rl)
+        policy = ppo_policy_loss(b.values_BL["behaviour_logp"], b.values_BL["advantages"], rl, n_tokens)
         out = CoTrainingLoss(dt, weight=0.5)(
             policy, logits, taps, b.labels_BL, n_tokens, positions_BL=b.positions_BL, attention_meta=meta,
         )
@@ -373,7 +374,7 @@ def test_one_grpo_step_makes_above_average_completions_likelier():
     before = logps()
     logits, taps = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
     # On-policy: the behaviour log-probs are the model's own.
-    out = CoTrainingLoss(None)(PPOPolicyLoss(before, adv, rl), logits, taps, b.labels_BL, mask.sum())
+    out = CoTrainingLoss(None)(ppo_policy_loss(before, adv, rl, mask.sum()), logits, taps, b.labels_BL, mask.sum())
     out.total.backward()
     with torch.no_grad():
         for p in model.parameters():

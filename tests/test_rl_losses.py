@@ -12,9 +12,10 @@ import torch
 import titan_spec  # noqa: F401
 from titan_spec.config import RLConfig
 from titan_spec.data.packing import Document, pack_documents
+from helpers.policy_loss import gspo_loss, ppo_clip_loss
 from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
-from titan_spec.rl.grpo import PPOPolicyLoss, ppo_clip_loss
-from titan_spec.rl.gspo import GSPOPolicyLoss, gspo_loss
+from titan_spec.rl.grpo import PPOPolicyLoss
+from titan_spec.rl.gspo import GSPOPolicyLoss
 from titan_spec.rl.step_records import Minibatch
 from titan_spec.rl.step import RLTrainer
 
@@ -51,7 +52,8 @@ def test_dapo_clip_higher_and_overlong_filter_by_hand():
     N = 5 + 3
     out = ppo_clip_loss(logp, behaviour, torch.tensor(adv, dtype=F64), mask & keep, N, clip_low=0.2, clip_high=0.28)
     assert out.loss.item() == pytest.approx(sum(value) / N, rel=1e-12)
-    assert out.clip_fraction.item() == pytest.approx(2 / 5)  # a2 and b2 are outside the range
+    assert out.out_of_band.item() == pytest.approx(2 / 5)  # a2 and b2 are outside the range ...
+    assert out.clip_fraction.item() == 0.0  # ... on the side where the unclipped term is the loss
     out.loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor(grad, dtype=F64) / N, rtol=1e-12, atol=1e-15)
 
@@ -63,10 +65,12 @@ def test_dapo_clip_higher_and_overlong_filter_by_hand():
     labels = torch.tensor([[-100, 1, 2, 3, 4, 0, 2]])
     lp = torch.log_softmax(logits.detach(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     beh = lp - torch.tensor([ratio], dtype=F64).log()
-    loss, stats = DAPOPolicyLoss(beh, torch.tensor([adv], dtype=F64), keep[None].to(F64), torch.tensor(N), rl)(
+    values = {"behaviour_logp": beh, "advantages": torch.tensor([adv], dtype=F64),
+              "truncated": 1.0 - keep[None].to(F64)}
+    loss, stats = DAPOPolicyLoss(values, {"tokens": torch.tensor(N), "sequences": 3}, rl)(
         logits, labels, torch.tensor(999))
     assert loss.item() == pytest.approx(sum(value) / N, rel=1e-5)  # token_logprobs runs in fp32
-    assert stats.clip_fraction.item() == pytest.approx(2 / 5)
+    assert stats.out_of_band.item() == pytest.approx(2 / 5)
 
 
 def test_dapo_soft_overlong_punishment_by_hand():
@@ -118,9 +122,9 @@ def test_gspo_sequence_ratio_loss_and_gradient_by_hand():
     out.loss.backward()
     want = [0.0] + [-1.0 * s[0] / 2 / 4] * 2 + [0.0] * 3 + [1.0 * s[2] / 1 / 4] + [0.0]
     torch.testing.assert_close(logp.grad, torch.tensor(want, dtype=F64), rtol=1e-12, atol=1e-15)
-    # stats (as PPO's: outside the range, whichever term wins): a (2 tokens) and b (3) of the
-    # 6 tokens; the largest |s - 1| is b's
-    assert out.clip_fraction.item() == pytest.approx(5 / 6)
+    # stats: the clip takes effect on b's 3 of the 6 tokens (a's s is below the range but its
+    # unclipped term is the loss); the largest |s - 1| is b's
+    assert out.clip_fraction.item() == pytest.approx(3 / 6)
     assert out.ratio_dev.item() == pytest.approx(s[1] - 1, rel=1e-12)
     # Not the token-level loss on the same inputs.
     token = ppo_clip_loss(logp.detach(), b, adv, mask, 6, clip_low=LO, clip_high=HI)
@@ -202,6 +206,7 @@ def test_pack_policy_loss_and_reward_shaping_wire_each_variant():
         assert seq == [1.0] * len(outs[0]) + [2.0] * len(outs[1])
         assert not mb.values_BL["seq_index"][~targets].any()
     assert mbs[0].values_BL["truncated"][mbs[0].labels_BL != -100].tolist() == [0.0] * 3 + [1.0] * 4
+    assert mbs[0].values_BL["seq_tokens"][mbs[0].labels_BL != -100].tolist() == [3.0] * 3 + [4.0] * 4
 
     def policy_loss():
         values, counts = RLTrainer.token_values(fake, mbs[0]), RLTrainer.loss_counts(fake, mbs[0])
@@ -210,10 +215,11 @@ def test_pack_policy_loss_and_reward_shaping_wire_each_variant():
     assert isinstance(policy_loss(), PPOPolicyLoss)
     fake.rl = RLConfig(enable=True, loss="dapo", overlong_filter=True, group_size=2, max_new_tokens=4)
     dapo = policy_loss()
-    assert isinstance(dapo, DAPOPolicyLoss) and int(dapo.kept_tokens) == 3  # the truncated 4 are out
+    assert isinstance(dapo, DAPOPolicyLoss) and int(dapo.totals["tokens"]) == 3  # the truncated 4 are out
+    assert int(dapo.totals["sequences"]) == 1
     fake.rl = RLConfig(enable=True, loss="gspo", group_size=2)
     gspo = policy_loss()
-    assert isinstance(gspo, GSPOPolicyLoss) and int(gspo.global_sequences) == 2
+    assert isinstance(gspo, GSPOPolicyLoss) and int(gspo.totals["sequences"]) == 2
     fake.rl = RLConfig(enable=True, loss="dapo", group_size=2, max_new_tokens=4, overlong_buffer=2, overlong_penalty=1.0)
     torch.testing.assert_close(RLTrainer.reward_shaping(fake, batch), torch.tensor([[-0.5, -1.0], [0.0, 0.0]]))
     fake.rl = rl

@@ -254,3 +254,38 @@ def test_tp2_step_equals_one_process(reference, tmp_path):
     for rank, draft in got["draft_ranks"].items():
         assert_same_weights(reference["draft"], draft, f"tp=2: the draft on rank {rank}")
     assert len(got["rollouts"][0]) == 16 and got["rollouts"][1] == got["rollouts"][0]
+
+
+# --- the settings verl users expect (docs/RL.md) ---------------------------------------------
+# The behaviour log-probs recomputed by the trainer (one no-grad forward per minibatch, as the
+# update runs it), sequence-level TIS against the file's engine log-probs (shifted, so the
+# weights are far from 1 and the cap binds on some completions), dual-clip and per-sequence
+# aggregation: one process, then dp 2 x cp 2, pp 2 and tp 2 on the same file.
+VERL = ("--rl.behaviour_logprobs", "recompute", "--rl.tis", "sequence", "--rl.dual_clip", "3",
+        "--rl.loss_agg", "seq-mean-token-mean")
+MISMATCH = ("rl/logp_mismatch_mean", "rl/logp_mismatch_max", "rl/logp_mismatch_out_of_band")
+
+
+@pytest.fixture(scope="module")
+def verl_reference(reference, tmp_path_factory):
+    ref = fixed_batch_run(str(tmp_path_factory.mktemp("rl1_verl")), 1, VERL, batch=reference["batch"])
+    row = ref["row"]
+    # The recompute is the denominator: at the first update every ratio is 1, nothing clips;
+    # the engine's shifted log-probs show as the mismatch, and the loss is not the engine run's.
+    assert row["rl/clip_fraction"] == 0.0 and row["rl/logp_mismatch_mean"] > 0.1, row
+    assert row["loss"] != pytest.approx(reference["row"]["loss"], rel=1e-3)
+    return ref
+
+
+@pytest.mark.parametrize("layout", ["dp2cp2", "pp2", "tp2"])
+def test_recompute_tis_dual_clip_and_seq_mean_under_each_parallelism_equal_one_process(verl_reference, reference,
+                                                                                       tmp_path, layout):
+    """Under CP the recompute runs on each rank's zigzag shard and the log-probs are gathered
+    back for the sequence weights; under PP through the schedule's forward alone
+    (schedule.eval), recorded on the last stage; under TP from vocab-sharded logits."""
+    nproc, extra = {"dp2cp2": (4, (*CP2, "--parallelism.data_parallel_shard_degree", "2")),
+                    "pp2": (2, PP2), "tp2": (2, TP2)}[layout]
+    got = fixed_batch_run(str(tmp_path / layout), nproc, (*VERL, *extra), batch=reference["batch"])
+    assert_same_step(verl_reference, got, layout)
+    for key in MISMATCH:
+        assert got["row"][key] == pytest.approx(verl_reference["row"][key], rel=1e-5, abs=1e-7), (layout, key)

@@ -495,6 +495,58 @@ class RLConfig:
     overlong_penalty: float = 1.0
     """rl.loss = "dapo": the soft overlong punishment at the full budget (its factor)."""
 
+    loss_agg: Literal["default", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "default"
+    """How the per-token losses of a minibatch become one number (verl's loss_agg_mode):
+    "token-mean" (the sum over every completion token of the minibatch / their count, over
+    all data-parallel ranks; DAPO, TRL's "dapo"/"bnpo"), "seq-mean-token-mean" (each
+    completion's token mean, then the mean over completions; the GRPO paper, TRL's "grpo"),
+    "seq-mean-token-sum" (each completion's token sum, mean over completions) or
+    "seq-mean-token-sum-norm" (token sums / (completions x rl.loss_agg_norm): Dr. GRPO's
+    constant normalizer, TRL's "dr_grpo"). "default": token-mean for grpo and dapo,
+    seq-mean-token-mean for gspo (its paper's). The KL term is aggregated the same way."""
+
+    loss_agg_norm: int = 0
+    """rl.loss_agg = "seq-mean-token-sum-norm": the constant each completion's token sum is
+    divided by (Dr. GRPO's L_max); 0 = rl.max_new_tokens."""
+
+    dual_clip: float = 0.0
+    """Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, 3 there): for a negative advantage
+    the per-token loss is capped at dual_clip x |A|, so a stale token with a huge ratio cannot
+    dominate; 0 = off, else > 1. With rl.loss = "gspo" it caps the sequence ratio's loss."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The estimator of KL(policy || reference) per token, with d = logp - ref_logp:
+    "k1" d, "k2" d^2 / 2, "k3" exp(-d) + d - 1 (verl's low_var_kl, clamped to [-10, 10] as
+    verl does). Used when rl.kl_beta > 0."""
+
+    behaviour_logprobs: Literal["engine", "recompute"] = "engine"
+    """The PPO ratio's denominator: "engine" (the log-probs the rollout engine sampled with)
+    or "recompute" (one no-grad forward of the policy over each packed minibatch before the
+    step's updates, as verl and TRL compute old_log_prob: the first update's ratio is then 1
+    up to rounding, whatever the engine's kernels). Either way the engine/trainer mismatch
+    is logged (rl/logp_mismatch_*)."""
+
+    tis: Literal["off", "token", "sequence"] = "off"
+    """Truncated importance sampling for the engine/trainer mismatch (verl's rollout
+    correction; needs rl.behaviour_logprobs = "recompute"): every token's policy-gradient
+    loss is weighted by min(pi_trainer / pi_engine, rl.tis_cap) at the step's starting
+    weights, per token ("token") or by the product over its completion ("sequence"). Use it
+    when the engine samples with other kernels or precision than the trainer (SGLang, vLLM,
+    bf16) and rl/logp_mismatch_* is not small."""
+
+    tis_cap: float = 2.0
+    """rl.tis: the cap C of the importance weights (> 0; the TIS paper and verl: 2)."""
+
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0: no gradient)
+    are dropped and more prompts are generated until each rank has its share of
+    rl.prompts_per_step groups with some spread, or rl.dynamic_sampling_rounds extra rounds
+    are used (then the batch is topped up with dropped groups, logged)."""
+
+    dynamic_sampling_rounds: int = 3
+    """rl.dynamic_sampling: extra generation rounds per step at most (>= 1)."""
+
     scale_advantages: bool = True
     """Divide group-centred rewards by the group's std (GRPO); off = centring only (Dr. GRPO)."""
 

@@ -207,6 +207,19 @@ def _rl(c: RLConfig) -> None:
     check(c.rollout_retries >= 0, "rl.rollout_retries", c.rollout_retries, ">= 0")
     check(c.ppo_epochs >= 1, "rl.ppo_epochs", c.ppo_epochs, ">= 1")
     check(c.minibatches >= 1, "rl.minibatches", c.minibatches, ">= 1")
+    check(c.dual_clip == 0 or c.dual_clip > 1, "rl.dual_clip", c.dual_clip,
+          "0 (off) or > 1 (the cap on a negative advantage's loss, in |A|; verl's default 3)")
+    check(c.loss_agg_norm >= 0, "rl.loss_agg_norm", c.loss_agg_norm, ">= 0 (0 = rl.max_new_tokens)")
+    if c.loss_agg_norm and c.loss_agg != "seq-mean-token-sum-norm":
+        raise ConfigError(f"rl.loss_agg_norm = {c.loss_agg_norm} is the constant of rl.loss_agg = "
+                          f"'seq-mean-token-sum-norm' (rl.loss_agg is {c.loss_agg!r})", key="rl.loss_agg_norm")
+    check(c.tis_cap > 0, "rl.tis_cap", c.tis_cap, "> 0 (the cap on the importance weights; verl's default 2)")
+    if c.tis != "off" and c.behaviour_logprobs != "recompute":
+        raise ConfigError(f"rl.tis = {c.tis!r} weights each token by pi_trainer / pi_engine, which needs the "
+                          "trainer's log-probs: set rl.behaviour_logprobs = 'recompute' (or rl.tis = 'off')",
+                          key="rl.tis")
+    check(c.dynamic_sampling_rounds >= 1, "rl.dynamic_sampling_rounds", c.dynamic_sampling_rounds,
+          ">= 1 (extra generation rounds per step at most)")
 
 
 SECTION_CHECKS: dict[type, Callable[[Any], None]] = {

@@ -13,9 +13,9 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.models.attention import doc_metadata_from_positions
-from titan_spec.parallelisms.context_parallel import CPMetadata, ZigzagLayout, zigzag_shard
+from titan_spec.parallelisms.context_parallel import CPMetadata, ZigzagLayout, zigzag_shard, zigzag_unshard
 
-__all__ = ["shard_batch", "shard_values", "without_torch_cp"]
+__all__ = ["shard_batch", "shard_values", "unshard_values", "without_torch_cp"]
 
 
 def shard_batch(
@@ -46,6 +46,13 @@ def shard_values(values_BL: dict[str, torch.Tensor], positions_BL: torch.Tensor,
     the batch with these positions, so every value stays with its token; pad rows get 0."""
     layout, rank = _layout(positions_BL, cp_mesh), cp_mesh.get_local_rank()
     return {k: zigzag_shard(v.reshape(-1), layout, rank, pad_value=0).unsqueeze(0) for k, v in values_BL.items()}
+
+
+def unshard_values(value_1R: torch.Tensor, positions_BL: torch.Tensor, cp_mesh) -> torch.Tensor:
+    """The inverse of ``shard_values`` for one value: every CP rank's rows of it gathered
+    back into the whole batch's [B, L] (collective over the cp group)."""
+    layout = _layout(positions_BL, cp_mesh)
+    return zigzag_unshard(value_1R.reshape(-1), layout, cp_mesh.get_group()).view(positions_BL.shape)
 
 
 def _layout(positions_BL: torch.Tensor, cp_mesh) -> ZigzagLayout:

@@ -191,9 +191,11 @@ class PipelineLoss:
     def draft(self):
         return self.co_loss.draft if self.co_loss is not None else None
 
-    def __call__(self, logits_BLV: torch.Tensor, mb: Microbatch, global_valid_tokens: torch.Tensor):
+    def __call__(self, logits_BLV: torch.Tensor, mb: Microbatch, global_valid_tokens: torch.Tensor | None = None):
         policy_loss = mb.policy_loss if mb.policy_loss is not None else self.loss_fn
-        if self.co_loss is None:
+        if self.co_loss is None or not torch.is_grad_enabled():
+            if self.co_loss is not None:
+                self.channel.take(mb.index)  # a forward without autograd trains no draft: its taps are dropped
             policy, stats = policy_loss(logits_BLV, mb.labels_BL, global_valid_tokens)
             self._record(mb, policy, stats)
             return policy, None
@@ -322,13 +324,15 @@ class PipelineRun(NamedTuple):
 
 
 def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], global_valid_tokens,
-                              policy_loss_mbs: list | None = None) -> torch.Tensor:
+                              policy_loss_mbs: list | None = None, forward_only: bool = False) -> torch.Tensor:
     """One pipelined forward+backward of the local batch; returns the policy loss (the sum
     of the microbatches' losses, each normalized by the global token count) on the last
     stage, -1 elsewhere, like torchtitan. ``microbatches``: each one's (inputs, labels,
     extra kwargs), already through the trainer's post_dataloading_process;
     ``policy_loss_mbs``: each microbatch's own policy loss (RL), in microbatch order; None =
-    the schedule's loss_fn for all."""
+    the schedule's loss_fn for all. ``forward_only``: the schedule's forward alone, without
+    autograd (torch's ``schedule.eval``): the policy losses see their microbatches' logits
+    (RL's recompute of the behaviour log-probs records them), no draft loss runs."""
     loss = run.loss
     arg_mbs, kwarg_mbs, targets = [], [], []
     if policy_loss_mbs is not None and len(policy_loss_mbs) != len(microbatches):
@@ -347,14 +351,13 @@ def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], globa
         loss.channel.begin_step(len(targets))
     loss.policy_losses, loss.policy_stats = [], {}
     with run.train_context():
-        run.schedule.step(
-            arg_mbs=arg_mbs if run.has_first_stage else None,
-            kwarg_mbs=kwarg_mbs,
-            target_mbs=targets if run.has_last_stage else None,
-            losses=[] if run.has_last_stage else None,
-            loss_kwargs={"global_valid_tokens": global_valid_tokens},
-            return_outputs=False,
-        )
+        feed = {"arg_mbs": arg_mbs if run.has_first_stage else None, "kwarg_mbs": kwarg_mbs,
+                "target_mbs": targets if run.has_last_stage else None, "losses": [] if run.has_last_stage else None}
+        if forward_only:
+            with torch.no_grad():
+                run.schedule.eval(**feed)
+        else:
+            run.schedule.step(**feed, loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False)
     if loss.channel is not None:
         loss.channel.end_step()
     if run.has_last_stage:

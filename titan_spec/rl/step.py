@@ -50,11 +50,14 @@ from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.rewards import reward_fn, score
 from titan_spec.training.draft import initial_draft
 from titan_spec.models.registry import build_target_config
-from titan_spec.parallelisms.cp_batch import shard_values
+from titan_spec.parallelisms.cp_batch import shard_values, unshard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
 from titan_spec.rl.dapo import overlong_penalty
 from titan_spec.rl.drift import DriftMeter, percentile_from_counts
-from titan_spec.rl.grpo import group_advantages, token_logprobs
+from titan_spec.rl.dynamic_sampling import dynamic_sample
+from titan_spec.rl.grpo import group_advantages
+from titan_spec.rl.logprobs import token_logprobs
+from titan_spec.rl.mismatch import MismatchSums, tis_weights
 from titan_spec.rl.losses import POLICY_LOSSES
 from titan_spec.rl.step_records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
@@ -150,9 +153,14 @@ class RLTrainer(SpecTrainer):
         t0 = time.perf_counter()
         batch = self.generate(self.push_weights())
         rewards_PG = self.score(batch)
+        if rl.dynamic_sampling:  # DAPO: rounds of new prompts until every group has spread
+            batch, rewards_PG = dynamic_sample(batch, rewards_PG, lambda: self.generate(0.0, first=False), self.score,
+                                               rl.dynamic_sampling_rounds)
+        self._warn_if_degenerate(rewards_PG)  # once a step, on the batch trained on
         advantages_PG = group_advantages(rewards_PG + self.reward_shaping(batch), rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
-        record = StepRecord(batch, rewards_PG, rollout_done=time.perf_counter())
+        mismatch = self.recompute_behaviour(minibatches) if rl.behaviour_logprobs == "recompute" else None
+        record = StepRecord(batch, rewards_PG, rollout_done=time.perf_counter(), mismatch=mismatch)
         # torchtitan's throughput account: the rollouts are this step's data loading.
         self.metrics_processor.count_data(record.rollout_done - t0, sum(mb.labels_BL.numel() for mb in minibatches))
         for _ in range(rl.ppo_epochs):
@@ -194,16 +202,18 @@ class RLTrainer(SpecTrainer):
         rl.ppo_epochs x rl.minibatches updates each."""
         return (self.step - 1) * self.rl.ppo_epochs * self.rl.minibatches
 
-    def generate(self, push_s: float) -> RolloutBatch:
+    def generate(self, push_s: float, first: bool = True) -> RolloutBatch:
         """2: this rank's data-parallel share of the step's prompts, G completions each (and
         the baselines). The ranks that hold the same data-parallel rank (its CP ranks) each
         generate a share of those completions and exchange them (rl/sharing.py), so each
-        ends with all of them: one call of ``rollout_share`` per rank."""
+        ends with all of them: one call of ``rollout_share`` per rank. ``first`` = False: a
+        further round of rl.dynamic_sampling (the dataloader's next problems, whose index
+        gives its own seeds; never the baselines, which measure the step's first round)."""
         tok, rl = self.tokenizer, self.rl
         step_index = self.dataloader.batch_index
         problems = self.dataloader.next_problems(rl.prompts_per_step)
         prompts = [self.dataloader.prompt_ids(p) for p in problems for _ in range(rl.group_size)]
-        baselines = bool(rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0))
+        baselines = first and bool(rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0))
         seed_base = (self.config.spec.task.seed * 1_000_003 + step_index) * 4096
         n = 1 if self.generation_group is None else dist.get_world_size(self.generation_group)
 
@@ -235,13 +245,12 @@ class RLTrainer(SpecTrainer):
         return rollouts, stats, base
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
-        """3: rewards_PG of the batch's completions."""
+        """3: rewards_PG of the batch's completions (no collective: rl.dynamic_sampling scores
+        each round, and the data-parallel ranks may run different numbers of rounds)."""
         G, tok = self.rl.group_size, self.tokenizer
         rewards = score(self.reward, self.config.spec.task.reward, [tok.decode(r.output_ids) for r in batch.rollouts],
                         [batch.problems[i // G] for i in range(len(batch.rollouts))])
-        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(batch.problems), G)
-        self._warn_if_degenerate(rewards_PG)
-        return rewards_PG
+        return torch.tensor(rewards, dtype=torch.float32).view(len(batch.problems), G)
 
     def pack(self, batch: RolloutBatch, advantages_PG: torch.Tensor) -> list[Minibatch]:
         """5: prompt+completion documents, in rollout order, split into rl.minibatches equal
@@ -254,6 +263,7 @@ class RLTrainer(SpecTrainer):
                 # what the loss variants read: the completion (1-based in its minibatch), its truncation
                 "seq_index": [float(i % n + 1)] * len(r.output_ids),
                 "truncated": [float(r.finish_reason == "length")] * len(r.output_ids),
+                "seq_tokens": [float(len(r.output_ids))] * len(r.output_ids),
             })
             for i, (r, a) in enumerate(zip(batch.rollouts, adv))
         ]
@@ -278,9 +288,68 @@ class RLTrainer(SpecTrainer):
             out.append(Minibatch(
                 {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
                 packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
-                {k: packed.values_BL[k] for k in ("seq_index", "truncated")},
+                {k: packed.values_BL[k] for k in ("seq_index", "truncated", "seq_tokens")},
             ))
         return out
+
+    def recompute_behaviour(self, minibatches: list[Minibatch]) -> dict[str, float]:
+        """rl.behaviour_logprobs = "recompute": the trainer's log-probs of every minibatch at
+        the step's starting weights (one no-grad forward each, before any update, sharded as
+        the update is) replace the engine's as the ratio's denominator; with rl.tis each
+        token gets its truncated importance weight (rl/tis.py). Returns this rank's sums of
+        the engine/trainer mismatch over its shards' tokens (rl/logp_mismatch_*)."""
+        total = MismatchSums()
+        for mb in minibatches:
+            trainer_logp_BL, sums = self.trainer_logprobs(mb)
+            total = total + sums
+            if self.rl.tis != "off":
+                mb.values_BL["tis_weight"] = tis_weights(trainer_logp_BL, mb.behaviour_logp_BL, mb.values_BL["seq_index"],
+                                                         mb.labels_BL != IGNORE_INDEX, self.rl.tis, self.rl.tis_cap)
+            mb.behaviour_logp_BL = trainer_logp_BL
+        return total.as_dict()
+
+    def trainer_logprobs(self, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
+        """The policy's log-probs of the minibatch's labels (one no-grad forward; under CP of
+        this rank's shard, gathered back to the whole [B, L]) and the mismatch sums of this
+        rank's shard against the engine's."""
+        if self.parallel_dims.pp_enabled:
+            return self._pipelined_logprobs(mb)
+        inputs, labels, extra = self.post_dataloading_process(
+            {k: v.to(self.device) for k, v in mb.inputs.items()}, mb.labels_BL.to(self.device)
+        )
+        with self.train_context(), torch.no_grad():
+            out = self.model_parts[0](inputs, **extra)
+            logits = out[0] if isinstance(out, tuple) else out
+            logp = token_logprobs(logits, labels, self.rl.temperature)
+        engine = self.token_values(mb)["behaviour_logp"]
+        sums = MismatchSums.of(logp, engine, labels != IGNORE_INDEX, self.rl)
+        if self.parallel_dims.cp_enabled:
+            logp = unshard_values(logp, mb.inputs["positions"].to(self.device), self.parallel_dims.get_mesh("cp"))
+        return logp.to(mb.behaviour_logp_BL.device, mb.behaviour_logp_BL.dtype).view_as(mb.behaviour_logp_BL), sums
+
+    def _pipelined_logprobs(self, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
+        """``trainer_logprobs`` under pipeline parallelism: the schedule's forward alone over the
+        minibatch's microbatches (parallelisms/pipeline.py, forward_only), each microbatch's
+        log-probs recorded on the last stage. The other stages keep the engine's (they
+        compute no loss) and count no tokens."""
+        dev, rows = self.device, self.config.parallelism.pipeline_parallel_microbatch_size
+        parts = [slice(lo, lo + rows) for lo in range(0, mb.labels_BL.shape[0], rows)]
+        prepared = self.prepare_microbatches([{k: v[p].to(dev) for k, v in mb.inputs.items()} for p in parts],
+                                             [mb.labels_BL[p].to(dev) for p in parts])
+        recorders = [_LogprobRecorder(self.rl.temperature) for _ in parts]
+        run = self.pipeline_run()
+        pipeline_forward_backward(run, prepared, None, recorders, forward_only=True)
+        if not run.has_last_stage:
+            return mb.behaviour_logp_BL, MismatchSums()
+        sums, logp_parts = MismatchSums(), []
+        for p, (_, labels, _), rec in zip(parts, prepared, recorders):
+            engine = self.token_values(mb, p)["behaviour_logp"]
+            sums = sums + MismatchSums.of(rec.logp, engine, labels != IGNORE_INDEX, self.rl)
+            logp = rec.logp
+            if self.parallel_dims.cp_enabled:
+                logp = unshard_values(logp, mb.inputs["positions"][p].to(dev), self.parallel_dims.get_mesh("cp"))
+            logp_parts.append(logp.reshape(mb.labels_BL[p].shape))
+        return torch.cat(logp_parts).to(mb.behaviour_logp_BL.device, mb.behaviour_logp_BL.dtype), sums
 
     def update(self, mb: Minibatch) -> UpdateStats:
         """6: one forward/backward of a minibatch and the optimizer steps of both models.
@@ -328,7 +397,7 @@ class RLTrainer(SpecTrainer):
         policy_loss = self.policy_loss(values, self.loss_counts(mb), ref_logp_BL)
         terms = self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra, policy_loss)
         st = terms.policy_stats
-        stats = {"clip_fraction": float(st.clip_fraction), "kl": float(st.kl), "ratio_dev": float(st.ratio_dev)}
+        stats = {name: float(getattr(st, name)) for name in UpdateStats.POLICY_STATS}
         return terms.policy, float((labels != IGNORE_INDEX).sum()), stats
 
     def _pipelined_forward_backward(self, mb: Minibatch, global_valid_tokens) -> tuple[torch.Tensor, float, dict]:
@@ -352,8 +421,9 @@ class RLTrainer(SpecTrainer):
         got = list(run.loss.policy_stats.values())
         n = float(sum(count for _, count in got))
         weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
-        stats = {"clip_fraction": weighted("clip_fraction"), "kl": weighted("kl"),
-                 "ratio_dev": max((float(st.ratio_dev) for st, _ in got), default=0.0)}
+        # Fractions and means weighted by the microbatches' tokens, maxima maxed.
+        stats = {name: (max((float(getattr(st, name)) for st, _ in got), default=0.0) if name in UpdateStats.MAXIMA
+                        else weighted(name)) for name in UpdateStats.POLICY_STATS}
         return loss, n, stats
 
     def token_values(self, mb: Minibatch, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
@@ -468,14 +538,21 @@ class RLTrainer(SpecTrainer):
                 (base.drafted_tokens, base.rounds) if base is not None else (0, 0))
         # ... the PPO stats are per token of this rank's shard: token-weighted, summed over
         # every rank that trains on data (dp x cp), means over all completion tokens ...
+        # The engine/trainer mismatch at the step's starting weights (rl/mismatch.py): from the
+        # recompute forward, or the first update's (it runs at those weights).
+        mismatch = (MismatchSums(**record.mismatch) if record.mismatch is not None
+                    else MismatchSums.from_update(record.updates[0]))
         token_sums = {
             "policy_tokens": sum(u.policy_tokens for u in record.updates),
             "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
+            "dual_clip": sum(u.policy_tokens * u.dual_clip_fraction for u in record.updates),
             "kl": sum(u.policy_tokens * u.kl for u in record.updates),
+            "mismatch_tokens": mismatch.tokens, "mismatch_diff": mismatch.diff_sum,
+            "mismatch_out": mismatch.out_of_band,
             **record.drift,  # per token of this rank's shard, like the PPO stats
         }
         # ... and the slowest rank's seconds.
-        maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s,
+        maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s, "mismatch_max": mismatch.diff_max,
                  "len_max": max((len(r.output_ids) for r in b.rollouts), default=0),
                  **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names}}
         pd = self.parallel_dims
@@ -487,6 +564,9 @@ class RLTrainer(SpecTrainer):
             "rl/reward": sums["reward"] / sums["completions"],
             "rl/stop_fraction": sums["stopped"] / sums["completions"],
             "rl/clip_fraction": sums["clip"] / ppo_tokens,
+            "rl/logp_mismatch_mean": sums["mismatch_diff"] / max(sums["mismatch_tokens"], 1.0),
+            "rl/logp_mismatch_max": maxes["mismatch_max"],
+            "rl/logp_mismatch_out_of_band": sums["mismatch_out"] / max(sums["mismatch_tokens"], 1.0),
             "rl/kl": sums["kl"] / ppo_tokens,
             "rl/policy_version": b.policy_version,
             "rollout/tokens": tokens,
@@ -502,6 +582,8 @@ class RLTrainer(SpecTrainer):
             out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
         if len(record.updates) > 1:
             out["rl/updates"] = len(record.updates)
+        if self.rl.dual_clip:
+            out["rl/dual_clip_fraction"] = sums["dual_clip"] / ppo_tokens
         counts = [sums[f"len_{n}"] for n in range(self.rl.max_new_tokens + 1)]
         out.update({"rollout/completion_len": tokens / sums["completions"],
                     "rollout/completion_len_p90": percentile_from_counts(counts, 0.9),
@@ -538,6 +620,19 @@ class RLTrainer(SpecTrainer):
         if dist.get_rank() == 0:
             summary = write_report(self.config.dump_folder)
             logger.info(f"RL summary\n{summary}")
+
+
+class _LogprobRecorder:
+    """A policy loss (``co_training.PolicyLoss``) that only keeps its microbatch's log-probs:
+    the pipelined recompute's, on the last stage."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.logp: torch.Tensor | None = None
+
+    def __call__(self, logits_BLV, labels_BL, global_valid_tokens):
+        self.logp = token_logprobs(logits_BLV, labels_BL, self.temperature)
+        return self.logp.sum() * 0.0, None
 
 
 def _depth_key() -> str:

@@ -9,12 +9,16 @@ Shape legend: P = prompts of this rank, G = group size, B = packed rows, L = row
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from titan_spec.data.problem import Problem
 from titan_spec.rl.worker import RolloutStats
 from titan_spec.rollout.base import Rollout
+
+if TYPE_CHECKING:  # it builds RolloutBatch: imported for the annotation only
+    from titan_spec.rl.dynamic_sampling import DynamicSampling
 
 __all__ = ["RolloutBatch", "Minibatch", "UpdateStats", "StepRecord"]
 
@@ -35,6 +39,9 @@ class RolloutBatch:
     """Optimizer steps the generating weights had seen (the version pushed)."""
     push_s: float
     """Seconds the weight push took."""
+    dynamic: DynamicSampling | None = None
+    """rl.dynamic_sampling: what it did this step (rl/dynamic_sampling.py DynamicSampling:
+    rounds, groups dropped and topped up); None without it."""
 
 
 @dataclass
@@ -46,13 +53,15 @@ class Minibatch:
     labels_BL: torch.Tensor
     """Next-token labels on completion tokens, IGNORE_INDEX elsewhere."""
     behaviour_logp_BL: torch.Tensor
-    """Log-prob of each label token under the policy that sampled it (the engine's)."""
+    """Log-prob of each label token under the behaviour policy: the engine's, or the
+    trainer's recomputed at the step's starting weights (rl.behaviour_logprobs)."""
     advantages_BL: torch.Tensor
     """The group advantage of the token's completion."""
     values_BL: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-token values the loss variants read (rl/dapo.py, rl/gspo.py): "seq_index" (the
-    token's completion, 1-based within this rank's minibatch) and "truncated" (1 on the
-    tokens of a completion cut at rl.max_new_tokens); 0 off the completions."""
+    """Per-token values the losses read (rl/objective.py): "seq_index" (the token's
+    completion, 1-based within this rank's minibatch), "truncated" (1 on the tokens of a
+    completion cut at rl.max_new_tokens), "seq_tokens" (its completion's length) and, with
+    rl.tis, "tis_weight" (rl/mismatch.py); 0 off the completions."""
 
 
 @dataclass
@@ -67,10 +76,20 @@ class UpdateStats:
     """The policy's pre-clip global gradient norm (torchtitan's clip_grad_norm_)."""
     policy_tokens: float
     """This rank's completion tokens in the minibatch."""
+    # The policy loss's statistics over this rank's tokens (rl/objective.py PolicyLossOutput).
     clip_fraction: float
+    dual_clip_fraction: float
     kl: float
     ratio_dev: float
-    """max |pi / pi_behaviour - 1| over this rank's tokens (see grpo.PolicyLossOutput)."""
+    logp_diff_mean: float
+    logp_diff_max: float
+    out_of_band: float
+
+    POLICY_STATS: ClassVar[tuple[str, ...]] = (
+        "clip_fraction", "dual_clip_fraction", "kl", "ratio_dev", "logp_diff_mean", "logp_diff_max", "out_of_band")
+    """The fields taken from the policy loss's PolicyLossOutput."""
+    MAXIMA: ClassVar[tuple[str, ...]] = ("ratio_dev", "logp_diff_max")
+    """Those of them that are maxima (the others are per-token means)."""
 
 
 @dataclass
@@ -84,6 +103,9 @@ class StepRecord:
     """perf_counter() when the batch was packed (the training phase starts)."""
     train_s: float = 0.0
     """Seconds of all updates of the step."""
+    mismatch: dict[str, float] | None = None
+    """rl.behaviour_logprobs = "recompute": this rank's engine/trainer mismatch sums from the
+    recompute forward (rl/mismatch.py MismatchSums); None: taken from the first update."""
     drift: dict[str, float] = field(default_factory=dict)
     """Sums of the drift estimates over the step's updates (rl/drift.py; empty without a
     reference policy)."""
