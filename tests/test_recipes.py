@@ -15,6 +15,7 @@ Published sizes (the Qwen3 model cards on Hugging Face, "Number of Parameters" a
 
 import json
 import os
+import shlex
 import sys
 
 import pytest
@@ -60,6 +61,60 @@ def _hf_shapes(cfg: dict) -> tuple[dict, int]:
     return {k: tuple(v.shape) for k, v in sd.items()}, sum(p.numel() for p in model.parameters())
 
 
+def header_commands(path: str) -> list[tuple[dict[str, str], list[str]]]:
+    """The ``./run_train.sh`` commands a TOML's header comment shows: (environment
+    assignments, arguments), a command continued on the comment lines indented below it,
+    cut at "..." or ";" (the header's own elisions)."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            lines.append(line[1:].rstrip("\n"))
+    commands, i = [], 0
+    while i < len(lines):
+        text = lines[i]
+        i += 1
+        if "./run_train.sh" not in text:
+            continue
+        while i < len(lines) and lines[i].startswith("     ") and lines[i].strip().startswith("--"):
+            text += " " + lines[i]
+            i += 1
+        head, tail = text.split("./run_train.sh", 1)
+        words = shlex.split(head + " ./run_train.sh " + tail.split(";")[0].split("...")[0].split("(")[0])
+        at = words.index("./run_train.sh")
+        start = at
+        while start > 0 and "=" in words[start - 1] and words[start - 1].split("=")[0].isupper():
+            start -= 1
+        args = words[at + 1:]
+        if args and not args[0].startswith("--"):
+            continue  # prose about run_train.sh, not a command
+        commands.append((dict(w.split("=", 1) for w in words[start:at]), args))
+    return commands
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "train_configs")) if f.endswith(".toml")))
+def test_every_header_command_is_one_run_train_accepts(name, monkeypatch, tmp_path, capsys):
+    """run_train.sh takes its config from CONFIG_FILE and its arguments as overrides
+    (``--config`` is refused): every command a header shows runs in ``--plan`` form (what
+    run_train.sh runs first) with its NGPU as the world size. A command on a user's model
+    (/models/..., /data/...) is planned on the real structure by the test below."""
+    from titan_spec.train import main
+
+    for env, args in header_commands(os.path.join(ROOT, "train_configs", name)):
+        assert "--config" not in args, (name, args)
+        cfg = env.get("CONFIG_FILE", "train_configs/debug_cpu.toml")
+        with open(os.path.join(ROOT, cfg)) as f:
+            on_user_model = "/models/" in f.read()
+        if on_user_model or any(a.startswith(("/models/", "/data/")) for a in args):
+            continue
+        monkeypatch.setenv("WORLD_SIZE", env.get("NGPU", "1"))
+        monkeypatch.chdir(ROOT)  # the chains' paths are relative to the repository, as run_train.sh runs them
+        capsys.readouterr()
+        rc = main(["--plan", "--config", cfg, *args])
+        assert rc == 0, (name, env, args, capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("size", sorted(MODELS))
 def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_files, capsys):
     from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, draft_config_json
@@ -90,6 +145,14 @@ def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_file
     capsys.readouterr()
     rc = main(["--check", "--config", os.path.join(ROOT, "train_configs", f"qwen3_{size}_sglang.toml"),
                "--model.hf_checkpoint", str(model_dir), "--draft.init_from", str(draft_dir), "--task.path", data])
+    assert rc == 0, capsys.readouterr().err
+    # The header's command for the draft this recipe needs, as written, in --plan form: on
+    # this model directory and data file (the header's /models and /data paths).
+    (env, args), = [c for c in header_commands(os.path.join(ROOT, "train_configs", f"qwen3_{size}_sglang.toml"))
+                    if c[0].get("CONFIG_FILE") != f"train_configs/qwen3_{size}_sglang.toml"]
+    args = [str(model_dir) if a.startswith("/models/") else data if a.startswith("/data/") else a for a in args]
+    rc = main(["--plan", "--config", os.path.join(ROOT, env["CONFIG_FILE"]), *args,
+               "--job.dump_folder", str(tmp_path / "draft_run")])
     assert rc == 0, capsys.readouterr().err
 
     n = parameter_count(arch)
