@@ -682,3 +682,52 @@ def test_adaptive_depth_drafts_from_every_position_after_plain_rounds(pair, monk
     ref_seen = first_extend(ref)
     ref.generate([p + r.output_ids[:5] for p, r in zip(prompts, got)], sp)
     torch.testing.assert_close(seen[0], ref_seen[0], atol=1e-4, rtol=0)
+
+
+def test_adaptive_depth_probes_a_written_off_draft_and_recovers_after_a_push(pair, monkeypatch):
+    """A K = 0 round observes nothing, so an estimate a bad draft drove to K = 0 could not
+    see a good draft pushed later; every PROBE_EVERY-th K = 0 round in a row drafts K_max
+    instead (depth.py). A random draft: K = 0 but for the probes, exactly every
+    PROBE_EVERY rounds across calls; then the fitted draft is pushed: the first drafting
+    round comes within PROBE_EVERY rounds and the engine keeps drafting (K > 0 in >= 80%
+    of the next 2 PROBE_EVERY rounds). Without probes the same state stays at K = 0 for
+    over 2 PROBE_EVERY rounds (the idle decay alone: 189 rounds here). Greedy output
+    equals plain decoding throughout."""
+    import titan_spec.rollout.builtin.depth as depth_mod
+
+    model, arch, fitted = pair
+    P = depth_mod.PROBE_EVERY
+    # K = 4 at 1.9 plain steps: the fitted draft's 2.6 tokens a round pay (1.35x), the
+    # random draft's 1.04 do not; the prior alone needs alpha_1 > 0.28 to draft again.
+    costs = pinned_costs((1.0, 1.3, 1.5, 1.7, 1.9), modes=("greedy",))
+    engine = _adaptive(model, make_draft(arch, 7), costs)
+    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    sp = SamplingParams(0.0, max_new_tokens=30)
+    prompts = random_prompts(32, 100)[:6]  # fit_draft's prompts: the fitted draft knows them
+    want = [r.output_ids for r in plain.generate(prompts, sp)]
+
+    def rounds(n: int) -> list[int]:
+        """The K of at least n rounds, calls of the same prompts (greedy: same output)."""
+        depths = []
+        while len(depths) < n:
+            assert [r.output_ids for r in engine.generate(prompts, sp)] == want
+            depths += engine.last_depths
+        return depths
+
+    bad = rounds(3 * P)
+    drafting = [i for i, k in enumerate(bad) if k]
+    start = next(i for i, k in enumerate(bad) if not k)  # the prior's first rounds draft
+    assert start < 6 and [i for i in drafting if i > start] == list(range(start + P - 1, len(bad), P)), drafting
+    assert all(bad[i] == 4 for i in drafting if i > start)  # probes at K_max
+
+    sd = fitted.state_dict()
+    engine.update_draft_weights({k: sd[k] for k in EXPORT_KEYS}, version=1)
+    written_off = engine.acceptance.state_dict()
+    good = rounds(3 * P)
+    first = next(i for i, k in enumerate(good) if k)
+    assert first < P, good
+    assert sum(k > 0 for k in good[first : first + 2 * P]) >= 0.8 * 2 * P, good
+
+    engine.acceptance.load_state_dict(written_off)  # the same state, no probes
+    monkeypatch.setattr(depth_mod, "PROBE_EVERY", 10**9)
+    assert set(rounds(2 * P)[: 2 * P]) == {0}

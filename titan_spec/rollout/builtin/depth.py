@@ -12,9 +12,10 @@ engine picks, before every round, the K that maximises expected tokens per secon
     request's remaining token budget (tokens past the budget are not worth drafting);
   - alpha_j: ``AcceptanceEstimate``, counts of past rounds (reached depth j, accepted at
     depth j; each round weighs 1 whatever its rows) decayed by ``decay`` per round, smoothed
-    by a Beta prior. A slower decay applies in K = 0 rounds, so the prior regains weight and
-    a stale draft is probed again now and then (about one round in 200: each probe of a
-    stale draft is a wasted round). The estimate is carried from call to call
+    by a Beta prior. A slower decay applies in K = 0 rounds, so the prior regains weight,
+    and while the choice stays K = 0 one round in ``PROBE_EVERY`` drafts K_max (a probe:
+    a K = 0 round observes nothing, so without it an estimate written off by a bad draft
+    would not see a better draft or policy pushed later). The estimate is carried from call to call
     (``AcceptanceState``, one per sampling setting), so a call does not decide from its own
     first round alone;
   - cost(K, B): ``RoundCosts``, the engine's own measured cost of a round, measured ONCE
@@ -49,9 +50,26 @@ import torch
 from titan_spec.rollout.base import SamplingParams
 
 __all__ = [
-    "AcceptanceEstimate", "AcceptanceState", "CALIBRATION_PASSES", "CALIBRATION_ROUNDS", "RoundCosts", "batch_buckets",
-    "calibrate", "choose_depth", "round_clock", "sampling_mode",
+    "AcceptanceEstimate", "AcceptanceState", "CALIBRATION_PASSES", "CALIBRATION_ROUNDS", "PROBE_EVERY", "RoundCosts",
+    "batch_buckets", "calibrate", "choose_depth", "round_clock", "sampling_mode",
 ]
+
+PROBE_EVERY = 64
+"""While the choice is K = 0, one round in this many drafts K_max instead (a probe: the
+round after PROBE_EVERY - 1 K = 0 rounds in a row, counted across calls;
+``AcceptanceEstimate.depth``). A K = 0 round observes
+nothing, so an estimate that a bad draft drove to K = 0 can only recover through the idle
+decay's return to the prior, which takes as long as the counts take to fall below the
+choice's threshold: ~190 rounds after one rejected round at a K = 4 round of 2.35 plain
+steps (0.995^n * 1 < 0.39), and never where even the prior's 0.8 does not pay for a round
+(then a good draft pushed later is never tried). A probe gives every depth fresh counts,
+so a good draft is seen within PROBE_EVERY rounds of its push (a few more if one probe
+does not outweigh the old counts). What a probe costs with a useless draft: one round at
+cost(K_max) instead of cost(0) per PROBE_EVERY rounds, i.e. (cost(K_max)/cost(0) - 1)
+/ PROBE_EVERY of plain decoding: 2.4 (K = 4, batch 32, CPU) -> 2.2%; 1.7 (K = 4,
+batch 8, CPU, bench/depth_revisit.py) -> 1.1%. 64 rounds is half a 128-token call: a
+pushed draft is tried within the call it first serves. The probes replace the idle
+decay's own re-probes (each probe's rejections keep the counts above the threshold)."""
 
 
 def sampling_mode(greedy: bool, top_k: int, top_p: float) -> str:
@@ -147,16 +165,29 @@ class AcceptanceEstimate:
     every round; alpha_j = (accepted_j + w m) / (reached_j + w), a Beta prior of mean
     ``prior`` and weight ``prior_weight`` (in rounds). The prior is optimistic (0.8), so an
     engine's first round speculates and outcomes decide the rest. A K = 0 round observes
-    nothing and decays the counts by the slower ``idle_decay``: after ~200 such rounds the
-    prior has regained enough weight for one probing round. (At 0.98 a stale draft was
-    probed in 2.3% of rounds, each a K = 3 round at 1.85 plain steps at batch 8 on CPU:
-    ~2% of the call; at 0.995, 0.5% of rounds; simulated on the default RL run's table.)"""
+    nothing and decays the counts by the slower ``idle_decay``, so the prior regains
+    weight (at 0.98 a stale draft was re-probed by the prior in 2.3% of rounds, each a
+    K = 3 round at 1.85 plain steps at batch 8 on CPU: ~2% of the call; at 0.995, 0.5% of
+    rounds; simulated on the default RL run's table); ``idle`` counts those rounds, and
+    ``depth`` turns the PROBE_EVERY-th of them into a probe at K_max.
+
+    No reset on a weight push: the RL worker pushes the draft (and policy) before every
+    call, changed a little, and the last call's estimate is the best start for the next
+    (``AcceptanceState``); back at the prior, a useless draft would pay the prior's first
+    rounds in every call (3 rounds at K = 4, 2, 1 before K = 0 with the tests' tiny pair:
+    ~10% of a 30-round call) where probes pay ~1-2%."""
 
     def __init__(self, k_max: int, prior: float = 0.8, prior_weight: float = 0.5, decay: float = 0.9,
                  idle_decay: float = 0.995):
         self.k_max, self.prior, self.w, self.decay, self.idle_decay = k_max, prior, prior_weight, decay, idle_decay
         self.reached = [0.0] * (k_max + 1)  # index j = 1..k_max (0 unused)
         self.accepted = [0.0] * (k_max + 1)
+        self.idle = 0  # K = 0 rounds since the last drafting one (PROBE_EVERY)
+
+    def depth(self, k: int) -> int:
+        """The round's K given choose_depth's choice k: K_max where k = 0 follows
+        PROBE_EVERY - 1 K = 0 rounds in a row (a probe), else k. A function of the state only: reproducible."""
+        return self.k_max if k == 0 and self.idle >= PROBE_EVERY - 1 else k
 
     def observe(self, k: int, accepted: list[int]) -> None:
         """One round at depth k, with each row's accepted draft count (before any stop or
@@ -170,6 +201,7 @@ class AcceptanceEstimate:
         start: 1.036x plain decoding per call against 1.012x, docs/PERFORMANCE.md
         "Adaptive depth".)"""
         d = self.decay if k else self.idle_decay
+        self.idle = 0 if k else self.idle + 1
         self.reached = [x * d for x in self.reached]
         self.accepted = [x * d for x in self.accepted]
         unit = 1.0 / max(len(accepted), 1)
@@ -184,8 +216,8 @@ class AcceptanceEstimate:
         w, m = self.w, self.prior
         return [(self.accepted[j] + w * m) / (self.reached[j] + w) for j in range(1, self.k_max + 1)]
 
-    def state_dict(self) -> dict[str, list[float]]:
-        return {"reached": list(self.reached), "accepted": list(self.accepted)}
+    def state_dict(self) -> dict:
+        return {"reached": list(self.reached), "accepted": list(self.accepted), "idle": self.idle}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["reached"]) != self.k_max + 1 or len(state["accepted"]) != self.k_max + 1:
@@ -193,6 +225,7 @@ class AcceptanceEstimate:
                              f"into one for K up to {self.k_max}")
         self.reached = [float(x) for x in state["reached"]]
         self.accepted = [float(x) for x in state["accepted"]]
+        self.idle = int(state.get("idle", 0))  # absent in states saved before probes
 
 
 class AcceptanceState:
@@ -218,7 +251,7 @@ class AcceptanceState:
         """The estimate a call with these SamplingParams reads and updates."""
         return self.estimates.setdefault(self.key(sampling), AcceptanceEstimate(self.k_max))
 
-    def state_dict(self) -> dict[str, dict[str, list[float]]]:
+    def state_dict(self) -> dict[str, dict]:
         return {k: e.state_dict() for k, e in self.estimates.items()}
 
     def load_state_dict(self, state: dict) -> None:

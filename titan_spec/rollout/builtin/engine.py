@@ -370,7 +370,8 @@ class TorchRolloutEngine:
         if est is None:
             return self.K
         costs = self.costs.costs(sampling_mode(sp.greedy, sp.top_k, sp.top_p), len(reqs), self.K)
-        return choose_depth(est.alphas(), [sp.max_new_tokens - len(r.out) for r in reqs], costs)
+        # est.depth: now and then a probe at K_max where the choice is K = 0 (depth.PROBE_EVERY).
+        return est.depth(choose_depth(est.alphas(), [sp.max_new_tokens - len(r.out) for r in reqs], costs))
 
     def _propose(self, trunk: PendingTrunk, c_B, c_max: int, K: int, sp: SamplingParams, gen, dw, d2t_Vd):
         """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy).

@@ -1,0 +1,199 @@
+# Benchmark: what adaptive depth's probes (rollout/builtin/depth.py, PROBE_EVERY) cost with a
+# useless draft, and what adaptive depth gains with a useful one; side by side in one process.
+#
+# Engines over one target (the tiny Qwen3 flavor, vocab 256, unit-variance projections as in
+# tests/test_rollout_engine.py, so its distributions are peaked), K_max = --num-draft-tokens:
+#   plain            K = 0 (autoregressive decoding, same engine code)
+#   random_adaptive  adaptive depth, a freshly initialized (random) draft: falls to K = 0
+#                    after its first rounds and then probes at K_max once in PROBE_EVERY
+#   random_fixed     fixed K_max, the same random draft (what the probes avoid paying)
+#   fitted_adaptive  adaptive depth, a draft fitted to the target by TTT on its own greedy
+#                    completions of the benchmark's prompts (a useful draft)
+# The adaptive engines share one cost table, measured during the warm-up (not timed); the
+# warm-up also runs every adaptive engine to its steady state (the random one to K = 0 with
+# its probes), and the estimates carry from call to call as they do from RL step to RL step.
+# Each pass: every engine decodes the same --requests prompts, --batch per generate call,
+# the engines in turn call by call (rotated per pass), so load that comes and goes falls on
+# all alike; a ratio to plain is the median over passes of the ratio within one pass.
+# Reported: wall-clock tokens/s and tokens per CPU second of the engine's thread
+# (depth.round_clock, which other processes' load does not inflate), K per round, probes.
+#
+# Usage: PYTHONPATH=. python bench/depth_revisit.py [--batch 8] [--repeats 8] [--out PATH]
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+import titan_spec  # noqa: E402,F401
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft  # noqa: E402
+from titan_spec.models.draft.eagle3.ttt import ttt_inputs_for_sequences  # noqa: E402
+from titan_spec.models.registry import build_target_config, flavor_arch  # noqa: E402
+from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rollout.builtin.depth import PROBE_EVERY, RoundCosts  # noqa: E402
+
+TAPS = (1, 3, 4)
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="adaptive depth: probe cost with a random draft, gain with a fitted one")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--requests", type=int, default=16, help="prompts per pass, --batch per generate call")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=8, help="timed passes")
+    p.add_argument("--fit-steps", type=int, default=60, help="TTT steps of the fitted draft")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO_ROOT / "bench/results/depth_revisit.json"))
+    return p.parse_args(argv)
+
+
+def build_target(seed: int):
+    torch.manual_seed(seed)
+    arch = flavor_arch("qwen3", "tiny")
+    model = build_target_config(arch, tap_layer_ids=TAPS, max_seq_len=512).build()
+    model.init_weights(buffer_device=None)
+    with torch.no_grad():  # torchtitan's init gives near-uniform outputs; these are peaked
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+    return model.eval(), arch
+
+
+def new_draft(arch, seed: int) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    d = Eagle3Draft(DraftArch.from_target(arch, TAPS, arch.vocab_size))
+    d.reset_parameters()
+    return d.eval()
+
+
+def fit_draft(target, arch, prompts, max_new_tokens: int, steps: int, seed: int) -> Eagle3Draft:
+    """TTT (3 steps deep) on the target's greedy completions of ``prompts``."""
+    plain = TorchRolloutEngine(target, None, TorchEngineConfig(num_draft_tokens=0))
+    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=max_new_tokens))]
+    draft = new_draft(arch, seed)
+    draft.train()
+    inputs = ttt_inputs_for_sequences(target, draft, seqs, 3)
+    opt = torch.optim.AdamW(draft.parameters(), lr=2e-2)
+    for _ in range(steps):
+        loss = draft(*inputs).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+def one_call(engine, prompts, sp) -> dict:
+    t0, c0 = time.perf_counter(), time.thread_time()
+    out = engine.generate(prompts, sp)
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    return {"wall": wall, "cpu": cpu, "tokens": sum(len(r.output_ids) for r in out),
+            "forwards": sum(r.verify_steps for r in out), "depths": list(engine.last_depths),
+            "outputs": [r.output_ids for r in out]}
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    torch.set_num_threads(args.threads)
+    K = args.num_draft_tokens
+    t_start = time.perf_counter()
+    target, arch = build_target(args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    prompts = [torch.randint(0, arch.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 17, (args.requests,), generator=g)]
+    fitted = fit_draft(target, arch, prompts, args.max_new_tokens, args.fit_steps, args.seed)
+    t_fit = time.perf_counter() - t_start
+    sp = SamplingParams(0.0, max_new_tokens=args.max_new_tokens)
+    costs = RoundCosts()
+    adaptive = TorchEngineConfig(num_draft_tokens=K, depth="adaptive")
+    random_draft = new_draft(arch, args.seed + 7)
+    engines = {
+        "plain": TorchRolloutEngine(target, None, TorchEngineConfig(num_draft_tokens=0)),
+        "random_adaptive": TorchRolloutEngine(target, random_draft, adaptive, costs=costs),
+        "random_fixed": TorchRolloutEngine(target, random_draft, TorchEngineConfig(num_draft_tokens=K)),
+        "fitted_adaptive": TorchRolloutEngine(target, fitted, adaptive, costs=costs),
+    }
+    chunks = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
+    # Warm-up (not timed): measures the cost table, runs the estimates to their steady state.
+    for _ in range(2):
+        for e in engines.values():
+            for c in chunks:
+                e.generate(c, sp)
+    names = list(engines)
+    passes = {n: [] for n in names}
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        calls = {n: [] for n in names}
+        for c in chunks:
+            for n in order:
+                calls[n].append(one_call(engines[n], c, sp))
+        for n in names:
+            cs = calls[n]
+            depths = [k for x in cs for k in x["depths"]]
+            passes[n].append({"tok_s": sum(x["tokens"] for x in cs) / sum(x["wall"] for x in cs),
+                              "tok_cpu_s": sum(x["tokens"] for x in cs) / sum(x["cpu"] for x in cs),
+                              "accept_len": sum(x["tokens"] for x in cs) / sum(x["forwards"] for x in cs),
+                              "draft_k": sum(depths) / len(depths), "rounds": len(depths),
+                              "drafting_rounds": sum(k > 0 for k in depths)})
+        exact = all(calls[n][i]["outputs"] == calls["plain"][i]["outputs"] for n in names for i in range(len(chunks)))
+        if not exact:
+            raise SystemExit("greedy speculative output differs from plain decoding")
+
+    def vs_plain(n: str, key: str) -> float:
+        return statistics.median(a[key] / b[key] for a, b in zip(passes[n], passes["plain"]))
+
+    rows = []
+    for n in names:
+        ps = passes[n]
+        rows.append({"engine": n, "tok_s": statistics.median(p["tok_s"] for p in ps),
+                     "tok_cpu_s": statistics.median(p["tok_cpu_s"] for p in ps),
+                     "vs_plain": vs_plain(n, "tok_s"), "vs_plain_cpu": vs_plain(n, "tok_cpu_s"),
+                     "accept_len": statistics.median(p["accept_len"] for p in ps),
+                     "draft_k": statistics.median(p["draft_k"] for p in ps),
+                     "drafting_rounds_share": sum(p["drafting_rounds"] for p in ps) / sum(p["rounds"] for p in ps),
+                     "pass_tok_s": [p["tok_s"] for p in ps], "pass_tok_cpu_s": [p["tok_cpu_s"] for p in ps]})
+    table = costs.state_dict()["greedy"]
+    print(f"qwen3/tiny (vocab {arch.vocab_size}), greedy, batch {args.batch}, {args.requests} prompts a pass, "
+          f"{args.max_new_tokens} new tokens, K_max = {K}, PROBE_EVERY = {PROBE_EVERY}, {args.repeats} passes, "
+          f"{torch.get_num_threads()} thread(s); fit {t_fit:.0f} s")
+    print("| engine          |  tok/s | vs plain | tok/CPU-s | vs plain (CPU) | accept len | draft_k | drafting rounds |")
+    print("|-----------------|--------|----------|-----------|----------------|------------|---------|-----------------|")
+    for r in rows:
+        print(f"| {r['engine']:<15} | {r['tok_s']:>6.0f} | {r['vs_plain']:>7.3f}x | {r['tok_cpu_s']:>9.0f} "
+              f"| {r['vs_plain_cpu']:>13.3f}x | {r['accept_len']:>10.2f} | {r['draft_k']:>7.2f} "
+              f"| {100 * r['drafting_rounds_share']:>14.1f}% |")
+    print("round costs (x plain step, K = 0..K_max, measured by the engine):")
+    ratios = {}
+    for b, row in sorted(table.items(), key=lambda kv: int(kv[0])):
+        ratios[b] = [x / row[0] for x in row]
+        print(f"  batch {b:>3}: {[round(x, 2) for x in ratios[b]]}")
+    at = str(min((int(b) for b in table if int(b) >= args.batch), default=max(int(b) for b in table)))
+    ratio = ratios[at][K]
+    print(f"probe cost with a useless draft, (cost(K_max)/cost(0) - 1) / PROBE_EVERY at batch {at}: "
+          f"{100 * (ratio - 1) / PROBE_EVERY:.2f}% of plain decoding")
+    result = {"benchmark": "depth_revisit", "num_draft_tokens": K, "batch": args.batch, "requests": args.requests,
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "probe_every": PROBE_EVERY,
+              "fit_steps": args.fit_steps, "threads": torch.get_num_threads(),
+              "machine": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
+              "rows": rows, "round_cost_ratios": ratios, "probe_cost_estimate": (ratio - 1) / PROBE_EVERY,
+              "seconds": time.perf_counter() - t_start}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
