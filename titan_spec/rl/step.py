@@ -605,6 +605,22 @@ class RLTrainer(SpecTrainer):
                 out[key] = sums[f"{n}_tokens"] / max(sums[f"{n}_verify"], 1)
         if "fixed" in b.baselines:
             out["rollout/fixed_k"] = self.config.spec.speculative.num_draft_tokens
+        # --- rl.dynamic_sampling (rl/dynamic_sampling.py) ------------------------------------
+        # rl/reward above is the kept batch's (the groups trained on); the rollout/ speed and
+        # token metrics count every round's generation (its real cost), so the mean completion
+        # length is retaken on the kept completions. Counted once per data-parallel rank (its CP
+        # ranks hold the same batch): groups summed over the batch mesh, rounds the most any
+        # data-parallel rank used (the step waited for it).
+        if b.dynamic is not None:
+            d, batch_mesh = b.dynamic, pd.get_optional_mesh("batch")
+            ds = self._reduce({"dropped": d.dropped, "topped_up": d.topped_up, "generated": d.generated,
+                               "kept_tokens": sum(len(r.output_ids) for r in b.rollouts)}, dist.ReduceOp.SUM, batch_mesh)
+            out.update({
+                "rl/dynamic_groups_dropped": ds["dropped"], "rl/dynamic_topped_up": ds["topped_up"],
+                "rl/dynamic_groups_generated": ds["generated"],
+                "rl/dynamic_rounds": self._reduce({"rounds": d.rounds}, dist.ReduceOp.MAX, batch_mesh)["rounds"],
+                "rollout/completion_len": ds["kept_tokens"] / sums["completions"],
+            })
         return out
 
     def _reduce(self, values: dict[str, float], op, mesh) -> dict[str, float]:

@@ -1,0 +1,134 @@
+"""DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, sec. 3.2; verl's
+``algorithm.filter_groups`` with ``max_num_gen_batches``): ``rl.dynamic_sampling``.
+
+Shape legend: P = this rank's prompts of one round (its share of rl.prompts_per_step),
+G = group size, N = groups generated so far this step (rounds x P).
+
+A group whose G rewards are all equal (accuracy 0 or 1) has advantage 0 on every
+completion: it adds no policy gradient but still dilutes the token-mean loss and costs
+its share of the update. Dynamic sampling over-samples instead:
+
+  round 0    the step's usual generation (and, at baseline steps, the baselines)
+  filter     keep the groups whose task rewards are not all equal, in generation order
+  round k    while fewer than P are kept and k <= rl.dynamic_sampling_rounds: the next
+             problems from the dataloader, generated and scored the same way (own seeds)
+  top up     after the last allowed round, the earliest dropped groups fill what is
+             missing, so the batch is always P groups (rl.minibatches still divides it,
+             packing and the update see the shape they always do), and that is logged
+
+The rule reads the task's rewards (DAPO's accuracy), not the reward shaping added before
+the advantages (rl.overlong_buffer): a group is kept for what its answers scored.
+
+``select_groups`` is the rule on a reward tensor; ``dynamic_sample`` runs the rounds
+through the caller's ``generate`` and ``score`` (the trainer's one generation path, so
+every engine does it) and assembles the kept ``RolloutBatch``. Each data-parallel rank
+decides alone from the rewards of its own share: the ranks may use different numbers of
+rounds, so nothing per round is a collective over the batch mesh. The ranks of ONE
+data-parallel rank (its CP ranks, its stages) generate each round together
+(rl/sharing.py, a collective over them): they all hold the same exchanged rollouts and
+score them with the same function of the text and the problem, so they decide the same
+rounds and keep the same groups (a task.reward that is not a function of its inputs would
+break this, as it would break resume exactness).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from titan_spec.rl.step_records import RolloutBatch
+from titan_spec.rl.worker import RolloutStats
+
+__all__ = ["DynamicSampling", "GroupSelection", "dynamic_sample", "has_spread", "select_groups"]
+
+
+def has_spread(rewards_NG: torch.Tensor) -> torch.Tensor:
+    """[N] bool: True where a group's rewards are not all equal (its advantages are not all 0)."""
+    return rewards_NG.amax(dim=1) != rewards_NG.amin(dim=1)
+
+
+@dataclass(frozen=True)
+class GroupSelection:
+    """Which of the N groups generated so far make the step's batch."""
+
+    groups: list[int]
+    """The chosen groups' indices into the N, ascending (generation order), P of them."""
+    dropped: int
+    """Groups whose rewards were all equal and that are not in the batch."""
+    topped_up: int
+    """Groups whose rewards were all equal that ARE in the batch (the top-up): dropped +
+    topped_up is every group without spread generated."""
+
+
+def select_groups(rewards_NG: torch.Tensor, share: int, final: bool) -> GroupSelection | None:
+    """The rule: the first ``share`` groups of ``rewards_NG`` (in generation order) whose
+    rewards are not all equal. When fewer have spread: None if another round may still
+    follow, else (``final``) all of them topped up with the earliest groups without spread.
+    Deterministic: a function of the rewards alone."""
+    if rewards_NG.shape[0] < share:
+        raise ValueError(f"{rewards_NG.shape[0]} groups generated, fewer than the batch's {share}")
+    spread_N = has_spread(rewards_NG)
+    spread = torch.nonzero(spread_N).flatten().tolist()
+    flat = torch.nonzero(~spread_N).flatten().tolist()
+    if len(spread) >= share:
+        # The last round's surplus groups with spread are left out too (not counted).
+        return GroupSelection(spread[:share], len(flat), 0)
+    if not final:
+        return None
+    fill = flat[:share - len(spread)]
+    return GroupSelection(sorted(spread + fill), len(flat) - len(fill), len(fill))
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """What dynamic sampling did on this rank in one step (rl/dynamic_* metrics)."""
+
+    rounds: int
+    """Generation rounds used, the step's usual one included (1 .. 1 + rl.dynamic_sampling_rounds)."""
+    dropped: int
+    """Groups without reward spread left out of the batch."""
+    topped_up: int
+    """Groups without reward spread put back to fill the batch (the rounds ran out)."""
+    generated: int
+    """Groups generated over all rounds."""
+
+
+def _sequential(stats: list[RolloutStats]) -> RolloutStats:
+    """Engine calls run one after another: everything adds up, seconds included."""
+    return RolloutStats(sum(s.tokens for s in stats), sum(s.verify_steps for s in stats), sum(s.seconds for s in stats),
+                        sum(s.drafted_tokens for s in stats), sum(s.rounds for s in stats))
+
+
+def dynamic_sample(
+    first: RolloutBatch,
+    rewards_PG: torch.Tensor,
+    generate: Callable[[], RolloutBatch],
+    score: Callable[[RolloutBatch], torch.Tensor],
+    extra_rounds: int,
+) -> tuple[RolloutBatch, torch.Tensor]:
+    """The step's batch and its task rewards [P, G] after dynamic sampling: ``first`` (the
+    step's usual round, scored ``rewards_PG``) and, while ``select_groups`` wants more, up to
+    ``extra_rounds`` batches of ``generate()`` (the next problems) scored by ``score``.
+
+    The returned batch holds the kept groups' problems and rollouts in generation order;
+    its ``stats`` are every round's engine calls added up (the step's real generation cost:
+    rollout/tokens, time/rollout_s), its baselines the first round's (they measure speed on
+    the step's usual prompts), ``dynamic`` what was done."""
+    share, G = rewards_PG.shape
+    batches, rewards = [first], [rewards_PG]
+    selection = select_groups(rewards_PG, share, final=extra_rounds == 0)
+    while selection is None:
+        batches.append(generate())
+        rewards.append(score(batches[-1]))
+        selection = select_groups(torch.cat(rewards), share, final=len(batches) == 1 + extra_rounds)
+    problems = [p for b in batches for p in b.problems]
+    rollouts = [r for b in batches for r in b.rollouts]
+    kept = RolloutBatch(
+        [problems[i] for i in selection.groups],
+        [rollouts[i * G + j] for i in selection.groups for j in range(G)],
+        _sequential([b.stats for b in batches]), first.baselines, first.policy_version, first.push_s,
+        dynamic=DynamicSampling(len(batches), selection.dropped, selection.topped_up, len(problems)),
+    )
+    return kept, torch.cat(rewards)[selection.groups]
