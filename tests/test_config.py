@@ -95,7 +95,7 @@ MALFORMED = [
     ("[rl]\nloss_agg = 'seq-mean'\n", [], 1, ["rl.loss_agg", "'token-mean', 'seq-mean-token-mean'"]),
     ("[rl]\ntis = 'token'\n", [], 1, ["rl.tis = 'token'", "rl.behaviour_logprobs = 'recompute'"]),
     ("[rl]\nkl_estimator = 'k4'\n", [], 1, ["rl.kl_estimator", "'k1', 'k2', 'k3'"]),
-    ("[rl]\ndynamic_sampling = true\n", [], 1, ["rl.dynamic_sampling = true is not built yet"]),
+    ("[rl]\ndynamic_sampling = true\ngroup_size = 1\n", [], 1, ["rl.group_size = 1", ">= 2"]),
     ("[rl]\ndynamic_sampling_rounds = 0\n", [], 1, ["rl.dynamic_sampling_rounds = 0", ">= 1"]),
     ("[rl]\noverlong_filter = true\n", [], 1, ["rl.overlong_filter = True is DAPO's: it needs rl.loss = 'dapo'"]),
     ("[rl]\nloss = 'dapo'\nmax_new_tokens = 8\noverlong_buffer = 8\n", [], 1,

@@ -539,8 +539,7 @@ class RLConfig:
     """rl.tis: the cap C of the importance weights (> 0; the TIS paper and verl: 2)."""
 
     dynamic_sampling: bool = False
-    """NOT BUILT YET (true is refused by the config check). DAPO's dynamic sampling: groups
-    whose rewards are all equal (advantage 0: no gradient)
+    """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0: no gradient)
     are dropped and more prompts are generated until each rank has its share of
     rl.prompts_per_step groups with some spread, or rl.dynamic_sampling_rounds extra rounds
     are used (then the batch is topped up with dropped groups, logged)."""

@@ -218,9 +218,6 @@ def _rl(c: RLConfig) -> None:
         raise ConfigError(f"rl.tis = {c.tis!r} weights each token by pi_trainer / pi_engine, which needs the "
                           "trainer's log-probs: set rl.behaviour_logprobs = 'recompute' (or rl.tis = 'off')",
                           key="rl.tis")
-    if c.dynamic_sampling:
-        raise ConfigError("rl.dynamic_sampling = true is not built yet (DAPO's dynamic sampling; docs/RL.md): "
-                          "set it to false", key="rl.dynamic_sampling")
     check(c.dynamic_sampling_rounds >= 1, "rl.dynamic_sampling_rounds", c.dynamic_sampling_rounds,
           ">= 1 (extra generation rounds per step at most)")
 

@@ -24,7 +24,8 @@ What DAPO changes against the GRPO paper, and where each piece is here:
   then falling linearly to -penalty at L_max (a completion never exceeds L_max here).
   The logged ``rl/reward`` stays the task's reward.
 
-Not here yet: DAPO's dynamic sampling (``rl.dynamic_sampling`` is refused by the config check).
+- **Dynamic sampling** (``rl.dynamic_sampling``): groups whose rewards are all equal are
+  dropped and more prompts generated (rl/dynamic_sampling.py, in the step's generation).
 """
 
 from __future__ import annotations
