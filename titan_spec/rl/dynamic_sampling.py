@@ -38,10 +38,10 @@ from typing import Callable
 
 import torch
 
-from titan_spec.rl.step_records import RolloutBatch
+from titan_spec.rl.step_records import DynamicSampling, RolloutBatch
 from titan_spec.rl.worker import RolloutStats
 
-__all__ = ["DynamicSampling", "GroupSelection", "dynamic_sample", "has_spread", "select_groups"]
+__all__ = ["GroupSelection", "dynamic_sample", "has_spread", "select_groups"]
 
 
 def has_spread(rewards_NG: torch.Tensor) -> torch.Tensor:
@@ -79,20 +79,6 @@ def select_groups(rewards_NG: torch.Tensor, share: int, final: bool) -> GroupSel
         return None
     fill = flat[:share - len(spread)]
     return GroupSelection(sorted(spread + fill), len(flat) - len(fill), len(fill))
-
-
-@dataclass(frozen=True)
-class DynamicSampling:
-    """What dynamic sampling did on this rank in one step (rl/dynamic_* metrics)."""
-
-    rounds: int
-    """Generation rounds used, the step's usual one included (1 .. 1 + rl.dynamic_sampling_rounds)."""
-    dropped: int
-    """Groups without reward spread left out of the batch."""
-    topped_up: int
-    """Groups without reward spread put back to fill the batch (the rounds ran out)."""
-    generated: int
-    """Groups generated over all rounds."""
 
 
 def _sequential(stats: list[RolloutStats]) -> RolloutStats:

@@ -9,7 +9,7 @@ Shape legend: P = prompts of this rank, G = group size, B = packed rows, L = row
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -17,10 +17,21 @@ from titan_spec.data.problem import Problem
 from titan_spec.rl.worker import RolloutStats
 from titan_spec.rollout.base import Rollout
 
-if TYPE_CHECKING:  # it builds RolloutBatch: imported for the annotation only
-    from titan_spec.rl.dynamic_sampling import DynamicSampling
+__all__ = ["DynamicSampling", "RolloutBatch", "Minibatch", "UpdateStats", "StepRecord"]
 
-__all__ = ["RolloutBatch", "Minibatch", "UpdateStats", "StepRecord"]
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """What dynamic sampling did on this rank in one step (rl/dynamic_* metrics)."""
+
+    rounds: int
+    """Generation rounds used, the step's usual one included (1 .. 1 + rl.dynamic_sampling_rounds)."""
+    dropped: int
+    """Groups without reward spread left out of the batch."""
+    topped_up: int
+    """Groups without reward spread put back to fill the batch (the rounds ran out)."""
+    generated: int
+    """Groups generated over all rounds."""
 
 
 @dataclass
@@ -40,7 +51,7 @@ class RolloutBatch:
     push_s: float
     """Seconds the weight push took."""
     dynamic: DynamicSampling | None = None
-    """rl.dynamic_sampling: what it did this step (rl/dynamic_sampling.py DynamicSampling:
+    """rl.dynamic_sampling: what it did this step (DynamicSampling above:
     rounds, groups dropped and topped up); None without it."""
 
 
