@@ -11,12 +11,9 @@ if [[ -x "$venv/bin/python" && -f "$venv/.pins" && "$(cat "$venv/.pins")" == "$w
   echo "$venv/bin/python"
   exit 0
 fi
-py="${PYTHON:-python3.11}"
-command -v "$py" >/dev/null 2>&1 || py=python3
-if ! "$py" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
-  echo "titan_spec needs Python 3.11; found $("$py" --version 2>&1) (set PYTHON=/path/to/python3.11)" >&2
-  exit 1
-fi
+# shellcheck source=python_check.sh
+source "$root/scripts/python_check.sh"
+find_python311 "titan_spec needs" " (set PYTHON=/path/to/python3.11)"
 echo "titan_spec: setting up $venv (first use; torch is large, this takes a few minutes)" >&2
 rm -rf "$venv"
 "$py" -m venv "$venv"

@@ -19,12 +19,9 @@ if [[ -x "$venv/bin/python" && -f "$venv/.pins" && "$(cat "$venv/.pins")" == "$w
   echo "$venv/bin/python"
   exit 0
 fi
-py="${PYTHON:-python3.11}"
-command -v "$py" >/dev/null 2>&1 || py=python3
-if ! "$py" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)'; then
-  echo "titan_spec: the vLLM environment needs Python 3.11; found $("$py" --version 2>&1)" >&2
-  exit 1
-fi
+# shellcheck source=python_check.sh
+source "$root/scripts/python_check.sh"
+find_python311 "titan_spec: the vLLM environment needs"
 echo "titan_spec: setting up $venv (first use; vLLM and torch are large: about 100 s here)" >&2
 rm -rf "$venv"
 "$py" -m venv "$venv"

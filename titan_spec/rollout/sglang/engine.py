@@ -41,9 +41,7 @@ import logging
 import os
 import random
 import re
-import socket
 import tempfile
-import threading
 from collections.abc import Callable
 
 import torch
@@ -51,12 +49,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from titan_spec.config import TitanSpecConfig
-from titan_spec.models.hf_io import read_hf_arch
-from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams
+from titan_spec.rollout.base import Rollout, SamplingParams
+from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.sglang.client import EngineDied, InProcessClient, SGLangError, launch_server
 from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER
 from titan_spec.rollout.weight_names import (
-    check_draft_fits_policy, draft_to_export_names, policy_to_hf_names, sglang_tap_misfit,
+    check_draft_fits_policy, draft_to_export_names, sglang_tap_misfit,
 )
 
 __all__ = [
@@ -98,12 +96,6 @@ _SEED_MOD = 2**62
 _VERIFY_KEYS = ("spec_verify_ct",)
 _ACCEPTED_KEYS = ("spec_num_correct_drafts", "spec_accept_token_num", "spec_accepted_tokens")
 _VERSION_RE = re.compile(r"policy-(\d+)\.draft-(\d+)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int,
@@ -245,7 +237,6 @@ def rollout_from_result(prompt: list[int], result: dict, spec: bool, versions: t
     )
 
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                 "BOOL": torch.bool}
@@ -264,7 +255,7 @@ def served_tensors(files: list[str], skip=lambda name: False) -> dict[str, tuple
     return out
 
 
-class SGLangRolloutEngine:
+class SGLangRolloutEngine(ServerRolloutEngine):
     """Engine protocol (rollout/base.py) over an SGLang server with an EAGLE-3 draft.
 
     ``connect(server_args)`` returns a client (sglang_client.py); by default it launches
@@ -273,64 +264,42 @@ class SGLangRolloutEngine:
 
     State the engine tracks so that it never sends SGLang a request that crashes it:
     the start files' tensor table (every push is checked against it), the last good host
-    copies and versions (what a restart pushes), and which memory tags are released
-    (SGLang's resume of a tag it did not release raises KeyError in its scheduler). One
-    lock serializes generate, pushes and memory calls: SGLang asserts that no request is
-    in flight when it releases memory.
+    copies and versions (what a restart pushes; server_engine.py keeps these), and which
+    memory tags are released (SGLang's resume of a tag it did not release raises KeyError
+    in its scheduler). One lock serializes generate, pushes and memory calls: SGLang
+    asserts that no request is in flight when it releases memory.
     """
+
+    _server = "SGLang"
+    _lost_what = "SGLang engine"
+    _section = "sglang"
+    _died = (EngineDied,)
+    _died_error = EngineDied
+    _refusal = "SGLang's scheduler would die on it"
+    _log = logger
 
     def __init__(self, config, policy_path: str, draft_path: str | None, num_draft_tokens: int,
                  connect: Callable[[dict], object] | None = None, max_running_requests: int = 0):
-        if int(num_draft_tokens) != num_draft_tokens or num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens = {num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)")
-        self.config = config
-        self.K = int(num_draft_tokens)
-        self.arch = read_hf_arch(policy_path)
+        self._init_engine(config, policy_path, num_draft_tokens)
         if self.K:
             if not draft_path:
                 raise ValueError(f"num_draft_tokens = {self.K} needs a draft directory (or set it to 0)")
             check_draft_fits_policy(policy_path, draft_path)
         self.server_args = sglang_server_args(config, policy_path, draft_path, self.K, max_running_requests)
-        self._dtype = _DTYPES.get(config.dtype)
-        self._connect = connect or self._launch
-        self.policy_version = 0
-        self.draft_version = 0
-        self.restarts = 0
-        # What the server's models hold, by name: the start files' tensors. A push is
-        # checked against these before it is sent (module docstring).
-        self._policy_table = served_tensors(sorted(glob.glob(os.path.join(policy_path, "*.safetensors"))))
-        self._draft_table: dict = {}
-        # Host copies of the last GOOD pushes, to push again after a restart or a memory
-        # release. The draft starts from its directory (small); the policy only from its
-        # first push (the server loads the rest from policy_path).
-        self._policy: dict[str, torch.Tensor] = {}
-        self._draft: dict[str, torch.Tensor] = {}
-        self._draft_maps: dict[str, torch.Tensor] = {}
+        self._init_bookkeeping(served_tensors(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
         if self.K:
+            # The draft's host copy starts from its directory (small); the policy's only
+            # from its first push (the server loads the rest from policy_path).
             start = load_file(os.path.join(draft_path, "model.safetensors"))
             self._draft = self._cast(draft_to_export_names(start))
-            self._draft_table = {n: (tuple(t.shape), t.dtype) for n, t in self._draft.items()}
             # SGLang copies the draft->target map once at start; a push must not change it.
-            self._draft_maps = {n: self._draft[n] for n in ("d2t", "t2d") if n in self._draft}
+            self._set_draft_start(self._draft)
         self._released: set[str] = set()
         self._policy_released = False
-        self._seed_warned = False
-        self._lock = threading.RLock()
-        self._lost = False
-        self._closed = False
         self._client = self._connect(self.server_args)
 
-    @classmethod
-    def from_config(cls, cfg, draft_path: str | None = None, connect=None) -> "SGLangRolloutEngine":
-        """From a TitanSpecConfig: policy = model.hf_checkpoint, draft = draft_path or
-        draft.init_from, K = speculative.num_draft_tokens (0 when speculation is off);
-        max_running_requests defaults to one step's requests, rl.prompts_per_step x
-        rl.group_size."""
-        K = cfg.speculative.num_draft_tokens if cfg.speculative.enabled else 0
-        batch = cfg.rl.prompts_per_step * cfg.rl.group_size
-        return cls(cfg.rollout.sglang, cfg.model.hf_checkpoint, draft_path or cfg.draft.init_from or None, K, connect, batch)
-
     def _launch(self, server_args: dict):
+        """A server (config mode "server") or an in-process sglang.Engine (mode "engine")."""
         c = self.config
         if c.mode == "engine":
             return InProcessClient(server_args)
@@ -341,54 +310,23 @@ class SGLangRolloutEngine:
 
     # --- faults -------------------------------------------------------------------------
 
-    def _call(self, fn):
-        """fn(client), restarting the server (and pushing both last good weight sets again)
-        when it died or hangs; gives up after max_restarts failed attempts in a row, leaving
-        the engine marked lost so that the next call starts a fresh server."""
-        failures = 0
-        while True:
-            try:
-                if self._lost:
-                    self._restart()
-                return fn(self._client)
-            except EngineDied as e:
-                failures += 1
-                self._lost = True
-                if failures > self.config.max_restarts:
-                    raise EngineDied(f"{e}; gave up after {self.config.max_restarts} restart(s) (rollout.sglang.max_restarts)") from None
-                logger.warning("SGLang engine lost (%s); restarting (%d/%d)", e, failures, self.config.max_restarts)
-
-    def _restart(self) -> None:
-        try:
-            self._client.shutdown()
-        except Exception as e:  # the old one is already broken; keep going
-            logger.warning("shutting down the lost SGLang engine failed: %s", e)
-        self.restarts += 1
+    def _reconnect(self):
+        """A fresh server, on a fresh port unless the config pins one."""
         if not self.config.port:
             self.server_args["port"] = _free_port()
-        self._client = self._connect(self.server_args)
+        client = self._connect(self.server_args)
         # A fresh server holds all its memory and its start weights.
         self._released.clear()
         self._policy_released = False
-        self._push_stored(self._client)
-        self._lost = False
-
-    def _push_stored(self, client) -> None:
-        tag = self._version_tag()
-        if self._policy:
-            self._push(client, list(self._policy.items()), TARGET_LOADER, "target", tag)
-        if self._draft:
-            self._push(client, list(self._draft.items()), DRAFT_LOADER, "draft", tag)
+        return client
 
     # --- pushes -------------------------------------------------------------------------
 
-    def _version_tag(self, policy: int | None = None, draft: int | None = None) -> str:
-        p = self.policy_version if policy is None else policy
-        d = self.draft_version if draft is None else draft
-        return f"policy-{p}.draft-{d}"
-
-    def _push(self, client, pairs, loader: str, selector: str, tag: str) -> None:
-        pairs = [(n, t.cuda() if torch.cuda.is_available() and not t.is_cuda else t) for n, t in pairs]
+    def _push(self, client, kind: str, pairs: dict[str, torch.Tensor], tag: str) -> None:
+        """One bracket (module docstring): the policy with selector "target" and the
+        target loader, the draft with "draft" and the draft loader."""
+        loader, selector = (TARGET_LOADER, "target") if kind == "policy" else (DRAFT_LOADER, "draft")
+        pairs = [(n, t.cuda() if torch.cuda.is_available() and not t.is_cuda else t) for n, t in pairs.items()]
         client.pause()
         done = False
         try:
@@ -408,69 +346,16 @@ class SGLangRolloutEngine:
                 if done:
                     raise
 
-    def _cast(self, pairs) -> dict[str, torch.Tensor]:
-        dt = self._dtype
-        return {n: (t.detach().to(dt) if dt is not None and t.is_floating_point() else t.detach()) for n, t in pairs}
-
-    def _check_push(self, what: str, pairs: dict[str, torch.Tensor], table: dict) -> None:
-        """ValueError (one line) unless SGLang's loaders take every tensor of this push:
-        a known name, the served shape, a float for a float (cast to the serving dtype
-        already) and the same integer dtype otherwise; the draft's d2t/t2d unchanged."""
-        bad = []
-        for name, t in pairs.items():
-            if name not in table:
-                bad.append(f"{name}: the server has no such tensor")
-                continue
-            shape, dtype = table[name]
-            if tuple(t.shape) != shape:
-                bad.append(f"{name}: shape {list(t.shape)} != served {list(shape)}")
-            elif t.is_floating_point() != dtype.is_floating_point or (not dtype.is_floating_point and t.dtype != dtype):
-                bad.append(f"{name}: dtype {t.dtype} where the server holds {dtype}")
-            elif name in self._draft_maps and not torch.equal(t.cpu(), self._draft_maps[name].cpu()):
-                bad.append(f"{name} differs from the one SGLang loaded at start (the draft vocabulary is fixed "
-                           "for the server's lifetime; restart it to change it)")
-        if bad:
-            raise ValueError(f"{what} push refused before sending (SGLang's scheduler would die on it): "
-                             f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
-
     def _check_pushable(self) -> None:
+        """RuntimeError while the server's weights are released."""
         if "weights" in self._released:
             raise RuntimeError("the server's weights are released: call resume_memory() before pushing weights")
 
     def _update(self, kind: str, pairs: dict, version: int) -> None:
-        """Push one weight set; it becomes the host copy and its version the engine's only
-        when SGLang has taken it. A failed push (refused, or the server died and did not
-        come back within max_restarts) leaves the last good copy and version, which every
-        restart pushes."""
-        store, loader, selector = (
-            (self._policy, TARGET_LOADER, "target") if kind == "policy" else (self._draft, DRAFT_LOADER, "draft")
-        )
-        tag = self._version_tag(**{kind: int(version)})
-        self._call(lambda c: self._push(c, list(pairs.items()), loader, selector, tag))
-        # Copies: the trainer updates its tensors in place, and a re-push must send these.
-        store.update({n: t.to("cpu", copy=True) for n, t in pairs.items()})
-        setattr(self, f"{kind}_version", int(version))
-
-    def update_policy_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """torchtitan names, full tensors. DTensors are gathered here with full_tensor(), a
-        collective: under FSDP gather on every rank and let the engine's owner push."""
-        self._check_open()
-        pairs = self._cast(policy_to_hf_names(named_tensors, self.arch))
-        self._check_push("policy", pairs, self._policy_table)
-        with self._lock:
-            self._check_pushable()
-            self._update("policy", pairs, version)
+        """ServerRolloutEngine._update; a taken policy push also ends a policy release."""
+        super()._update(kind, pairs, version)
+        if kind == "policy":
             self._policy_released = False
-
-    def update_draft_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        self._check_open()
-        if not self.K:
-            raise ValueError("this engine has no draft (num_draft_tokens = 0); there are no draft weights to update")
-        pairs = self._cast(draft_to_export_names(named_tensors))
-        self._check_push("draft", pairs, self._draft_table)
-        with self._lock:
-            self._check_pushable()
-            self._update("draft", pairs, version)
 
     # --- memory (colocated training) ----------------------------------------------------
 
@@ -511,11 +396,12 @@ class SGLangRolloutEngine:
             self._call(resume)
             if "weights" in resumed:
                 if self._draft:
-                    self._call(lambda c: self._push(c, list(self._draft.items()), DRAFT_LOADER, "draft", self._version_tag()))
+                    self._call(lambda c: self._push(c, "draft", self._draft, self._version_tag()))
                 self._policy_released = not self.server_args.get("enable_weights_cpu_backup")
 
     @staticmethod
     def _memory_tags(tags) -> list[str]:
+        """None or [] -> all of SGLang's memory kinds; unknown tags are a ValueError."""
         if tags is None or len(tags) == 0:
             return list(MEMORY_TAGS)
         unknown = [t for t in tags if t not in MEMORY_TAGS]
@@ -525,21 +411,9 @@ class SGLangRolloutEngine:
 
     # --- protocol -----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this rollout engine is closed")
-
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
-        self._check_open()
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        V = self.arch.vocab_size
-        prompts = [[int(t) for t in p] for p in prompts]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{V - 1}")
+        """One Rollout per prompt; a policy whose weights were released is pushed again first."""
+        prompts = self._checked_prompts(prompts, sampling)
         if not prompts:
             return []
         seeded = bool(self.config.deterministic)
@@ -556,15 +430,10 @@ class SGLangRolloutEngine:
                         "the policy's weights were released and none was pushed since: call "
                         "update_policy_weights first (or set enable_weights_cpu_backup in rollout.sglang.server_args)"
                     )
-                self._call(lambda c: self._push(c, list(self._policy.items()), TARGET_LOADER, "target", self._version_tag()))
+                self._call(lambda c: self._push(c, "policy", self._policy, self._version_tag()))
                 self._policy_released = False
             results = self._call(lambda c: c.generate(prompts, params))
             versions = (self.policy_version, self.draft_version)
         if len(results) != len(prompts):
             raise SGLangError(f"SGLang answered {len(results)} results for {len(prompts)} prompts")
         return [rollout_from_result(p, r, self.K > 0, versions) for p, r in zip(prompts, results)]
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._client.shutdown()

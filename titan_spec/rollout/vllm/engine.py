@@ -31,20 +31,19 @@ import logging
 import os
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from titan_spec.models.hf_io import read_hf_arch
-from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams
+from titan_spec.rollout.base import Rollout, SamplingParams
+from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.vllm.client import EngineDied, VLLMError, VLLMStartError, launch_server
 from titan_spec.rollout.vllm.serving import ENV_SCRIPT, served_draft_dir, vllm_misfit
-from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
+from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names
 
 __all__ = ["VLLMRolloutEngine", "vllm_llm_kwargs", "sampling_to_vllm", "rollout_from_result", "resolve_python", "SEED_MIX",
            "SEEDS_NOT_REPRODUCIBLE", "RAW_LOGPROB_TEMPERATURES", "SAMPLED_SPECULATION_BROKEN"]
@@ -74,18 +73,10 @@ SAMPLED_SPECULATION_BROKEN = (
 # Temperatures at which vLLM's raw log-probs are log_softmax(logits / T) (greedy reports T = 1).
 RAW_LOGPROB_TEMPERATURES = (0.0, 1.0)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 # fused in vLLM's kernels: a partial push must carry a whole group (reload_weights
 # processes a layer once all its checkpoint tensors arrived; a half-loaded fused weight
 # would be processed with the rest missing).
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_python(cfg) -> str:
@@ -202,23 +193,28 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
               "I32": torch.int32, "BOOL": torch.bool}
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(ServerRolloutEngine):
     """Engine protocol (rollout/base.py) over a titan_spec vLLM server with an EAGLE-3 draft.
 
     ``connect(llm_kwargs)`` returns a client (client.py); by default it launches the server
     with the vLLM environment's interpreter. It is called again for every restart.
     State kept so that no bad tensor ever reaches the server: the start files' tensor table
     (every push is checked against it) and the last good host copies and versions (what a
-    restart pushes).
+    restart pushes); server_engine.py keeps these.
     """
+
+    _server = "vLLM"
+    _lost_what = "vLLM server"
+    _section = "vllm"
+    _died = (EngineDied, VLLMStartError)
+    _died_error = EngineDied
+    _refusal = "vLLM would load a bad tensor"
+    _host_device = "cpu"  # pushes travel as safetensors files
+    _log = logger
 
     def __init__(self, config, policy_path: str, draft_path: str | None, num_draft_tokens: int,
                  connect: Callable[[dict], object] | None = None, max_num_seqs: int = 0):
-        if int(num_draft_tokens) != num_draft_tokens or num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens = {num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)")
-        self.config = config
-        self.K = int(num_draft_tokens)
-        self.arch = read_hf_arch(policy_path)
+        self._init_engine(config, policy_path, num_draft_tokens)
         why = vllm_misfit(policy_path, draft_path if self.K else None)
         if why:
             raise ValueError(why)
@@ -228,41 +224,18 @@ class VLLMRolloutEngine:
             check_draft_fits_policy(policy_path, draft_path)
             served = served_draft_dir(draft_path, os.path.join(self._work, "draft"))
         self.llm_kwargs = vllm_llm_kwargs(config, policy_path, served, self.K, max_num_seqs)
-        self._dtype = _DTYPES.get(config.dtype)
-        self._connect = connect or self._launch
-        self.policy_version = 0
-        self.draft_version = 0
-        self.restarts = 0
+        self._init_bookkeeping(_table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
         self._pushes = 0
-        self._policy_table = _table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors"))))
-        self._draft_table: dict = {}
-        self._policy: dict[str, torch.Tensor] = {}
-        self._draft: dict[str, torch.Tensor] = {}
-        self._draft_maps: dict[str, torch.Tensor] = {}
         if self.K:
-            start = dict(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors"))))
-            self._draft_table = {n: (tuple(t.shape), t.dtype) for n, t in start.items()}
             # vLLM reads the draft->target map once at start (draft_id_to_target_id); a
             # push must not change it.
-            self._draft_maps = {n: start[n] for n in ("d2t", "t2d") if n in start}
-        self._lock = threading.RLock()
-        self._lost = False
-        self._closed = False
-        self._seed_warned = False
+            self._set_draft_start(dict(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors")))))
         self._server_info: dict | None = None
         self._python = resolve_python(config) if connect is None else ""
         self._client = self._connect(self.llm_kwargs)
 
-    @classmethod
-    def from_config(cls, cfg, draft_path: str | None = None, connect=None) -> "VLLMRolloutEngine":
-        """From a TitanSpecConfig: policy = model.hf_checkpoint, draft = draft_path or
-        draft.init_from, K = speculative.num_draft_tokens (0 when speculation is off);
-        max_num_seqs defaults to one step's requests."""
-        K = cfg.speculative.num_draft_tokens if cfg.speculative.enabled else 0
-        batch = cfg.rl.prompts_per_step * cfg.rl.group_size
-        return cls(cfg.rollout.vllm, cfg.model.hf_checkpoint, draft_path or cfg.draft.init_from or None, K, connect, batch)
-
     def _launch(self, llm_kwargs: dict):
+        """The titan_spec vLLM server, with the vLLM environment's interpreter."""
         c = self.config
         port = c.port or _free_port()
         log_dir = c.log_dir or tempfile.gettempdir()
@@ -273,44 +246,23 @@ class VLLMRolloutEngine:
 
     @property
     def server_pid(self) -> int | None:
+        """The server process's id (None for a client without one)."""
         return getattr(self._client, "pid", None)
 
     # --- faults -------------------------------------------------------------------------
 
-    def _call(self, fn):
-        failures = 0
-        while True:
-            try:
-                if self._lost:
-                    self._restart()
-                return fn(self._client)
-            except (EngineDied, VLLMStartError) as e:
-                failures += 1
-                self._lost = True
-                if failures > self.config.max_restarts:
-                    raise EngineDied(f"{e}; gave up after {self.config.max_restarts} restart(s) (rollout.vllm.max_restarts)") from None
-                logger.warning("vLLM server lost (%s); restarting (%d/%d)", e, failures, self.config.max_restarts)
-
-    def _restart(self) -> None:
-        try:
-            self._client.shutdown()
-        except Exception as e:  # the old one is already broken; keep going
-            logger.warning("shutting down the lost vLLM server failed: %s", e)
-        self.restarts += 1
-        self._client = self._connect(self.llm_kwargs)
-        # A fresh server holds its start weights: bring it to the last good ones.
-        if self._policy:
-            self._push(self._client, self._policy, "target")
-        if self._draft:
-            self._push(self._client, self._draft, "draft")
-        self._lost = False
+    def _reconnect(self):
+        """A fresh server from the same arguments (``_launch`` picks its port)."""
+        return self._connect(self.llm_kwargs)
 
     # --- pushes -------------------------------------------------------------------------
 
-    def _push(self, client, pairs: dict[str, torch.Tensor], which: str) -> None:
+    def _push(self, client, kind: str, pairs: dict[str, torch.Tensor], tag: str) -> None:
         """Hand the tensors over as one safetensors file in the transport folder (on CPU,
         /dev/shm by default: memory, not disk); the server's worker extension loads it with
-        reload_weights. The file is removed once the server answered."""
+        reload_weights into the target ("policy") or the drafter ("draft"). The file is
+        removed once the server answered. vLLM has no weight version: ``tag`` is unused."""
+        which = "target" if kind == "policy" else "draft"
         self._pushes += 1
         path = os.path.join(self._work, f"push-{self._pushes}-{which}.safetensors")
         save_file({n: t.contiguous() for n, t in pairs.items()}, path)
@@ -322,27 +274,9 @@ class VLLMRolloutEngine:
             except OSError:
                 pass
 
-    def _cast(self, pairs) -> dict[str, torch.Tensor]:
-        dt = self._dtype
-        return {n: (t.detach().to("cpu", dt) if dt is not None and t.is_floating_point() else t.detach().cpu()) for n, t in pairs}
-
-    def _check_push(self, what: str, pairs: dict[str, torch.Tensor], table: dict) -> None:
-        """ValueError (one line) unless vLLM's loader takes every tensor of this push: a
-        known name, the served shape, a float for a float and the same integer dtype
-        otherwise, whole fused groups, the draft's d2t/t2d unchanged."""
+    def _extra_push_problems(self, pairs: dict[str, torch.Tensor]) -> list[str]:
+        """Fused groups pushed in part (_FUSED says why vLLM needs them whole)."""
         bad = []
-        for name, t in pairs.items():
-            if name not in table:
-                bad.append(f"{name}: the server has no such tensor")
-                continue
-            shape, dtype = table[name]
-            if tuple(t.shape) != shape:
-                bad.append(f"{name}: shape {list(t.shape)} != served {list(shape)}")
-            elif t.is_floating_point() != dtype.is_floating_point or (not dtype.is_floating_point and t.dtype != dtype):
-                bad.append(f"{name}: dtype {t.dtype} where the server holds {dtype}")
-            elif name in self._draft_maps and not torch.equal(t, self._draft_maps[name]):
-                bad.append(f"{name} differs from the one vLLM loaded at start (the draft vocabulary is fixed "
-                           "for the server's lifetime; restart it to change it)")
         for group in _FUSED:
             for name in pairs:
                 for part in group:
@@ -350,37 +284,11 @@ class VLLMRolloutEngine:
                         missing = [name.replace(part, o) for o in group if name.replace(part, o) not in pairs]
                         if missing:
                             bad.append(f"{name} without {missing[0]} (vLLM fuses {'/'.join(group)}: push them together)")
-        if bad:
-            raise ValueError(f"{what} push refused before sending (vLLM would load a bad tensor): "
-                             f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+        return bad
 
-    def _update(self, kind: str, pairs: dict, version: int) -> None:
-        store, which = (self._policy, "target") if kind == "policy" else (self._draft, "draft")
-        self._call(lambda c: self._push(c, pairs, which))
-        # Copies: the trainer updates its tensors in place, and a re-push must send these.
-        store.update({n: t.clone() for n, t in pairs.items()})
-        setattr(self, f"{kind}_version", int(version))
-
-    def update_policy_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """torchtitan names, full tensors (DTensors are gathered with full_tensor(), a
-        collective). Checked before anything is sent; a refused push leaves the last good
-        weights and version."""
-        self._check_open()
-        pairs = self._cast(policy_to_hf_names(named_tensors, self.arch))
-        self._check_push("policy", pairs, self._policy_table)
-        with self._lock:
-            self._update("policy", pairs, version)
-
-    def update_draft_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        self._check_open()
-        if not self.K:
-            raise ValueError("this engine has no draft (num_draft_tokens = 0); there are no draft weights to update")
-        pairs = self._cast(draft_to_export_names(named_tensors))
-        self._check_push("draft", pairs, self._draft_table)
-        # d2t/t2d are checked, not sent: vLLM keeps the map it started with.
-        pairs = {n: t for n, t in pairs.items() if n not in ("d2t", "t2d")}
-        with self._lock:
-            self._update("draft", pairs, version)
+    def _sendable_draft(self, pairs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """d2t/t2d are checked, not sent: vLLM keeps the map it started with."""
+        return {n: t for n, t in pairs.items() if n not in ("d2t", "t2d")}
 
     def fingerprint(self, which: str) -> float:
         """Sum of the served model's parameters ('target' or 'draft'): a push landed iff it moved."""
@@ -389,25 +297,16 @@ class VLLMRolloutEngine:
 
     # --- protocol -----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this rollout engine is closed")
+    def _check_prompt(self, i: int, prompt: list[int], sampling: SamplingParams) -> None:
+        """The prompt and its completion budget fit the server's max_model_len."""
+        limit = self.llm_kwargs["max_model_len"]
+        if len(prompt) + sampling.max_new_tokens > limit:
+            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} > "
+                             f"the server's max_model_len {limit}")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
-        self._check_open()
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        V = self.arch.vocab_size
-        prompts = [[int(t) for t in p] for p in prompts]
-        limit = self.llm_kwargs["max_model_len"]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if min(p) < 0 or max(p) >= V:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary 0..{V - 1}")
-            if len(p) + sampling.max_new_tokens > limit:
-                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {sampling.max_new_tokens} > "
-                                 f"the server's max_model_len {limit}")
+        """One Rollout per prompt, at temperature 0 or 1 only (RAW_LOGPROB_TEMPERATURES)."""
+        prompts = self._checked_prompts(prompts, sampling)
         if sampling.temperature not in RAW_LOGPROB_TEMPERATURES:
             raise ValueError(f"temperature = {sampling.temperature!r} is not served by the vLLM engine; it must be 0 (greedy) "
                              "or 1: vLLM 0.32's temperature-scaled log-probs are wrong under speculative decoding on CPU "
@@ -434,10 +333,6 @@ class VLLMRolloutEngine:
             self._server_info = self._call(lambda c: c.info())
         return bool(self._server_info.get("triton")) or self._server_info.get("device") != "cpu"
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            try:
-                self._client.shutdown()
-            finally:
-                shutil.rmtree(self._work, ignore_errors=True)
+    def _after_close(self) -> None:
+        """The transport folder (and the served draft directory in it) goes with the server."""
+        shutil.rmtree(self._work, ignore_errors=True)
