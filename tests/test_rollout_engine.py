@@ -513,7 +513,7 @@ def test_adaptive_depth_greedy_equals_plain_and_follows_the_draft(pair, which):
             depths.append((list(spec.last_depths), sum(r.drafted_tokens for r in got), sum(r.verify_steps - 1 for r in got)))
     if which == "random":
         # The optimistic prior drafts in the first rounds; a few rejections take it to 0,
-        # where it stays (idle counts decay slowly: a re-probe after dozens of rounds), and
+        # where it stays (but for a probe every depth.PROBE_EVERY = 64 rounds), and
         # the next calls start from the low estimate.
         first = depths[0][0]
         assert any(k > 0 for k in first[:3]), first
@@ -686,17 +686,27 @@ def test_adaptive_depth_drafts_from_every_position_after_plain_rounds(pair, monk
 
 def test_adaptive_depth_probes_a_written_off_draft_and_recovers_after_a_push(pair, monkeypatch):
     """A K = 0 round observes nothing, so an estimate a bad draft drove to K = 0 could not
-    see a good draft pushed later; every PROBE_EVERY-th K = 0 round in a row drafts K_max
-    instead (depth.py). A random draft: K = 0 but for the probes, exactly every
-    PROBE_EVERY rounds across calls; then the fitted draft is pushed: the first drafting
-    round comes within PROBE_EVERY rounds and the engine keeps drafting (K > 0 in >= 80%
-    of the next 2 PROBE_EVERY rounds). Without probes the same state stays at K = 0 for
+    see a good draft pushed later; every PROBE_EVERY-th K = 0 round in a row drafts
+    PROBE_DEPTH tokens instead (depth.py). A random draft: K = 0 but for the probes,
+    exactly every PROBE_EVERY rounds across calls; then the fitted draft is pushed: the
+    first drafting round comes within PROBE_EVERY rounds (54 here) and the engine keeps
+    drafting (K > 0 in >= 80% of the next 2 PROBE_EVERY rounds). Without probes the same state stays at K = 0 for
     over 2 PROBE_EVERY rounds (the idle decay alone: 189 rounds here). Greedy output
     equals plain decoding throughout."""
     import titan_spec.rollout.builtin.depth as depth_mod
 
     model, arch, fitted = pair
     P = depth_mod.PROBE_EVERY
+    est = depth_mod.AcceptanceEstimate(4)
+    for _ in range(P - 1):
+        assert est.depth(0) == 0
+        est.observe(0, [0])
+    assert est.depth(0) == depth_mod.PROBE_DEPTH and est.depth(2) == 2  # a probe replaces K = 0 only
+    assert est.state_dict()["idle"] == P - 1  # part of the state (a retried call repeats its probes)
+    est.observe(depth_mod.PROBE_DEPTH, [0])
+    assert est.idle == 0 and est.depth(0) == 0
+    est.load_state_dict({"reached": [0.0] * 5, "accepted": [0.0] * 5})  # a state saved before probes
+    assert est.idle == 0
     # K = 4 at 1.9 plain steps: the fitted draft's 2.6 tokens a round pay (1.35x), the
     # random draft's 1.04 do not; the prior alone needs alpha_1 > 0.28 to draft again.
     costs = pinned_costs((1.0, 1.3, 1.5, 1.7, 1.9), modes=("greedy",))
@@ -718,7 +728,7 @@ def test_adaptive_depth_probes_a_written_off_draft_and_recovers_after_a_push(pai
     drafting = [i for i, k in enumerate(bad) if k]
     start = next(i for i, k in enumerate(bad) if not k)  # the prior's first rounds draft
     assert start < 6 and [i for i in drafting if i > start] == list(range(start + P - 1, len(bad), P)), drafting
-    assert all(bad[i] == 4 for i in drafting if i > start)  # probes at K_max
+    assert all(bad[i] == depth_mod.PROBE_DEPTH for i in drafting if i > start)
 
     sd = fitted.state_dict()
     engine.update_draft_weights({k: sd[k] for k in EXPORT_KEYS}, version=1)

@@ -13,11 +13,11 @@ engine picks, before every round, the K that maximises expected tokens per secon
   - alpha_j: ``AcceptanceEstimate``, counts of past rounds (reached depth j, accepted at
     depth j; each round weighs 1 whatever its rows) decayed by ``decay`` per round, smoothed
     by a Beta prior. A slower decay applies in K = 0 rounds, so the prior regains weight,
-    and while the choice stays K = 0 one round in ``PROBE_EVERY`` drafts K_max (a probe:
+    and while the choice stays K = 0 one round in ``PROBE_EVERY`` drafts anyway (a probe:
     a K = 0 round observes nothing, so without it an estimate written off by a bad draft
-    would not see a better draft or policy pushed later). The estimate is carried from call to call
-    (``AcceptanceState``, one per sampling setting), so a call does not decide from its own
-    first round alone;
+    would not see a better draft or policy pushed later). The estimate is carried from
+    call to call (``AcceptanceState``, one per sampling setting), so a call does not
+    decide from its own first round alone;
   - cost(K, B): ``RoundCosts``, the engine's own measured cost of a round, measured ONCE
     per (sampling mode, batch-size bucket) on first use (``calibrate``: synthetic rounds at
     each fixed K, read on ``round_clock``), then frozen.
@@ -50,26 +50,32 @@ import torch
 from titan_spec.rollout.base import SamplingParams
 
 __all__ = [
-    "AcceptanceEstimate", "AcceptanceState", "CALIBRATION_PASSES", "CALIBRATION_ROUNDS", "PROBE_EVERY", "RoundCosts",
-    "batch_buckets", "calibrate", "choose_depth", "round_clock", "sampling_mode",
+    "AcceptanceEstimate", "AcceptanceState", "CALIBRATION_PASSES", "CALIBRATION_ROUNDS", "PROBE_DEPTH", "PROBE_EVERY",
+    "RoundCosts", "batch_buckets", "calibrate", "choose_depth", "round_clock", "sampling_mode",
 ]
 
 PROBE_EVERY = 64
-"""While the choice is K = 0, one round in this many drafts K_max instead (a probe: the
-round after PROBE_EVERY - 1 K = 0 rounds in a row, counted across calls;
-``AcceptanceEstimate.depth``). A K = 0 round observes
-nothing, so an estimate that a bad draft drove to K = 0 can only recover through the idle
-decay's return to the prior, which takes as long as the counts take to fall below the
-choice's threshold: ~190 rounds after one rejected round at a K = 4 round of 2.35 plain
-steps (0.995^n * 1 < 0.39), and never where even the prior's 0.8 does not pay for a round
-(then a good draft pushed later is never tried). A probe gives every depth fresh counts,
-so a good draft is seen within PROBE_EVERY rounds of its push (a few more if one probe
-does not outweigh the old counts). What a probe costs with a useless draft: one round at
-cost(K_max) instead of cost(0) per PROBE_EVERY rounds, i.e. (cost(K_max)/cost(0) - 1)
-/ PROBE_EVERY of plain decoding: 2.4 (K = 4, batch 32, CPU) -> 2.2%; 1.7 (K = 4,
-batch 8, CPU, bench/depth_revisit.py) -> 1.1%. 64 rounds is half a 128-token call: a
-pushed draft is tried within the call it first serves. The probes replace the idle
-decay's own re-probes (each probe's rejections keep the counts above the threshold)."""
+"""While the choice is K = 0, one round in this many drafts PROBE_DEPTH tokens instead (a
+probe: the round after PROBE_EVERY - 1 K = 0 rounds in a row, counted across calls;
+``AcceptanceEstimate.depth``). A K = 0 round observes nothing, so an estimate that a bad
+draft drove to K = 0 only recovers through the idle decay's return to the prior, which
+waits until the counts fall below the choice's threshold: ~190 rounds after one rejected
+round where a K = 4 round costs 2.35 plain steps (0.995^n < 0.39), ~190 more after each
+rejected re-probe, and never where the prior alone does not pay for a round; a good draft
+or policy pushed meanwhile went unseen (tests/test_rollout_engine.py: 189 K = 0 rounds
+after the push, 54 with probes). What probes cost with a useless draft: (cost(probe) /
+cost(0) - 1) / PROBE_EVERY of plain decoding; bench/depth_revisit.py (tiny Qwen3, batch
+8, CPU) measured a probe round at 1.84-1.96 plain steps (a K = 1 round, 1.3, plus the
+draft's extend over the ~64 positions it has not seen), i.e. 1.3-1.5%; the probes replace the
+idle decay's own re-probes (their rejections keep the counts above the threshold). 64
+rounds is half of the default run's 128-token call: a draft pushed before a call is tried
+within it."""
+PROBE_DEPTH = 1
+"""K of a probe. Depth 1 is the estimate that puts a round at K = 0 (a bad draft's rows
+are rejected at depth 1, so its deeper counts stay near the prior, and a written-off
+deeper estimate returns to the prior within ~20 drafting rounds at their 0.9 decay), and
+it is the cheapest probe: a probe round at K_max = 4 measured 2.35-2.8 plain steps against
+1.84-1.96 at K = 1 (batch 8, CPU), 2.5% of plain decoding against 1.4% at PROBE_EVERY = 64."""
 
 
 def sampling_mode(greedy: bool, top_k: int, top_p: float) -> str:
@@ -169,13 +175,15 @@ class AcceptanceEstimate:
     weight (at 0.98 a stale draft was re-probed by the prior in 2.3% of rounds, each a
     K = 3 round at 1.85 plain steps at batch 8 on CPU: ~2% of the call; at 0.995, 0.5% of
     rounds; simulated on the default RL run's table); ``idle`` counts those rounds, and
-    ``depth`` turns the PROBE_EVERY-th of them into a probe at K_max.
+    ``depth`` turns the PROBE_EVERY-th of them into a probe.
 
-    No reset on a weight push: the RL worker pushes the draft (and policy) before every
-    call, changed a little, and the last call's estimate is the best start for the next
-    (``AcceptanceState``); back at the prior, a useless draft would pay the prior's first
-    rounds in every call (3 rounds at K = 4, 2, 1 before K = 0 with the tests' tiny pair:
-    ~10% of a 30-round call) where probes pay ~1-2%."""
+    No reset on a weight push: the RL worker pushes the draft and policy before every call,
+    changed a little, so a reset would throw away the carried estimate every call and bring
+    back what ``AcceptanceState`` exists to avoid (a call deciding from its own first rounds,
+    which kept K = 0 for whole calls at batch 64); a push cannot tell a small change from a
+    large one, and the probes find either within PROBE_EVERY rounds. (A reset would also
+    make a useless draft pay the prior's first rounds every call: K = 3, then K = 0, at the
+    test pair's batch-8-like costs.)"""
 
     def __init__(self, k_max: int, prior: float = 0.8, prior_weight: float = 0.5, decay: float = 0.9,
                  idle_decay: float = 0.995):
@@ -185,9 +193,10 @@ class AcceptanceEstimate:
         self.idle = 0  # K = 0 rounds since the last drafting one (PROBE_EVERY)
 
     def depth(self, k: int) -> int:
-        """The round's K given choose_depth's choice k: K_max where k = 0 follows
-        PROBE_EVERY - 1 K = 0 rounds in a row (a probe), else k. A function of the state only: reproducible."""
-        return self.k_max if k == 0 and self.idle >= PROBE_EVERY - 1 else k
+        """The round's K given choose_depth's choice k: PROBE_DEPTH where k = 0 follows
+        PROBE_EVERY - 1 K = 0 rounds in a row (a probe), else k. A function of the state
+        only, so the choices stay reproducible (``idle`` is in ``state_dict``)."""
+        return min(PROBE_DEPTH, self.k_max) if k == 0 and self.idle >= PROBE_EVERY - 1 else k
 
     def observe(self, k: int, accepted: list[int]) -> None:
         """One round at depth k, with each row's accepted draft count (before any stop or
