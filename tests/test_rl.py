@@ -193,12 +193,17 @@ def test_baselines_measure_both_drafts_at_fixed_depth_whatever_adaptive_depth_ch
     K tokens (budget permitting), whatever K the adaptive engines chose."""
     worker, _ = _worker(tmp_path)
     K = worker.cfg.speculative.num_draft_tokens
-    assert set(worker.fixed) == {"fixed", "frozen_fixed"}
+    sweep = [f"fixed_k{k}" for k in range(1, K)]  # adaptive depth's regret: every smaller fixed K
+    assert K == 4 and set(worker.fixed) == {"fixed", "frozen_fixed", *sweep}
     assert worker.fixed["fixed"].draft is worker.main.draft and worker.fixed["frozen_fixed"].draft is worker.frozen.draft
+    assert all(worker.fixed[n].draft is worker.main.draft for n in sweep)
     prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
     base = worker.baselines(prompts, sp)
-    assert list(base) == ["frozen", "nospec", "fixed", "frozen_fixed"]
+    assert list(base) == ["frozen", "nospec", "fixed", "frozen_fixed", *sweep]
+    for k in range(1, K):  # k per round, but the last rounds of a request (budget)
+        s = base[f"fixed_k{k}"]
+        assert s.rounds > 0 and k * s.rounds >= s.drafted_tokens >= 0.8 * k * s.rounds, (k, s)
     fixed, frozen = base["fixed"], base["frozen_fixed"]
     assert (fixed.tokens, fixed.verify_steps, fixed.drafted_tokens) == (frozen.tokens, frozen.verify_steps,
                                                                         frozen.drafted_tokens)
@@ -251,11 +256,14 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
         worker.generate(prompts, sp)
     # The baselines run the same prompts with the frozen draft and without speculation.
     base = worker.baselines(prompts, sp)
-    assert set(base) == {"frozen", "nospec", "fixed", "frozen_fixed"} and base["nospec"].verify_steps == base["nospec"].tokens
+    sweep = [f"fixed_k{k}" for k in range(1, worker.cfg.speculative.num_draft_tokens)]
+    assert set(base) == {"frozen", "nospec", "fixed", "frozen_fixed", *sweep}
+    assert base["nospec"].verify_steps == base["nospec"].tokens
     # In turned-over order (every other baseline step) no-spec runs first, with the same result;
     # the fixed-depth measurements come after the trio either way.
     turned = worker.baselines(prompts, sp, reverse=True)
-    assert list(turned) == ["nospec", "frozen", "fixed", "frozen_fixed"] and turned["nospec"].tokens == base["nospec"].tokens
+    assert list(turned) == ["nospec", "frozen", "fixed", "frozen_fixed", *sweep]
+    assert turned["nospec"].tokens == base["nospec"].tokens
 
 
 def _dead_engine(worker):

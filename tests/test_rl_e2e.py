@@ -175,11 +175,24 @@ def test_dapo_and_gspo_run_real_rl_steps(warm_start, tmp_path, loss):
     """rl.loss = dapo (clip-higher, overlong filtering and shaping) and gspo (sequence ratios
     with the paper's clip ranges) through RLTrainer.policy_loss: two RL steps of 2 PPO epochs
     each. The first update after a push is on-policy (GSPO: every sequence ratio 1), the second
-    sees the moved policy, both models' AdamW step twice per RL step."""
-    for step, adam_steps in zip(rl_updates(warm_start, tmp_path, "--rl.ppo_epochs", "2", *loss), (2.0, 4.0)):
+    sees the moved policy, both models' AdamW step twice per RL step. DAPO's soft overlong
+    punishment is logged (rl/overlong_penalty, per completion; rl/reward stays the task's):
+    equal to the paper's eq. (13) computed here from the completions' lengths."""
+    steps = rl_updates(warm_start, tmp_path, "--rl.ppo_epochs", "2", *loss)
+    for step, adam_steps in zip(steps, (2.0, 4.0)):
         dev = step["ratio_dev"]
         assert len(dev) == 2 and dev[0] < ON_POLICY and dev[1] > MOVED, step
         assert step["policy_adam_steps"] == step["draft_adam_steps"] == [adam_steps], step
+    with open(tmp_path / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert [r["step"] for r in logged] == [1, 2]
+    for step, row in zip(steps, logged):
+        if loss[1] == "dapo":  # L_max = 12, L_cache = 4, penalty 1: min(0, (8 - |y|) / 4)
+            want = [min(0.0, (8 - n) / 4) for n in step["lengths"]]
+            assert row["rl/overlong_penalty"] == pytest.approx(sum(want) / len(want), abs=1e-6), (row, step)
+            assert row["rl/overlong_fraction"] == sum(w < 0 for w in want) / len(want)
+        else:
+            assert "rl/overlong_penalty" not in row
 
 
 KL_TOL = 2e-5

@@ -125,3 +125,27 @@ def test_the_headline_compares_the_drafts_at_fixed_depth_and_shows_the_adaptive_
     _write(tmp_path / "old", synthetic_rows())
     text = write_report(str(tmp_path / "old"), plots=False)
     assert "at fixed K" not in text and "At the last baseline step" not in text
+
+
+def test_regret_of_adaptive_depth_and_start_end_windows_that_do_not_overlap(tmp_path):
+    """issue 30 item 3: the regret of adaptive depth against the best fixed K of each baseline
+    call is a row (first / last baseline step) and a line over the baseline steps after the
+    first (whose adaptive call pays the cost calibration). Issue 31: start and end windows
+    never overlap on a short run, and the seconds rows leave out step 1's warm-up."""
+    rows = synthetic_rows()
+    for step, (regret, best) in {1: (0.5, 4), 10: (0.02, 4), 20: (-0.01, 3), 30: (0.04, 3)}.items():
+        rows[step - 1].update({"rollout/depth_regret": regret, "rollout/best_fixed_k": best})
+    rows[0]["time/rollout_s"] = 50.0  # step 1: warm-up
+    _write(tmp_path, rows)
+    lines = write_report(str(tmp_path), plots=False).splitlines()
+    assert "| adaptive depth's regret vs the best fixed K (same prompts) | +0.500 | +0.040 |" in lines
+    line = next(ln for ln in lines if ln.startswith("Adaptive depth vs the best fixed K"))
+    assert "3 baseline steps after the first: regret median +0.020, worst +0.040" in line and "[4, 3, 3]" in line
+    assert "| rollout s/step | 1.000 | 1.000 |" in lines  # steps 2..11 and 21..30: not the 50 s of step 1
+    short = synthetic_rows(steps=6, baselines=False)
+    _write(tmp_path / "short", short)
+    lines = write_report(str(tmp_path / "short"), plots=False).splitlines()
+    assert lines[0].startswith("RL steps 1..6 (start = first 3, end = last 3;")
+    reward = next(line for line in lines if line.startswith("| reward |"))
+    assert reward == f"| reward | {0.2 + 0.5 * 2 / 6:.3f} | {0.2 + 0.5 * 5 / 6:.3f} |"  # steps 1-3 and 4-6
+    assert not any("regret" in ln for ln in lines)

@@ -9,7 +9,8 @@ norm (0 for a minibatch whose groups all have equal rewards); the optimizer step
 policy's and the draft's AdamW have taken after it (their per-parameter "step" state); the
 policy version the step's rollouts were generated with (what the engine was pushed); for a MoE
 policy, the largest |routing bias| of the trainer's MoE layers after the step and whether the
-built-in engine's biases equal the trainer's as pushed at the start of the step.
+built-in engine's biases equal the trainer's as pushed at the start of the step; the
+completions' lengths.
 """
 
 import json
@@ -56,6 +57,7 @@ def main() -> None:
                 "policy_adam_steps": _adam_steps(trainer.optimizers.optimizers[0]),
                 "draft_adam_steps": _adam_steps(trainer.draft_training.optimizer),
                 "policy_version": record.batch.policy_version,
+                "lengths": [len(r.output_ids) for r in record.batch.rollouts],
                 "engine_version": trainer.worker.main.policy_version,
             })
     finally:

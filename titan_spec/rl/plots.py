@@ -158,6 +158,10 @@ def panel_draft_k(ax, rows, runs):
     xs, ys = _series(rows, "rollout/draft_k")
     if xs:
         _smoothed(ax, xs, ys, "co-trained", COLORS["co-trained"])
+        # The fastest fixed K on the same call (baseline steps; rl/step.py rollout/depth_regret).
+        bx, by = _series(rows, "rollout/best_fixed_k")
+        if bx:
+            ax.plot(bx, by, "D", ms=5, color="0.3", label="best fixed K on the same prompts")
         ax.set_ylim(bottom=0)
     else:
         _empty(ax, "rollout/draft_k (fixed K)")

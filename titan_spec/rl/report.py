@@ -67,7 +67,12 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     rl = [r for r in rows if "rl/reward" in r]
     if not rl:
         return "(no RL steps logged)"
+    # The start and end windows never overlap (a short run splits in halves), and the
+    # seconds rows leave out step 1, which pays one-off warm-up (adaptive depth's cost
+    # calibration, first allocations): "start" seconds are steps 2..window+1.
+    window = max(1, min(window, len(rl) // 2))
     head, tail = rl[:window], rl[-window:]
+    warm = rl[1:window + 1] or head
     base = _baseline_rows(rl)
     b_head, b_tail = base[:1], base[-1:]
     k_fixed = next((int(r["rollout/fixed_k"]) for r in base if r.get("rollout/fixed_k") is not None), "K")
@@ -77,7 +82,7 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
 
     lines = [
         f"RL steps {rl[0]['step']}..{rl[-1]['step']} (start = first {len(head)}, end = last {len(tail)}; "
-        f"acceptance on the same prompts at the first and last baseline step)",
+        f"acceptance on the same prompts at the first and last baseline step; seconds from step 2)",
         "| metric | start | end |",
         "| --- | --- | --- |",
         row("reward", "rl/reward"),
@@ -93,17 +98,34 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
         row("completion length, max tokens", "rollout/completion_len_max", spec=".0f"),
         row("KL(policy || start) per token, sampled log-ratio", "drift/kl", spec=".4f"),
         row("KL(policy || start) per token, k3", "drift/kl_k3", spec=".4f"),
-        row("draft tokens per round (adaptive K)", "rollout/draft_k", spec=".2f"),
     ]
-    if not any(r.get("rollout/draft_k") is not None for r in rl):
-        lines.pop()
+    if any(r.get("rollout/draft_k") is not None for r in rl):  # absent without speculation
+        lines.append(row("draft tokens per round (adaptive K)", "rollout/draft_k", spec=".2f"))
+    if any(r.get("rollout/depth_regret") is not None for r in base):  # absent at fixed depth
+        lines.append(row("adaptive depth's regret vs the best fixed K (same prompts)", "rollout/depth_regret",
+                         (b_head, b_tail), spec="+.3f"))
     if not any(r.get("rollout/accept_len_fixed") is not None for r in base):  # older runs, co_train off
         lines = [ln for ln in lines if "at fixed K" not in ln]
     for key, name in (("time/push_s", "weight push"), ("time/rollout_s", "rollout"), ("time/train_s", "train"),
                       ("time/step_s", "step")):
-        lines.append(row(f"{name} s/step", key))
+        lines.append(row(f"{name} s/step", key, (warm, tail)))
     headline = _headline(b_tail[0] if b_tail else {}, k_fixed)
-    return "\n".join(lines + ([headline] if headline else []))
+    regret = _regret_line(base)
+    return "\n".join(lines + [x for x in (headline, regret) if x])
+
+
+def _regret_line(base: list[dict]) -> str:
+    """Adaptive depth against the best fixed K of each baseline call (rl/step.py
+    rollout/depth_regret), over the baseline steps after the first (whose adaptive call
+    pays the cost calibration)."""
+    rows = [r for r in base[1:] if r.get("rollout/depth_regret") is not None]
+    if not rows:
+        return ""
+    regrets = [r["rollout/depth_regret"] for r in rows]
+    best = [int(r["rollout/best_fixed_k"]) for r in rows]
+    return (f"Adaptive depth vs the best fixed K of the same call, {len(rows)} baseline steps after the first: "
+            f"regret median {statistics.median(regrets):+.3f}, worst {max(regrets):+.3f} "
+            f"(positive = the best single K was that much faster); best fixed K per step: {best}.")
 
 
 def _headline(last: dict, k) -> str:

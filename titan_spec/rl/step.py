@@ -157,10 +157,12 @@ class RLTrainer(SpecTrainer):
             batch, rewards_PG = dynamic_sample(batch, rewards_PG, lambda: self.generate(0.0, first=False), self.score,
                                                rl.dynamic_sampling_rounds)
         self._warn_if_degenerate(rewards_PG)  # once a step, on the batch trained on
-        advantages_PG = group_advantages(rewards_PG + self.reward_shaping(batch), rl.scale_advantages)
+        shaping_PG = self.reward_shaping(batch)
+        advantages_PG = group_advantages(rewards_PG + shaping_PG, rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
         mismatch = self.recompute_behaviour(minibatches) if rl.behaviour_logprobs == "recompute" else None
-        record = StepRecord(batch, rewards_PG, rollout_done=time.perf_counter(), mismatch=mismatch)
+        record = StepRecord(batch, rewards_PG, shaping_PG if rl.overlong_buffer > 0 else None,
+                            rollout_done=time.perf_counter(), mismatch=mismatch)
         # torchtitan's throughput account: the rollouts are this step's data loading.
         self.metrics_processor.count_data(record.rollout_done - t0, sum(mb.labels_BL.numel() for mb in minibatches))
         for _ in range(rl.ppo_epochs):
@@ -519,7 +521,8 @@ class RLTrainer(SpecTrainer):
         record = self.last_step
         if record is None:
             return out
-        b, names = record.batch, ("frozen", "nospec", "fixed", "frozen_fixed")
+        K = self.config.spec.speculative.num_draft_tokens
+        b, names = record.batch, ("frozen", "nospec", "fixed", "frozen_fixed", *(f"fixed_k{k}" for k in range(1, K)))
         stats = b.stats
         # The rollouts are the same on every rank of a data-parallel rank (its CP ranks hold
         # the group's exchanged rollouts): counted once, summed over the data-parallel ranks ...
@@ -530,6 +533,9 @@ class RLTrainer(SpecTrainer):
             "drafted": stats.drafted_tokens, "rounds": stats.rounds,
             **_length_counts(b.rollouts, self.rl.max_new_tokens),
         }
+        if record.shaping_PG is not None:  # DAPO's soft overlong punishment (rl/dapo.py)
+            rollout_sums["shaping"] = float(record.shaping_PG.sum())
+            rollout_sums["shaped"] = float((record.shaping_PG < 0).sum())
         for n in names:
             base = b.baselines.get(n)
             rollout_sums[f"{n}_tokens"], rollout_sums[f"{n}_verify"] = (
@@ -582,6 +588,9 @@ class RLTrainer(SpecTrainer):
             out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
         if len(record.updates) > 1:
             out["rl/updates"] = len(record.updates)
+        if "shaping" in sums:  # per completion; rl/reward stays the task's reward
+            out["rl/overlong_penalty"] = sums["shaping"] / sums["completions"]
+            out["rl/overlong_fraction"] = sums["shaped"] / sums["completions"]
         if self.rl.dual_clip:
             out["rl/dual_clip_fraction"] = sums["dual_clip"] / ppo_tokens
         counts = [sums[f"len_{n}"] for n in range(self.rl.max_new_tokens + 1)]
@@ -604,7 +613,19 @@ class RLTrainer(SpecTrainer):
             if n in b.baselines:
                 out[key] = sums[f"{n}_tokens"] / max(sums[f"{n}_verify"], 1)
         if "fixed" in b.baselines:
-            out["rollout/fixed_k"] = self.config.spec.speculative.num_draft_tokens
+            out["rollout/fixed_k"] = K
+        # Adaptive depth's regret on this call: its tokens/s against the best fixed K in
+        # 0..K_max on the same prompts and seed (rl/worker.py; K = 0 is no-spec). Positive:
+        # the best fixed depth would have been that much faster; negative: choosing per
+        # round beat every single depth. Wall seconds of calls run back to back: noise of a
+        # few % (docs/PERFORMANCE.md, Adaptive depth).
+        sweep = {0: "nospec", **{k: f"fixed_k{k}" for k in range(1, K)}, K: "fixed"}
+        if K >= 1 and all(n in b.baselines for n in sweep.values()):
+            tps = {k: sums[f"{n}_tokens"] / max(maxes[n], 1e-9) for k, n in sweep.items()}
+            out.update({f"rollout/tokens_per_s_fixed_k{k}": tps[k] for k in range(1, K + 1)})
+            best = max(tps, key=tps.get)
+            out["rollout/best_fixed_k"] = best
+            out["rollout/depth_regret"] = 1.0 - out["rollout/tokens_per_s"] / tps[best]
         # --- rl.dynamic_sampling (rl/dynamic_sampling.py) ------------------------------------
         # rl/reward above is the kept batch's (the groups trained on); the rollout/ speed and
         # token metrics count every round's generation (its real cost), so the mean completion

@@ -109,6 +109,9 @@ class StepRecord:
 
     batch: RolloutBatch
     rewards_PG: torch.Tensor
+    shaping_PG: torch.Tensor | None = None
+    """What was added to the rewards before the advantages (DAPO's soft overlong
+    punishment, rl/dapo.py; <= 0), or None when nothing was."""
     updates: list[UpdateStats] = field(default_factory=list)
     rollout_done: float = 0.0
     """perf_counter() when the batch was packed (the training phase starts)."""

@@ -14,6 +14,10 @@ Engines of one worker:
   fixed, frozen_fixed
            the main engine's draft and the frozen one at fixed K (baselines: the drafts'
            quality at equal depth, whatever depth the adaptive engines chose)
+  fixed_k1 .. fixed_k{K-1}
+           the main engine's draft at each smaller fixed depth (baseline, adaptive depth
+           only: with nospec and fixed, every fixed K on the step's call, for the depth
+           policy's regret against the best of them)
 They share ONE target module (and the fixed engines their drafts' modules), so a push
 reaches all of them at once.
 
@@ -76,7 +80,8 @@ class RolloutStats:
         add up, their seconds are the slowest share's."""
         if len(shares) == 1:
             return shares[0]
-        return cls(sum(s.tokens for s in shares), sum(s.verify_steps for s in shares), max(s.seconds for s in shares))
+        return cls(sum(s.tokens for s in shares), sum(s.verify_steps for s in shares), max(s.seconds for s in shares),
+                   sum(s.drafted_tokens for s in shares), sum(s.rounds for s in shares))
 
 
 def full_policy_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -158,6 +163,13 @@ class RolloutWorker:
             self.fixed["fixed"] = TorchRolloutEngine(target, self._draft, fixed)
             if self.frozen is not None:
                 self.fixed["frozen_fixed"] = TorchRolloutEngine(target, self.frozen.draft, fixed)
+            # Adaptive depth's regret: the step's draft at every other fixed K on the same
+            # call (K = 0 is the no-spec engine, K = K_max "fixed"), so the best fixed K of
+            # that call is known (rl/step.py: rollout/depth_regret).
+            if cfg.speculative.depth == "adaptive":
+                for k in range(1, fixed.num_draft_tokens):
+                    self.fixed[f"fixed_k{k}"] = TorchRolloutEngine(
+                        target, self._draft, dataclasses.replace(fixed, num_draft_tokens=k))
 
     def _build_main(self) -> TorchRolloutEngine:
         return TorchRolloutEngine(self._target, self._draft, self._engine_cfg, costs=self.costs)
@@ -241,7 +253,8 @@ class RolloutWorker:
                   reverse: bool = False) -> dict[str, RolloutStats]:
         """The same prompts and seed through the frozen-draft and no-speculation engines (in
         that order; ``reverse``: no-spec first), then each draft at fixed depth ("fixed",
-        "frozen_fixed": timed after the trio, whose order the rollout-time ratios read)."""
+        "frozen_fixed", "fixed_k<K>": timed after the trio, whose order the rollout-time
+        ratios read)."""
         out = {}
         engines = (("frozen", self.frozen), ("nospec", self.nospec))
         for name, engine in [*(reversed(engines) if reverse else engines), *self.fixed.items()]:
