@@ -15,7 +15,7 @@ from titan_spec.data.tasks import build_task, check_task_file
 from titan_spec.preflight.engines import check_sglang_config, check_vllm_config
 from titan_spec.preflight.resolve import Made
 
-__all__ = ["check_inputs", "check_writable"]
+__all__ = ["check_free_space", "check_inputs", "check_writable"]
 
 
 def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> None:
@@ -86,6 +86,30 @@ def check_writable(dump: str) -> None:
                 f"job.dump_folder {dump!r} is not writable: {folder}: {e.strerror or e}; allowed: a folder this "
                 "user can create files in (the run writes its checkpoints, metrics and exports there)",
                 key="job.dump_folder") from None
+
+
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+"""What one DCP checkpoint holds per trained fp32 parameter: the weight and AdamW's two
+moments (4 bytes each). The estimate of ``check_free_space``."""
+
+
+def check_free_space(cfg: TitanSpecConfig, parameters: int) -> None:
+    """The disk under job.dump_folder has room for one checkpoint of the run's ``parameters``
+    (policy and draft, CHECKPOINT_BYTES_PER_PARAMETER each) and the fp32 exports
+    (4 bytes each): a disk that cannot take the first checkpoint is refused now, by name,
+    rather than at that checkpoint (training/checkpoint.py still names a disk that fills
+    later). Only a lower bound: later checkpoints, TensorBoard and metrics need more."""
+    need = parameters * (CHECKPOINT_BYTES_PER_PARAMETER * cfg.checkpoint.enable + 4)
+    where = os.path.abspath(cfg.job.dump_folder)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise ConfigError(
+            f"job.dump_folder {cfg.job.dump_folder!r} has no space left for the run: {where} has {free / 2**20:.1f} MiB "
+            f"free, one checkpoint and the exports of {parameters:,} parameters need {need / 2**20:.1f} MiB; allowed: "
+            "a folder on a disk with that much free space (or checkpoint.enable = false)", key="job.dump_folder")
 
 
 def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from titan_spec.config import ConfigError, TitanSpecConfig, load_config, locate
 from titan_spec.models.draft import draft_kind
 from titan_spec.models.hf_io import read_hf_arch
-from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config
-from titan_spec.preflight.inputs import check_inputs
+from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config, parameter_count
+from titan_spec.preflight.inputs import check_free_space, check_inputs
 from titan_spec.preflight.resolve import Made, resolve_tokenizer
 from titan_spec.preflight.trainer_config import to_trainer_config
 from titan_spec.training.draft import under_dump_folder
@@ -26,9 +28,20 @@ def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "
     where the value at fault came from (the TOML file or the command line)."""
     try:
         check_inputs(cfg, made)
-        return to_trainer_config(cfg, made)
+        config = to_trainer_config(cfg, made)
+        check_free_space(cfg, _parameters(cfg, config))
+        return config
     except ValueError as e:  # ConfigError, and the registry's ValueErrors (an unknown flavor)
         raise locate(cfg, e if isinstance(e, ConfigError) else ConfigError(str(e))) from None
+
+
+def _parameters(cfg: TitanSpecConfig, config) -> int:
+    """The policy's and the draft's parameters (built on the meta device: nothing allocated)."""
+    n = parameter_count(config.arch)
+    if config.draft_arch is not None:
+        with torch.device("meta"):
+            n += sum(p.numel() for p in draft_kind(cfg.draft.kind).build(config.draft_arch).parameters())
+    return n
 
 
 def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
