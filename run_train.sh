@@ -71,11 +71,11 @@ WORLD_SIZE=$NGPU child "$PY" -m titan_spec.train --plan --config "$CONFIG_FILE" 
 stop_if_signalled
 (( PLAN_RC == 0 )) || exit 2
 mapfile -t RUNS < "$PLAN"
-CUDA=0
-child "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' || CUDA=$?
-stop_if_signalled
-if (( CUDA == 3 )); then
-  # CPU: split the cores between the processes.
+# CPU (no NVIDIA device node, or TITAN_SPEC_DEVICE=cpu): split the cores between the
+# processes. Read from the device nodes, not from torch: every Python start that imports
+# torch costs seconds before the first step.
+FORCED=${TITAN_SPEC_DEVICE:-}
+if [[ "${FORCED,,}" == cpu || ! -e /dev/nvidia0 ]]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 fi
 for i in "${!RUNS[@]}"; do
@@ -85,9 +85,14 @@ for i in "${!RUNS[@]}"; do
   (( i == ${#RUNS[@]} - 1 )) && ARGS=("$@")
   echo "titan_spec: run $RUN"
   RC=0
-  WORLD_SIZE=$NGPU child "$PY" -m titan_spec.train --check --config "$RUN" "${ARGS[@]}" || RC=$?
-  stop_if_signalled
-  (( RC == 0 )) || exit "$RC"
+  # The plan checked the first run against the files as they are; a later run's inputs were
+  # checked against what the runs before it promised to write, so they are read again now
+  # that those runs wrote them (one line and exit 2, before torchrun starts a rank).
+  if (( i > 0 )); then
+    WORLD_SIZE=$NGPU child "$PY" -m titan_spec.train --check --config "$RUN" "${ARGS[@]}" || RC=$?
+    stop_if_signalled
+    (( RC == 0 )) || exit "$RC"
+  fi
   child "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m titan_spec.train --config "$RUN" "${ARGS[@]}" || RC=$?
