@@ -204,6 +204,13 @@ def test_baselines_measure_both_drafts_at_fixed_depth_whatever_adaptive_depth_ch
     for k in range(1, K):  # k per round, but the last rounds of a request (budget)
         s = base[f"fixed_k{k}"]
         assert s.rounds > 0 and k * s.rounds >= s.drafted_tokens >= 0.8 * k * s.rounds, (k, s)
+        # Each decode round is recorded with its K and rows (the call's rows, falling as
+        # requests finish) and priced by the shared cost table, as one clock for all.
+        rounds = worker.fixed[f"fixed_k{k}"].last_rounds
+        assert {r[0] for r in rounds} == {k} and [r[1] for r in rounds] == sorted((r[1] for r in rounds), reverse=True)
+        assert rounds[0][1] == len(prompts) and s.priced_s > 0
+    # Priced by the same table, one K = 0 round of a row costs less than one K = 4 round of it.
+    assert base["nospec"].priced_s / base["nospec"].tokens < base["fixed"].priced_s / base["fixed"].rounds
     fixed, frozen = base["fixed"], base["frozen_fixed"]
     assert (fixed.tokens, fixed.verify_steps, fixed.drafted_tokens) == (frozen.tokens, frozen.verify_steps,
                                                                         frozen.drafted_tokens)

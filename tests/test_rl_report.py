@@ -134,13 +134,16 @@ def test_regret_of_adaptive_depth_and_start_end_windows_that_do_not_overlap(tmp_
     never overlap on a short run, and the seconds rows leave out step 1's warm-up."""
     rows = synthetic_rows()
     for step, (regret, best) in {1: (0.5, 4), 10: (0.02, 4), 20: (-0.01, 3), 30: (0.04, 3)}.items():
-        rows[step - 1].update({"rollout/depth_regret": regret, "rollout/best_fixed_k": best})
+        rows[step - 1].update({"rollout/depth_regret": regret, "rollout/best_fixed_k": best,
+                               "rollout/depth_regret_wall": 2 * regret})
     rows[0]["time/rollout_s"] = 50.0  # step 1: warm-up
     _write(tmp_path, rows)
     lines = write_report(str(tmp_path), plots=False).splitlines()
     assert "| adaptive depth's regret vs the best fixed K (same prompts) | +0.500 | +0.040 |" in lines
     line = next(ln for ln in lines if ln.startswith("Adaptive depth vs the best fixed K"))
-    assert "3 baseline steps after the first: regret median +0.020, worst +0.040" in line and "[4, 3, 3]" in line
+    assert "3 baseline steps after the first, rounds priced by the engine's round-cost table: regret median " \
+           "+0.020, worst +0.040" in line and "[4, 3, 3]" in line and "by wall seconds" in line
+    assert line.endswith("median +0.040.")
     assert "| rollout s/step | 1.000 | 1.000 |" in lines  # steps 2..11 and 21..30: not the 50 s of step 1
     short = synthetic_rows(steps=6, baselines=False)
     _write(tmp_path / "short", short)

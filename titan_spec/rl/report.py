@@ -123,9 +123,11 @@ def _regret_line(base: list[dict]) -> str:
         return ""
     regrets = [r["rollout/depth_regret"] for r in rows]
     best = [int(r["rollout/best_fixed_k"]) for r in rows]
-    return (f"Adaptive depth vs the best fixed K of the same call, {len(rows)} baseline steps after the first: "
-            f"regret median {statistics.median(regrets):+.3f}, worst {max(regrets):+.3f} "
-            f"(positive = the best single K was that much faster); best fixed K per step: {best}.")
+    wall = _median(rows, "rollout/depth_regret_wall")
+    return (f"Adaptive depth vs the best fixed K of the same call, {len(rows)} baseline steps after the first, "
+            f"rounds priced by the engine's round-cost table: regret median {statistics.median(regrets):+.3f}, "
+            f"worst {max(regrets):+.3f} (positive = the best single K was that much faster); best fixed K per "
+            f"step: {best}; by wall seconds (noisy: the best of K_max + 1 calls) median {_fmt(wall, '+.3f')}.")
 
 
 def _headline(last: dict, k) -> str:

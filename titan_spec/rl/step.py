@@ -559,8 +559,9 @@ class RLTrainer(SpecTrainer):
         }
         # ... and the slowest rank's seconds.
         maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s, "mismatch_max": mismatch.diff_max,
-                 "len_max": max((len(r.output_ids) for r in b.rollouts), default=0),
-                 **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names}}
+                 "len_max": max((len(r.output_ids) for r in b.rollouts), default=0), "rollout_priced": stats.priced_s,
+                 **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names},
+                 **{f"{n}_priced": b.baselines[n].priced_s if n in b.baselines else 0.0 for n in names}}
         pd = self.parallel_dims
         sums = {**self._reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
                 **self._reduce(token_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("loss"))}
@@ -614,18 +615,24 @@ class RLTrainer(SpecTrainer):
                 out[key] = sums[f"{n}_tokens"] / max(sums[f"{n}_verify"], 1)
         if "fixed" in b.baselines:
             out["rollout/fixed_k"] = K
-        # Adaptive depth's regret on this call: its tokens/s against the best fixed K in
-        # 0..K_max on the same prompts and seed (rl/worker.py; K = 0 is no-spec). Positive:
-        # the best fixed depth would have been that much faster; negative: choosing per
-        # round beat every single depth. Wall seconds of calls run back to back: noise of a
-        # few % (docs/PERFORMANCE.md, Adaptive depth).
+        # Adaptive depth's regret on this call: its tokens per second against the best fixed
+        # K in 0..K_max on the same prompts and seed (rl/worker.py; K = 0 is no-spec).
+        # Positive: the best single depth would have been that much faster; negative:
+        # choosing per round beat every single depth. Two clocks: the rounds priced by the
+        # engine's own round-cost table (RolloutStats.priced_s: one clock for all, free of
+        # load; the headline) and wall seconds (what the machine did; on a shared CPU calls
+        # run back to back differ by tens of percent, so the best of K_max + 1 noisy calls
+        # is biased upward).
         sweep = {0: "nospec", **{k: f"fixed_k{k}" for k in range(1, K)}, K: "fixed"}
         if K >= 1 and all(n in b.baselines for n in sweep.values()):
             tps = {k: sums[f"{n}_tokens"] / max(maxes[n], 1e-9) for k, n in sweep.items()}
             out.update({f"rollout/tokens_per_s_fixed_k{k}": tps[k] for k in range(1, K + 1)})
-            best = max(tps, key=tps.get)
-            out["rollout/best_fixed_k"] = best
-            out["rollout/depth_regret"] = 1.0 - out["rollout/tokens_per_s"] / tps[best]
+            out["rollout/depth_regret_wall"] = 1.0 - out["rollout/tokens_per_s"] / max(tps.values())
+            if maxes["rollout_priced"] > 0 and all(maxes[f"{n}_priced"] > 0 for n in sweep.values()):
+                priced = {k: sums[f"{n}_tokens"] / maxes[f"{n}_priced"] for k, n in sweep.items()}
+                best = max(priced, key=priced.get)
+                out["rollout/best_fixed_k"] = best
+                out["rollout/depth_regret"] = 1.0 - (tokens / maxes["rollout_priced"]) / priced[best]
         # --- rl.dynamic_sampling (rl/dynamic_sampling.py) ------------------------------------
         # rl/reward above is the kept batch's (the groups trained on); the rollout/ speed and
         # token metrics count every round's generation (its real cost), so the mean completion

@@ -47,7 +47,7 @@ from torchtitan.tools.logging import logger
 from titan_spec.config import TitanSpecConfig
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import Rollout, SamplingParams
-from titan_spec.rollout.builtin.depth import RoundCosts
+from titan_spec.rollout.builtin.depth import RoundCosts, sampling_mode
 from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
 from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
@@ -67,12 +67,18 @@ class RolloutStats:
     rounds: int = 0
     """Verify rounds after the prefills (verify_steps - one per request): drafted_tokens /
     rounds is the mean depth, ``rollout/draft_k``."""
+    priced_s: float = 0.0
+    """The call's decode rounds priced by adaptive depth's round-cost table (the worker's
+    ``costs``: seconds per round by K and rows, measured once, then frozen; the prefill,
+    the same for every engine of a call, left out); 0 where there is no table or no
+    rounds to price. One clock for every engine of a baseline step, free of the load that
+    moves wall seconds by tens of percent from call to call on a shared CPU."""
 
     @classmethod
-    def of(cls, rollouts: list[Rollout], seconds: float) -> "RolloutStats":
+    def of(cls, rollouts: list[Rollout], seconds: float, priced_s: float = 0.0) -> "RolloutStats":
         steps = sum(r.verify_steps for r in rollouts)
         return cls(sum(len(r.output_ids) for r in rollouts), steps, seconds,
-                   sum(r.drafted_tokens for r in rollouts), steps - len(rollouts))
+                   sum(r.drafted_tokens for r in rollouts), steps - len(rollouts), priced_s)
 
     @classmethod
     def combined(cls, shares: list["RolloutStats"]) -> "RolloutStats":
@@ -81,7 +87,8 @@ class RolloutStats:
         if len(shares) == 1:
             return shares[0]
         return cls(sum(s.tokens for s in shares), sum(s.verify_steps for s in shares), max(s.seconds for s in shares),
-                   sum(s.drafted_tokens for s in shares), sum(s.rounds for s in shares))
+                   sum(s.drafted_tokens for s in shares), sum(s.rounds for s in shares),
+                   max(s.priced_s for s in shares))
 
 
 def full_policy_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -207,7 +214,7 @@ class RolloutWorker:
                 self.load_main_depth_state(start)
                 t0 = time.perf_counter()
                 out = self.main.generate(prompts, sampling)
-                stats = RolloutStats.of(out, time.perf_counter() - t0)
+                stats = RolloutStats.of(out, time.perf_counter() - t0, self._priced(self.main, sampling))
                 self._save_costs()
                 return out, stats
             except (RuntimeError, ValueError, MemoryError) as e:
@@ -262,8 +269,19 @@ class RolloutWorker:
                 t0 = time.perf_counter()
                 rollouts = engine.generate(prompts, sampling)
                 out[name] = RolloutStats.of(rollouts, time.perf_counter() - t0)
+                out[name].priced_s = self._priced(engine, sampling)
         self._save_costs()
         return out
+
+    def _priced(self, engine, sampling: SamplingParams) -> float:
+        """The last call's decode rounds priced by the shared round-cost table (RolloutStats.
+        priced_s); 0 without the table's entry for this sampling mode."""
+        rounds = getattr(engine, "last_rounds", None)
+        mode = sampling_mode(sampling.greedy, sampling.top_k, sampling.top_p)
+        if not rounds or mode not in self.costs.table:
+            return 0.0
+        k_max = self._engine_cfg.num_draft_tokens
+        return sum(self.costs.costs(mode, rows, k_max)[k] for k, rows in rounds)
 
     def close(self) -> None:
         for engine in (self.main, self.frozen, self.nospec, *self.fixed.values()):

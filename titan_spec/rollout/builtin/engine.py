@@ -145,6 +145,10 @@ class TorchRolloutEngine:
         next call starts from what the last one saw. Part of the engine's state: copy it
         (``state_dict``) to repeat a call, e.g. a retried RL step or a resumed run."""
         self.last_depths: list[int] = []
+        self.last_rounds: list[tuple[int, int]] = []
+        """(K, rows) of each decode round of the last call, in order (the prefill not
+        counted): what the call cost by any round-cost table (rl/worker.py prices the
+        baselines' calls with adaptive depth's, depth.RoundCosts)."""
         """K of every round of the last generate call, in order (all its batches)."""
         self._closed = False
         if config.compile:
@@ -222,7 +226,7 @@ class TorchRolloutEngine:
             gen.manual_seed(int(sampling.seed))
         chunk = self.config.max_batch_size or len(prompts)
         out: list[Rollout] = []
-        self.last_depths = []
+        self.last_depths, self.last_rounds = [], []
         with torch.inference_mode():
             est = None
             if self.adaptive:
@@ -317,6 +321,7 @@ class TorchRolloutEngine:
                     round_s.append(round_clock(dev) - t0)
                 else:
                     self.last_depths.append(K)
+                    self.last_rounds.append((K, len(reqs)))
                 rounds += 1
                 if max_rounds and rounds >= max_rounds:
                     break
