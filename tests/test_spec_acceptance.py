@@ -39,6 +39,8 @@ import titan_spec  # noqa: F401
 from titan_spec.rollout.base import SamplingParams
 from titan_spec.rollout.builtin.sampling import filtered_probs, sample_rows, speculative_accept
 
+from helpers.chi2 import chi2_pvalue
+
 # --- the acceptance rule ------------------------------------------------------------------
 
 # Target vocab 6, draft vocab 4 mapping to target ids 0, 1, 3, 4 (targets 2 and 5 are not
@@ -67,11 +69,6 @@ D2T_Vd = torch.tensor([0, 1, 3, 4])
 #   beta_1 = .30 + .10 + .05 + .20 = .65;  beta_2 = .05 + .40 + .25 + 0 = .70
 #   beta_3 = .20 + .20 + .30 + .15 = .85
 BETA_K = (0.65, 0.70, 0.85)
-
-
-def chi2_pvalue(stat: float, df: int) -> float:
-    # Survival function of chi-square(df): the regularized upper incomplete gamma Q(df/2, x/2).
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def pearson(obs_V: torch.Tensor, p_V: torch.Tensor) -> tuple[float, int]:

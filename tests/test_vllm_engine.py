@@ -29,6 +29,7 @@ from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEn
 from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
 from titan_spec.rollout.vllm.serving import ENV_SCRIPT
 
+from helpers.chi2 import chi2_groups, chi2_pvalue
 from helpers.hf_assets import load_target, write_tiny_qwen3
 
 transformers = pytest.importorskip("transformers")
@@ -225,28 +226,22 @@ def test_bad_push_refused_trainer_side_and_server_keeps_serving(served):
 
 
 def test_sampled_logprobs_match_trainer_recomputation(served):
-    """T = 1: on the CPU build the engine refuses sampled speculative decoding (its rejection
-    sampler emits tokens off the policy's distribution: engine.SAMPLED_SPECULATION_BROKEN).
-    The server's raw behaviour log-probs of whatever tokens it emits are still measured here,
-    through the engine's own client, against log_softmax of the trainer-side (torchtitan)
-    policy's logits over prompt + completion: tolerance 1e-4 (fp32 on both sides; the
-    measured distribution is printed)."""
-    from titan_spec.rollout.vllm.engine import rollout_from_result, sampling_to_vllm
-
+    """T = 1 with speculation (the fitted draft pushed, so drafts are accepted and rejected):
+    seeds are honoured, every token of a seeded call repeats (before the expand-kernel fix,
+    server/cpu_expand_fix.py, only the first did), and the server's raw behaviour log-probs
+    agree with log_softmax of the trainer-side (torchtitan) policy's logits over prompt +
+    completion: tolerance 1e-4 (fp32 on both sides; the measured distribution is printed)."""
     e, prompts = served.engine, _prompts(8, seed=4)
-    sp = SamplingParams(1.0, max_new_tokens=NEW, seed=123)
-    with pytest.raises(ValueError, match="sampled .temperature > 0. speculative decoding is refused on vLLM's CPU build"):
-        e.generate(prompts, sp)
-
-    def sample(s):
-        return [rollout_from_result(p, r, (0, 0)) for p, r in zip(prompts, e._client.generate(prompts, sampling_to_vllm(s, len(prompts))))]
-
-    out, again = sample(sp), sample(sp)
-    other = sample(SamplingParams(1.0, max_new_tokens=NEW, seed=124))
-    # Seeds: honoured for the prefill's token (vLLM's seeded sampler), not after it (the
-    # rejection sampler's path): pinned so a fix shows (engine.SEEDS_NOT_REPRODUCIBLE).
-    assert [r.output_ids[0] for r in out] == [r.output_ids[0] for r in again]
-    assert [r.output_ids[0] for r in out] != [r.output_ids[0] for r in other]
+    e.update_draft_weights(served.fitted.state_dict(), version=40)
+    try:
+        sp = SamplingParams(1.0, max_new_tokens=NEW, seed=123)
+        out, again = e.generate(prompts, sp), e.generate(prompts, sp)
+        other = e.generate(prompts, SamplingParams(1.0, max_new_tokens=NEW, seed=124))
+    finally:
+        e.update_draft_weights(served.rand.state_dict(), version=41)
+    assert [r.output_ids for r in out] == [r.output_ids for r in again]
+    assert [r.output_ids for r in out] != [r.output_ids for r in other]
+    assert sum(r.accepted_tokens for r in out) > 0  # the rejection sampler's accept path ran
     model, _ = load_target(served.a, taps=())
     diffs = []
     with torch.no_grad():
@@ -265,6 +260,52 @@ def test_sampled_logprobs_match_trainer_recomputation(served):
     assert all(r.verify_steps + r.accepted_tokens == NEW for r in out)
     with pytest.raises(ValueError, match="temperature = 0.7 is not served"):
         e.generate(prompts, SamplingParams(0.7, max_new_tokens=4))
+
+
+def test_sampled_speculation_follows_the_policy_distribution(served):
+    """Lossless speculative sampling through vLLM on CPU (what RL needs): tokens 2 and 3 of
+    2,400 T = 1 completions of one prompt, served by policy B (its larger init makes its
+    next-token distributions peaked, so a test has power) with the fitted draft, against the
+    trainer-side policy's exact distributions given each prefix seen >= 50 times, chi-square
+    (tests/helpers/chi2.py; p > 1e-3), and with power: the same samples against T = 1.5's
+    distributions are rejected (p < 1e-6). Tokens 2 and 3 come from vLLM's rejection sampler;
+    its CPU build without server/cpu_expand_fix.py fails this (measured on the same kind of
+    tiny policy: p = 0, 58% of token 2 on one id)."""
+    e, prompt = served.engine, _prompts(1, seed=9)[0]
+    b_model, _ = load_target(served.b, taps=())
+    e.update_policy_weights(b_model.state_dict(), version=50)
+    e.update_draft_weights(served.fitted.state_dict(), version=50)
+    try:
+        out = e.generate([prompt] * 2400, SamplingParams(1.0, max_new_tokens=3, seed=5))
+    finally:
+        a_model, _ = load_target(served.a, taps=())
+        e.update_policy_weights(a_model.state_dict(), version=51)
+        e.update_draft_weights(served.rand.state_dict(), version=51)
+    toks = torch.tensor([r.output_ids[:3] for r in out if len(r.output_ids) >= 3])
+    accepted = sum(r.accepted_tokens for r in out)
+    assert len(toks) == 2400
+
+    def probs(contexts: list[list[int]], T: float) -> torch.Tensor:
+        rows = []
+        with torch.no_grad():
+            for c in contexts:
+                pos = torch.arange(len(c))[None]
+                rows.append(torch.softmax(b_model(torch.tensor([c]), pos, b_model.get_attention_masks(pos))[0, -1].double() / T, -1))
+        return torch.stack(rows)
+
+    firsts = [f for f in toks[:, 0].unique().tolist() if int((toks[:, 0] == f).sum()) >= 50]
+    obs2 = [torch.bincount(toks[toks[:, 0] == f, 1], minlength=V) for f in firsts]
+    pairs, counts = toks[:, :2].unique(dim=0, return_counts=True)
+    common = [pr.tolist() for pr, c in zip(pairs, counts) if c >= 50]
+    obs3 = [torch.bincount(toks[(toks[:, 0] == a) & (toks[:, 1] == b), 2], minlength=V) for a, b in common]
+    assert firsts and common, (len(firsts), len(common))
+    p = {T: (chi2_pvalue(*chi2_groups(zip(obs2, probs([prompt + [f] for f in firsts], T)))),
+             chi2_pvalue(*chi2_groups(zip(obs3, probs([prompt + pr for pr in common], T)))))
+         for T in (1.0, 1.5)}
+    print(f"\nvLLM sampled speculation, 2400 x 3 tokens ({accepted} drafts accepted): token 2 p = {p[1.0][0]:.3g} "
+          f"({len(firsts)} prefixes), token 3 p = {p[1.0][1]:.3g} ({len(common)} prefixes); against T = 1.5: "
+          f"{p[1.5][0]:.3g}, {p[1.5][1]:.3g}")
+    assert min(p[1.0]) > 1e-3 and max(p[1.5]) < 1e-6
 
 
 # --- (d) kill -9: restarted, re-pushed, the call completes ----------------------------
@@ -341,9 +382,9 @@ def test_config_checks_before_any_process_starts(tmp_path):
         _vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", "/nowhere/python")
     with pytest.raises(ConfigError, match="rl.temperature = 0.7 is not allowed with rollout.engine = 'vllm'; it must be 1"):
         _vllm_cfg(tmp_path, pol, draft, "--rl.temperature", "0.7")
-    # The CPU build (rollout.vllm.python = '': .venv-vllm): sampled speculation is refused, plain sampling allowed.
-    with pytest.raises(ConfigError, match="speculative.enabled is not allowed in RL .sampled rollouts. on vLLM's CPU build"):
-        _vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", "")
+    # The CPU build (rollout.vllm.python = '': .venv-vllm): sampled speculation and plain sampling both
+    # allowed (server/cpu_expand_fix.py makes the former exact; test_sampled_speculation_...).
+    assert _vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", "").speculative.enabled
     plain = _vllm_cfg(tmp_path, pol, "", "--rollout.vllm.python", "", "--speculative.enabled", "false", "--draft.enable", "false")
     assert plain.rollout.vllm.python == "" and not plain.speculative.enabled
     with pytest.raises(ConfigError, match="'torch', 'sglang', 'vllm'"):

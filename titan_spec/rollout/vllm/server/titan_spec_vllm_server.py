@@ -68,9 +68,11 @@ class Server:
         from vllm.triton_utils import HAS_TRITON
 
         # What the trainer must know of this build: on CPU without Triton the speculative
-        # rejection sampler's random path is not the policy's distribution (engine.py).
+        # rejection sampler is the policy's distribution only with the worker's expand-kernel
+        # fix in place (cpu_expand_fix.py); every worker says whether it runs it.
         self.info = {"device": str(current_platform.device_type), "triton": bool(HAS_TRITON),
-                     "vllm": vllm.__version__}
+                     "vllm": vllm.__version__,
+                     "expand_fixed": all(self.llm.collective_rpc("titan_spec_expand_fixed"))}
 
     def generate(self, body: dict) -> list[dict]:
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in body["prompts"]]

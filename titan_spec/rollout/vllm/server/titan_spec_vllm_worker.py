@@ -21,6 +21,10 @@ import os
 import torch
 from safetensors.torch import load_file
 
+# Imported for its effect, before any model runs in this worker: vLLM's CPU stand-in for
+# the rejection sampler's expand kernel never writes its output (cpu_expand_fix.py).
+import cpu_expand_fix
+
 __all__ = ["TitanSpecWorkerExtension"]
 
 
@@ -71,3 +75,11 @@ class TitanSpecWorkerExtension:
 
     def titan_spec_pid(self) -> int:
         return os.getpid()
+
+    def titan_spec_expand_fixed(self) -> bool:
+        """Whether this worker runs the expand-kernel fix (cpu_expand_fix.py; False where
+        vLLM has Triton and needs none)."""
+        from vllm.triton_utils import dispatcher
+
+        registered = dispatcher._registry.get(cpu_expand_fix.KERNEL)
+        return cpu_expand_fix.APPLIED and registered is not None and registered[1] is cpu_expand_fix.expand_kernel
