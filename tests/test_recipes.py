@@ -116,8 +116,13 @@ def test_every_header_command_is_one_run_train_accepts(name, monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("size", sorted(MODELS))
-def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_files, capsys):
+def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_files, capsys, monkeypatch):
+    import titan_spec.preflight.plan as plan
     from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, draft_config_json
+
+    # The GPU recipes' first checkpoint needs their machine's disk (8B: ~100 GB), not this
+    # one's; the disk check has its own test (test_plan_validation.py).
+    monkeypatch.setattr(plan, "check_free_space", lambda *a: None)
     from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
     from titan_spec.models.hf_io import read_hf_arch
     from titan_spec.models.registry import parameter_count

@@ -308,6 +308,32 @@ def test_sampled_speculation_follows_the_policy_distribution(served):
     assert min(p[1.0]) > 1e-3 and max(p[1.5]) < 1e-6
 
 
+def test_frozen_draft_baseline_on_the_same_server(served):
+    """The RL worker's frozen-draft baseline with vLLM (rl/worker.py ``_server_baselines``):
+    one server, the frozen draft pushed in for its call and the step's draft pushed back.
+    The step's (fitted) draft and the frozen (random) one are measured on the same prompts
+    as each measured alone, and afterwards the server serves the step's draft again."""
+    from titan_spec.rl.worker import RolloutWorker
+
+    e, prompts = served.engine, _prompts(8, seed=11)
+    sp = SamplingParams(0.0, max_new_tokens=NEW)
+    e.update_draft_weights(served.rand.state_dict(), version=60)
+    alone_rand = e.generate(prompts, sp)
+    e.update_draft_weights(served.fitted.state_dict(), version=61)
+    alone_fit = e.generate(prompts, sp)
+    worker = RolloutWorker.__new__(RolloutWorker)  # the engine is the served one (no second server)
+    worker.main = e
+    worker._frozen_draft = {k: v.clone() for k, v in served.rand.state_dict().items()}
+    worker._pushed_draft = (served.fitted.state_dict(), 61)
+    base = worker.baselines(prompts, sp)
+    assert set(base) == {"fixed", "frozen", "frozen_fixed"} and base["frozen"] is base["frozen_fixed"]
+    assert base["fixed"].verify_steps == sum(r.verify_steps for r in alone_fit)
+    assert base["frozen"].verify_steps == sum(r.verify_steps for r in alone_rand) > base["fixed"].verify_steps
+    after = e.generate(prompts, sp)
+    assert [r.verify_steps for r in after] == [r.verify_steps for r in alone_fit] and {r.draft_version for r in after} == {61}
+    e.update_draft_weights(served.rand.state_dict(), version=62)
+
+
 # --- (d) kill -9: restarted, re-pushed, the call completes ----------------------------
 
 

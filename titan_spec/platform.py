@@ -7,6 +7,10 @@ a GPU nothing in this file changes torchtitan's behaviour. One more, (6), is abo
 torch's process groups at process exit, on either device.
 
 Import this module before anything from torchtitan (titan_spec/__init__.py does).
+
+The one shim for a process of another environment lives beside the code it runs in:
+vLLM's CPU build (the .venv-vllm server) gets its expand-kernel fix from
+titan_spec/rollout/vllm/server/cpu_expand_fix.py, which cannot import this module.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if no_weights and not check_only:
             raise ConfigError("--no-weights goes with --check only (a run reads its weights)")
         cfg = load_config(path, argv, check_paths=False)
-        trainer_config = validate_run(cfg, weightless_inputs(cfg) if no_weights else None)
+        trainer_config = validate_run(cfg, weightless_inputs(cfg) if no_weights else None, disk=not no_weights)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"titan_spec: config error: {e}", file=sys.stderr)
         return 2

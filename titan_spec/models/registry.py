@@ -65,6 +65,10 @@ _FLAVORS: dict[str, dict[str, Arch]] = {
     "qwen3": {
         "tiny": Arch("qwen3", 256, 64, 8, 4, 2, 16, 192, 1e6, 2048, tie_embeddings=True),
         "small": Arch("qwen3", 256, 128, 8, 4, 2, 32, 384, 1e6, 4096, tie_embeddings=True),
+        # tiny's width and depth with 2 heads of 32 (tiny has 4 of 16): vLLM's CPU attention
+        # has no head_dim 16 kernel, so the vLLM chain (train_configs/debug_cpu_vllm*.toml)
+        # trains this one.
+        "tiny_hd32": Arch("qwen3", 256, 64, 8, 2, 1, 32, 192, 1e6, 2048, tie_embeddings=True),
         # tiny's width at twice the depth: the rollout benchmark's target, so that one draft
         # layer is a smaller share of a target step (real EAGLE-3 pairs: 1 layer vs 32+).
         "tiny16": Arch("qwen3", 256, 64, 16, 4, 2, 16, 192, 1e6, 2048, tie_embeddings=True),

@@ -93,13 +93,16 @@ CHECKPOINT_BYTES_PER_PARAMETER = 12
 moments (4 bytes each). The estimate of ``check_free_space``."""
 
 
-def check_free_space(cfg: TitanSpecConfig, parameters: int) -> None:
-    """The disk under job.dump_folder has room for one checkpoint of the run's ``parameters``
-    (policy and draft, CHECKPOINT_BYTES_PER_PARAMETER each) and the fp32 exports
-    (4 bytes each): a disk that cannot take the first checkpoint is refused now, by name,
-    rather than at that checkpoint (training/checkpoint.py still names a disk that fills
-    later). Only a lower bound: later checkpoints, TensorBoard and metrics need more."""
-    need = parameters * (CHECKPOINT_BYTES_PER_PARAMETER * cfg.checkpoint.enable + 4)
+def check_free_space(cfg: TitanSpecConfig, policy_parameters: int, draft_parameters: int) -> None:
+    """The disk under job.dump_folder has room for one checkpoint of the run (policy and
+    draft, CHECKPOINT_BYTES_PER_PARAMETER each, with checkpoint.enable) and the fp32 exports
+    it writes (the policy with job.export_hf, the draft): a disk that cannot take the first
+    checkpoint is refused now, by name, rather than at that checkpoint (training/checkpoint.py
+    still names a disk that fills later). A lower bound: later checkpoints, TensorBoard and
+    metrics need more."""
+    everything = policy_parameters + draft_parameters
+    exported = draft_parameters + (policy_parameters if cfg.job.export_hf else 0)
+    need = CHECKPOINT_BYTES_PER_PARAMETER * everything * cfg.checkpoint.enable + 4 * exported
     where = os.path.abspath(cfg.job.dump_folder)
     while not os.path.exists(where):
         where = os.path.dirname(where)
@@ -108,7 +111,7 @@ def check_free_space(cfg: TitanSpecConfig, parameters: int) -> None:
     if free < need:
         raise ConfigError(
             f"job.dump_folder {cfg.job.dump_folder!r} has no space left for the run: {where} has {free / 2**20:.1f} MiB "
-            f"free, one checkpoint and the exports of {parameters:,} parameters need {need / 2**20:.1f} MiB; allowed: "
+            f"free, one checkpoint and the exports of {everything:,} parameters need {need / 2**20:.1f} MiB; allowed: "
             "a folder on a disk with that much free space (or checkpoint.enable = false)", key="job.dump_folder")
 
 

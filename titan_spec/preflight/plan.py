@@ -20,28 +20,31 @@ from titan_spec.training.draft import under_dump_folder
 __all__ = ["validate_run", "plan_runs", "weightless_inputs"]
 
 
-def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> "SpecTrainer.Config":
+def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None, disk: bool = True) -> "SpecTrainer.Config":
     """Everything checkable before a run starts, for a loaded config: its input files
     (HF safetensors headers, the draft directory, the task file) and its architecture
     (tap ids, draft vocab, seq_len, draft dimensions against the target). ``made``: inputs
     an earlier run of the chain writes, checked against what it will write. Errors name
-    where the value at fault came from (the TOML file or the command line)."""
+    where the value at fault came from (the TOML file or the command line). ``disk``: the
+    dump folder's disk has room for the first checkpoint (False: a config checked apart from
+    the machine it will run on, ``--check --no-weights``)."""
     try:
         check_inputs(cfg, made)
         config = to_trainer_config(cfg, made)
-        check_free_space(cfg, _parameters(cfg, config))
+        if disk:
+            check_free_space(cfg, *_parameters(cfg, config))
         return config
     except ValueError as e:  # ConfigError, and the registry's ValueErrors (an unknown flavor)
         raise locate(cfg, e if isinstance(e, ConfigError) else ConfigError(str(e))) from None
 
 
-def _parameters(cfg: TitanSpecConfig, config) -> int:
+def _parameters(cfg: TitanSpecConfig, config) -> tuple[int, int]:
     """The policy's and the draft's parameters (built on the meta device: nothing allocated)."""
-    n = parameter_count(config.arch)
+    draft = 0
     if config.draft_arch is not None:
         with torch.device("meta"):
-            n += sum(p.numel() for p in draft_kind(cfg.draft.kind).build(config.draft_arch).parameters())
-    return n
+            draft = sum(p.numel() for p in draft_kind(cfg.draft.kind).build(config.draft_arch).parameters())
+    return parameter_count(config.arch), draft
 
 
 def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:

@@ -124,6 +124,10 @@ class RolloutWorker:
         self.co_train = cfg.mode.trains_draft
         self.frozen = self.nospec = None
         self.fixed: dict[str, TorchRolloutEngine] = {}
+        self._frozen_draft: dict[str, torch.Tensor] | None = None
+        """vLLM: the draft before RL, pushed into the server for the frozen-draft baseline."""
+        self._pushed_draft: tuple[dict[str, torch.Tensor], int] | None = None
+        """vLLM: this step's draft push (state, version), pushed back after that baseline."""
         # One cost table for the main engine, its rebuilds and the frozen-draft engine (same
         # models, same shapes): they make the same depth choices from the same acceptance.
         self.costs = RoundCosts()
@@ -142,6 +146,11 @@ class RolloutWorker:
         if cfg.rollout.engine == "vllm":
             self.main = VLLMRolloutEngine.from_config(cfg)
             self._rebuild = None  # the vLLM engine restarts its server itself
+            # The frozen-draft baseline on the same server (a second vLLM server would double
+            # its memory and start-up): at baseline steps the draft as it was before RL is
+            # pushed in, measured, and the step's draft pushed back (``baselines``).
+            if spec and self.co_train and cfg.rl.baseline_interval > 0:
+                self._frozen_draft = {k: v.detach().to("cpu", copy=True) for k, v in draft.state_dict().items()}
             return
         taps = tuple(draft.arch.tap_layer_ids) if spec else ()
         with torch.device(device):
@@ -199,6 +208,8 @@ class RolloutWorker:
         self.main.update_policy_weights(policy_state, version)
         if draft_state is not None and self.co_train:
             self.main.update_draft_weights(draft_state, version)
+            if self._frozen_draft is not None:
+                self._pushed_draft = (draft_state, version)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> tuple[list[Rollout], RolloutStats]:
         """The step's rollouts from the main engine. An engine that raises is rebuilt over
@@ -261,7 +272,11 @@ class RolloutWorker:
         """The same prompts and seed through the frozen-draft and no-speculation engines (in
         that order; ``reverse``: no-spec first), then each draft at fixed depth ("fixed",
         "frozen_fixed", "fixed_k<K>": timed after the trio, whose order the rollout-time
-        ratios read)."""
+        ratios read). vLLM (fixed depth, one server): the step's draft ("fixed") and the
+        frozen one ("frozen", "frozen_fixed": the same call) back to back on the server,
+        the frozen draft pushed in for its call and the step's pushed back after it."""
+        if self._frozen_draft is not None:
+            return self._server_baselines(prompts, sampling)
         out = {}
         engines = (("frozen", self.frozen), ("nospec", self.nospec))
         for name, engine in [*(reversed(engines) if reverse else engines), *self.fixed.items()]:
@@ -271,6 +286,24 @@ class RolloutWorker:
                 out[name] = RolloutStats.of(rollouts, time.perf_counter() - t0)
                 out[name].priced_s = self._priced(engine, sampling)
         self._save_costs()
+        return out
+
+    def _server_baselines(self, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, RolloutStats]:
+        if self._pushed_draft is None:  # no push yet: the server serves the frozen draft
+            return {}
+        state, version = self._pushed_draft
+        out = {}
+        for name, push in (("fixed", None), ("frozen", self._frozen_draft)):
+            if push is not None:
+                self.main.update_draft_weights(push, version)
+            try:
+                t0 = time.perf_counter()
+                rollouts = self.main.generate(prompts, sampling)
+                out[name] = RolloutStats.of(rollouts, time.perf_counter() - t0)
+            finally:
+                if push is not None:
+                    self.main.update_draft_weights(state, version)
+        out["frozen_fixed"] = out["frozen"]
         return out
 
     def _priced(self, engine, sampling: SamplingParams) -> float:

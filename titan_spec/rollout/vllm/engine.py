@@ -207,6 +207,10 @@ class VLLMRolloutEngine(ServerRolloutEngine):
 
     def __init__(self, config, policy_path: str, draft_path: str | None, num_draft_tokens: int,
                  connect: Callable[[dict], object] | None = None, max_num_seqs: int = 0):
+        # Absolute: the server runs in its own folder, and vLLM reads a relative path that
+        # is not a folder there as a model hub id.
+        policy_path = os.path.abspath(policy_path)
+        draft_path = os.path.abspath(draft_path) if draft_path else draft_path
         self._init_engine(config, policy_path, num_draft_tokens)
         why = vllm_misfit(policy_path, draft_path if self.K else None)
         if why:
