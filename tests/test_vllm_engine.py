@@ -436,3 +436,54 @@ def test_result_parsing_counts():
     ps = sampling_to_vllm(SamplingParams(1.0, max_new_tokens=4, seed=7), 3)
     assert len({p["seed"] for p in ps}) == 3 and all(p["max_tokens"] == 4 for p in ps)
     assert all(p["seed"] is None for p in sampling_to_vllm(SamplingParams(0.0, max_new_tokens=4), 2))
+
+
+# --- RL through vLLM: train_configs/debug_cpu_vllm.toml ------------------------------
+
+
+def test_rl_steps_through_vllm_with_the_frozen_draft_baseline(tmp_path):
+    """The vLLM config's RL (train_configs/debug_cpu_vllm.toml) on a transformers-written
+    Qwen3 with head_dim 32, a BPE tokenizer, a GSM8K file and an exported draft: 3 GRPO steps
+    whose rollouts come from the run's own vLLM server (T = 1, speculation at K = 4), the
+    policy and the co-trained draft pushed every step, the frozen-draft baseline at every
+    step (rl.baseline_interval = 1). The baseline's call with the step's draft repeats the
+    step's own call exactly (same prompts, seed and weights: seeds hold, server/
+    cpu_expand_fix.py), also on the steps where it runs BEFORE the step's call (every other
+    step), i.e. after the frozen draft was pushed in and the step's draft pushed back. (A random
+    draft of a random policy is rarely accepted at T = 1, so that the push-back restores the
+    step's draft is shown with drafts that accept differently in
+    test_frozen_draft_baseline_on_the_same_server.)"""
+    built = subprocess.run(["bash", ENV_SCRIPT], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.skip(f"the vLLM environment cannot be built here ({ENV_SCRIPT})")
+    from conftest import train_many
+    from helpers.hf_assets import gsm8k_records, write_jsonl, write_tokenizer
+    from titan_spec.data.tokenizer import HFTokenizer
+
+    tok_dir = write_tokenizer(tmp_path / "tokenizer")
+    tok = HFTokenizer(tokenizer_path=tok_dir)
+    policy = tmp_path / "policy"
+    write_tiny_qwen3(policy, tok.get_vocab_size(), num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    tok.save(str(policy))
+    taps = (1, 3, 4)  # draft.tap_layer_ids' default for 8 layers
+    _, arch = load_target(str(policy), taps=taps)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftArch.from_target(arch, taps, arch.vocab_size))
+    draft.reset_parameters()
+    save_draft(draft, str(tmp_path / "draft"))
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_records(32))
+    rl = str(tmp_path / "rl")
+    (rows,) = train_many(1, [(rl, (
+        "--model.hf_checkpoint", str(policy), "--draft.init_from", str(tmp_path / "draft"),
+        "--task.name", "dataset", "--task.path", data, "--task.chat_template_kwargs", "{enable_thinking = false}",
+        "--training.steps", "3", "--rl.baseline_interval", "1", "--rl.max_new_tokens", "16",
+        "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--checkpoint.enable", "false",
+        "--rollout.vllm.log_dir", str(tmp_path / "logs"),
+    ))], config="debug_cpu_vllm.toml", timeout=600)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 0.0 <= r["rl/reward"] <= 1.0 and r["rollout/tokens"] > 0 and r["rollout/draft_k"] == 4.0, r
+        assert r["rollout/accept_len_fixed"] == r["rollout/accept_len"], r  # the step's draft, the same call again
+        assert r["rollout/accept_len_frozen"] == r["rollout/accept_len_frozen_fixed"], r
+    assert rows[0]["rollout/accept_len_frozen"] == rows[0]["rollout/accept_len"]  # step 1: the same draft
+
