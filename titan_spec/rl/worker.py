@@ -283,12 +283,13 @@ class RolloutWorker:
             if engine is not None:
                 t0 = time.perf_counter()
                 rollouts = engine.generate(prompts, sampling)
-                out[name] = RolloutStats.of(rollouts, time.perf_counter() - t0)
-                out[name].priced_s = self._priced(engine, sampling)
+                out[name] = RolloutStats.of(rollouts, time.perf_counter() - t0, self._priced(engine, sampling))
         self._save_costs()
         return out
 
     def _server_baselines(self, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, RolloutStats]:
+        """vLLM's baselines (``baselines``): the step's draft, then the frozen one pushed in
+        for its call and the step's pushed back, whatever the call did."""
         if self._pushed_draft is None:  # no push yet: the server serves the frozen draft
             return {}
         state, version = self._pushed_draft

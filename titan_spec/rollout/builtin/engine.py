@@ -145,11 +145,10 @@ class TorchRolloutEngine:
         next call starts from what the last one saw. Part of the engine's state: copy it
         (``state_dict``) to repeat a call, e.g. a retried RL step or a resumed run."""
         self.last_depths: list[int] = []
-        self.last_rounds: list[tuple[int, int]] = []
-        """(K, rows) of each decode round of the last call, in order (the prefill not
-        counted): what the call cost by any round-cost table (rl/worker.py prices the
-        baselines' calls with adaptive depth's, depth.RoundCosts)."""
         """K of every round of the last generate call, in order (all its batches)."""
+        self.last_rounds: list[tuple[int, int]] = []
+        """(K, rows) of the same rounds: what the call cost by any round-cost table
+        (rl/worker.py prices the baselines' calls with adaptive depth's, depth.RoundCosts)."""
         self._closed = False
         if config.compile:
             # Only the model math is compiled; index/mask building and sampling stay eager.
