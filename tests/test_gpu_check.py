@@ -28,7 +28,8 @@ def test_gpu_check_without_cuda_is_one_line_and_exit_2():
 
 def test_gpu_check_steps_pass_arguments_their_clis_accept():
     gc = _module("scripts/gpu_check.py")
-    assert list(gc.STEPS) == ["gpu_tests", "ttt_attention", "cotrain_32k", "compile_train_step", "engine_cuda", "sglang_smoke"]
+    assert list(gc.STEPS) == ["gpu_tests", "ttt_attention", "cotrain_32k", "compile_train_step", "engine_cuda", "sglang_smoke",
+                             "vllm_cuda"]
     ttt = _module("bench/ttt_attention.py")._parse_args(gc.TTT_ARGS)
     assert (ttt.device, ttt.dtype, ttt.variants) == ("cuda", "bfloat16", "ttt,causal_x_T")
     assert _module("bench/rollout.py")._parse_args(gc.ROLLOUT_ARGS).device == "cuda"

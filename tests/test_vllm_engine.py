@@ -166,6 +166,7 @@ def test_policy_push_serves_the_pushed_policy(served):
     want = _hf_greedy(served.b, prompts, NEW)
     assert [r.output_ids for r in after] == want != [r.output_ids for r in before]
     assert {(r.policy_version, r.draft_version) for r in after} == {(1, 0)}
+    assert e.served_version == "policy-1.draft-0"  # vLLM's own weight version, set by the bracket
     a_model, _ = load_target(served.a, taps=())
     e.update_policy_weights(a_model.state_dict(), version=2)
     assert [r.output_ids for r in e.generate(prompts, SamplingParams(0.0, max_new_tokens=NEW))] == [r.output_ids for r in before]

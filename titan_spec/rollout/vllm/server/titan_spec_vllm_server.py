@@ -6,13 +6,19 @@ JSON-over-HTTP surface, run with the .venv-vllm interpreter (scripts/ensure_vllm
 CONFIG.json holds the ``vllm.LLM`` keyword arguments (model, speculative_config, dtype, ...);
 titan_spec/rollout/vllm/engine.py writes it. Endpoints (all JSON):
 
-    GET  /health                          200 once the engine is up
+    GET  /health                          200 once the engine is up; says the transport
     POST /generate {prompts, params}      one result per prompt: token ids, logprobs,
                                           finish reason, per-request spec-decode counts
-    POST /update_weights {path, which}    pause -> reload_weights from a safetensors file
-                                          -> reset the prefix cache -> resume
+    POST /update_weights {which, update_info, version}
+                                          pause -> vLLM's weight-update bracket into the
+                                          target or the drafter -> reset the prefix cache
+                                          -> resume
     POST /fingerprint {which}             sum of the served model's parameters
     POST /shutdown
+
+The weight transport is vLLM's weight-transfer engine for this device, chosen here (the
+server knows its platform): on CUDA vLLM's "ipc" (the trainer shares its tensors on the
+same GPU), elsewhere titan_spec's "titan_spec_file" (titan_spec_vllm_worker.py registers it).
 
 This file imports only vllm and the standard library: the trainer's titan_spec package
 needs another torch. One lock serializes generation and weight pushes, so a push never
@@ -32,6 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTENSION = "titan_spec_vllm_worker.TitanSpecWorkerExtension"
+FILE_TRANSPORT = "titan_spec_file"  # titan_spec_vllm_worker.FILE_TRANSPORT (this process does not import it)
 
 
 def _sampling(vllm, d: dict):
@@ -60,18 +67,21 @@ def _result(out) -> dict:
 class Server:
     def __init__(self, llm_kwargs: dict):
         import vllm
-
-        self.vllm = vllm
-        self.llm = vllm.LLM(**llm_kwargs)
-        self.lock = threading.Lock()
         from vllm.platforms import current_platform
         from vllm.triton_utils import HAS_TRITON
+
+        self.vllm = vllm
+        self.transport = "ipc" if current_platform.is_cuda() else FILE_TRANSPORT
+        self.llm = vllm.LLM(**llm_kwargs, weight_transfer_config={"backend": self.transport})
+        # Unpacked IPC: one handle per tensor (the trainer keeps them alive until the answer).
+        self.llm.init_weight_transfer_engine({"init_info": {"packed": False} if self.transport == "ipc" else {}})
+        self.lock = threading.Lock()
 
         # What the trainer must know of this build: on CPU without Triton the speculative
         # rejection sampler is the policy's distribution only with the worker's expand-kernel
         # fix in place (cpu_expand_fix.py); every worker says whether it runs it.
         self.info = {"device": str(current_platform.device_type), "triton": bool(HAS_TRITON),
-                     "vllm": vllm.__version__,
+                     "vllm": vllm.__version__, "transport": self.transport,
                      "expand_fixed": all(self.llm.collective_rpc("titan_spec_expand_fixed"))}
 
     def generate(self, body: dict) -> list[dict]:
@@ -82,11 +92,17 @@ class Server:
         return [_result(o) for o in outs]
 
     def update_weights(self, body: dict) -> dict:
+        """One push: vLLM's bracket, aimed at the drafter for which = "draft"."""
         with self.lock:
-            counts = self.llm.collective_rpc("titan_spec_reload", args=(body["path"], body["which"]))
+            if body["which"] == "draft":
+                self.llm.start_draft_weight_update()
+            else:
+                self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": body["update_info"]})
+            self.llm.finish_weight_update(weight_version=body.get("version"))
             # The cached prefixes' keys and values came from the old weights.
             self.llm.reset_prefix_cache()
-        return {"tensors": counts[0]}
+        return {"version": self.llm.get_weight_version()}
 
     def fingerprint(self, body: dict) -> dict:
         with self.lock:
@@ -166,6 +182,10 @@ def main() -> None:
         kwargs = json.load(f)
     # vLLM's spawned workers import the extension by name: they inherit PYTHONPATH.
     os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
+    # The IPC transport's handles arrive pickled (vLLM's own HTTP client sends them so,
+    # distributed/weight_transfer/clients.py); vLLM unpickles them only with this set. The
+    # server listens on 127.0.0.1 (--host) for the trainer that started it.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     sys.path.insert(0, HERE)
     kwargs["worker_extension_cls"] = EXTENSION
     server = Server(kwargs)

@@ -1,31 +1,46 @@
-"""Runs inside vLLM's worker processes (the .venv-vllm interpreter): the worker extension
-through which titan_spec replaces the served policy and draft weights in place.
+"""Runs inside vLLM's worker processes (the .venv-vllm interpreter): titan_spec's CPU weight
+transport, registered with vLLM's weight-transfer factory, and a worker extension for what
+vLLM's RL protocol does not say (fingerprints, the expand fix).
 
-vLLM resolves ``worker_extension_cls`` by qualified name in every worker it spawns, so this
+vLLM resolves ``worker_extension_cls`` by qualified name in every worker it spawns, before
+the worker loads its model (and so before it builds its weight-transfer engine), so this
 module is top-level on the server's PYTHONPATH (titan_spec_vllm_server.py puts its folder
-there) and imports nothing from titan_spec (the trainer's package needs torch 2.14 and
-torchtitan; this environment has torch 2.13 and vLLM).
+there), registers the transport on import, and imports nothing from titan_spec (the
+trainer's package needs torch 2.14 and torchtitan; this environment has torch 2.13 and vLLM).
 
-Why ``reload_weights`` (vllm/model_executor/model_loader/reload/inplace.py) and not
-``model.load_weights``: after start-up vLLM has processed the parameters into kernel
-form (fused qkv / gate_up, repacked CPU weights), and a second plain load_weights fails
-on them; reload_weights restores the checkpoint layout layer by layer, loads, processes
-again and copies the result into the original storage (so shared tensors, e.g. the
-embedding the EAGLE-3 drafter borrows from the target, see the new values).
+Every push, on every device, is vLLM's own bracket (vllm/v1/worker/gpu_worker.py, which the
+CPU worker inherits): ``start_weight_update`` (or ``start_draft_weight_update``, which aims
+the engine at ``model_runner.drafter.model``) -> ``update_weights(update_info)`` ->
+``finish_weight_update``. Between them vLLM's layerwise reload (model_loader/reload/)
+restores the checkpoint layout, ``model.load_weights`` loads checkpoint-format tensors,
+and finalize processes them into kernel form and copies the result into the original
+storage (so shared tensors, e.g. the embedding the EAGLE-3 drafter borrows from the
+target, see the new values). A plain ``model.load_weights`` after start-up fails on the
+processed parameters (measured). The transports differ only in how tensors arrive:
+
+    "titan_spec_file" (CPU)  a safetensors file the trainer wrote (/dev/shm by default)
+    "ipc" (CUDA)             vLLM's IPCWeightTransferEngine: CUDA IPC handles of the
+                             trainer's tensors on the same GPU (rollout/vllm/ipc.py)
 """
 
 from __future__ import annotations
 
 import os
 
+from dataclasses import dataclass
+
 import torch
 from safetensors.torch import load_file
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 # Imported for its effect, before any model runs in this worker: vLLM's CPU stand-in for
 # the rejection sampler's expand kernel never writes its output (cpu_expand_fix.py).
 import cpu_expand_fix
 
-__all__ = ["TitanSpecWorkerExtension"]
+__all__ = ["FILE_TRANSPORT", "FileWeightTransferEngine", "TitanSpecWorkerExtension"]
+
+FILE_TRANSPORT = "titan_spec_file"
 
 
 def _refresh_lm_heads(model) -> None:
@@ -43,6 +58,61 @@ def _refresh_lm_heads(model) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+@dataclass
+class FileInitInfo(WeightTransferInitInfo):
+    """Nothing to agree on: the file says everything."""
+
+
+@dataclass
+class FileUpdateInfo(WeightTransferUpdateInfo):
+    path: str
+    """A safetensors file of checkpoint-format tensors (HF names for the target, export
+    names for the draft), checked by the trainer against the served tables before it was
+    written."""
+
+
+class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
+    """The CPU transport: checkpoint-format tensors from a safetensors file, loaded inside
+    vLLM's layerwise reload as its IPC engine loads CUDA tensors (ipc_engine.py)."""
+
+    init_info_cls = FileInitInfo
+    update_info_cls = FileUpdateInfo
+
+    def init_transfer_engine(self, init_info: FileInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class also synchronizes the accelerator, which a CPU worker has none of
+        # (torch.accelerator.synchronize raises there); loading from a file is synchronous.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: FileUpdateInfo) -> None:
+        with torch.no_grad():
+            self.model.load_weights(iter(load_file(update_info.path).items()))
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with torch.no_grad():
+            finalize_layerwise_reload(self.model, self.model_config)
+            _refresh_lm_heads(self.model)
+
+    def shutdown(self) -> None:
+        pass
+
+
+# Every worker process imports this module before it builds its weight-transfer engine.
+try:
+    WeightTransferEngineFactory.register_engine(FILE_TRANSPORT, FileWeightTransferEngine)
+except ValueError:  # registered already (a process that imported this module twice)
+    pass
+
+
 class TitanSpecWorkerExtension:
     """Mixed into vLLM's worker class; called through ``collective_rpc``."""
 
@@ -51,22 +121,6 @@ class TitanSpecWorkerExtension:
         runner = self.model_runner
         drafter = getattr(runner, "drafter", None)
         return {"target": runner.get_model(), "draft": getattr(drafter, "model", None)}
-
-    def titan_spec_reload(self, path: str, which: str) -> int:
-        """Load the safetensors file at ``path`` (HF names for 'target', draft export names
-        for 'draft') into the served model in place; returns the tensor count. The
-        trainer checked names, shapes and dtypes before writing the file."""
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-        model = self.titan_spec_models()[which]
-        if model is None:
-            raise ValueError(f"this server has no {which} model (started without speculative_config?)")
-        tensors = load_file(path)
-        config = self.vllm_config
-        with torch.no_grad():
-            reload_weights(config, model, iter(tensors.items()), None, is_checkpoint_format=True)
-            _refresh_lm_heads(model)
-        return len(tensors)
 
     def titan_spec_fingerprint(self, which: str) -> float:
         """Sum of the served model's parameters (a cheap way to see that a push landed)."""
