@@ -93,7 +93,9 @@ for i in "${!RUNS[@]}"; do
     stop_if_signalled
     (( RC == 0 )) || exit "$RC"
   fi
-  child "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+  # titan_spec.launch is torchrun without its multi-line report of a rank that already said
+  # in one line why it stopped.
+  child "$PY" -m titan_spec.launch --standalone --nproc_per_node="$NGPU" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m titan_spec.train --config "$RUN" "${ARGS[@]}" || RC=$?
   stop_if_signalled

@@ -9,10 +9,13 @@ turns the config into torchtitan's ``Trainer.Config``; then the trainer
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.tools.logging import init_logger
 
 from titan_spec import platform
@@ -26,6 +29,7 @@ from titan_spec.training.finite import NonFiniteStop
 __all__ = ["main", "train_and_close"]
 
 
+@record  # under torchrun, an exception is written to its error file (titan_spec/launch.py reads it)
 def main(argv: list[str] | None = None) -> int:
     """``--check``: validate the config (and the HF/draft directories it names) and exit;
     ``--check --no-weights``: the same without reading weight files (``weightless_inputs``:
@@ -80,6 +84,11 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
         # One write: the line of each rank stays whole even with unbuffered stderr.
         sys.stderr.write(f"titan_spec: {e}\n")
         sys.stderr.flush()
+        # torchtitan's train() (@record) wrote this exception to torchrun's error file on its
+        # way here; handled, it is no crash to report (titan_spec/launch.py).
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with contextlib.suppress(OSError):
+                os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
         return 1
     finally:
         if trainer is not None:

@@ -1,0 +1,48 @@
+"""torchrun, as run_train.sh starts it, with titan_spec's one-line failures kept one line.
+
+    python -m titan_spec.launch [torchrun arguments] -m titan_spec.train --config FILE ...
+
+``torch.distributed.run.main`` (what ``python -m torch.distributed.run`` runs) reports a
+failed rank with a ~50-line ChildFailedError report: the launcher's traceback, the rank's
+recorded error file and traceback. Where the rank already said what stopped it in one line
+(titan_spec.train ``train_and_close``: a finiteness stop, a checkpoint it cannot read or
+write, a reward that raised; it removes the error file it handled) that report is noise, so
+this runs the same ``run`` without it: such a failure prints nothing more; any other failure
+(a crash) prints one line naming the rank, its exit code and its error, whose traceback the
+rank printed (LOG_RANK picks whose output is shown). A signal that stops torchrun (run_train.sh
+forwards SIGTERM) ends it with 128 + the signal's number, quietly: the script says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    # The elastic agent logs every failed rank at ERROR before raising: the same report again.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.error_file != "<N/A>" or failure.exitcode < 0:  # a crash, or killed by a signal
+            what = failure.message  # a str, or the error file's {"message": "Type: text", "extraInfo": ...}
+            what = str(what.get("message", what) if isinstance(what, dict) else what).strip()
+            what = what.splitlines()[-1] if what else "no error recorded"
+            print(f"titan_spec: rank {rank} exited with code {failure.exitcode}: {what} "
+                  f"(its output: LOG_RANK={rank})", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
