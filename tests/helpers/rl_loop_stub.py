@@ -86,7 +86,9 @@ def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, 
     # The real methods, bound to the stand-in.
     fake._warn_if_degenerate = lambda rewards_PG: RLTrainer._warn_if_degenerate(fake, rewards_PG)
     fake._policy_version = lambda: RLTrainer._policy_version(fake)
-    fake.rollout_share = lambda prompts, seed, baselines: RLTrainer.rollout_share(fake, prompts, seed, baselines)
+    fake.rollout_share = lambda prompts, seed, baselines, step: RLTrainer.rollout_share(fake, prompts, seed, baselines, step)
+    fake.plan_generation = lambda step, first=True: RLTrainer.plan_generation(fake, step, first)
+    fake.run_generation = lambda plan, push_s, version: RLTrainer.run_generation(fake, plan, push_s, version)
     batch = RLTrainer.generate(fake, 0.0)
     rewards_PG = RLTrainer.score(fake, batch)
     (mb,) = RLTrainer.pack(fake, batch, group_advantages(rewards_PG, rl.scale_advantages))

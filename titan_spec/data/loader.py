@@ -126,8 +126,12 @@ class TaskDataLoader(BaseDataLoader):
     def next_problems(self, count: int) -> list:
         """RL: this rank's share of the ``count`` prompts of the next step, deterministic in
         (task seed, step index) like the packed batches, whatever the number of ranks."""
-        rng = random.Random(self.task_cfg.seed * 1_000_003 + self.batch_index)
         self.batch_index += 1
+        return self.problems_at(self.batch_index - 1, count)
+
+    def problems_at(self, index: int, count: int) -> list:
+        """``next_problems`` at batch index ``index``, without moving the dataloader."""
+        rng = random.Random(self.task_cfg.seed * 1_000_003 + index)
         problems = [self.task.sample(rng) for _ in range(count)]
         share = count // self.dp_world_size
         return problems[self.dp_rank * share : (self.dp_rank + 1) * share]

@@ -59,8 +59,9 @@ from titan_spec.rl.grpo import group_advantages
 from titan_spec.rl.logprobs import token_logprobs
 from titan_spec.rl.mismatch import MismatchSums, tis_weights
 from titan_spec.rl.losses import POLICY_LOSSES
-from titan_spec.rl.step_records import Minibatch, RolloutBatch, StepRecord, UpdateStats
+from titan_spec.rl.step_records import Generation, Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
+from titan_spec.rl.rollout_queue import RolloutQueue, batch_from_state, batch_to_state
 from titan_spec.rl.worker import RolloutStats, RolloutWorker, full_policy_state
 from titan_spec.rl.sharing import same_data_group, share_work
 from titan_spec.rollout.base import SamplingParams
@@ -105,6 +106,8 @@ class RLTrainer(SpecTrainer):
         # The ranks that hold this rank's data-parallel rank (its CP ranks) share each
         # step's generation (rl/sharing.py); None when it is alone.
         self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
+        self.queue = RolloutQueue(self.rl.async_steps) if self.rl.async_steps else None
+        """rl.async_steps: the batches generated ahead (rl/rollout_queue.py); None: synchronous."""
         self._degenerate_steps = 0
         self.reward = reward_fn(spec.task.reward)
         # The starting policy, for the KL penalty and the drift metrics (rl/drift.py).
@@ -115,17 +118,27 @@ class RLTrainer(SpecTrainer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
+        rank = dist.get_rank()
+        if self.queue is not None:
+            # First: it waits for the jobs in flight, which move the engines' estimates.
+            sd[f"rollout_queue_rank_{rank}"] = json.dumps([batch_to_state(b) for b in self.queue.state()])
         # Each rank's engines carry their own acceptance estimates (their own prompts): one
         # key per rank, as for ntokens_seen (DCP keeps one copy of a plain value per key).
-        sd[_depth_key()] = json.dumps(self.worker.state_dict())
+        sd[f"rollout_depth_rank_{rank}"] = json.dumps(self.worker.state_dict())
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
-        depth = state_dict.pop(_depth_key(), None)
+        rank = dist.get_rank()
+        depth = state_dict.pop(f"rollout_depth_rank_{rank}", None)
+        queued = state_dict.pop(f"rollout_queue_rank_{rank}", None)
         super().load_state_dict(state_dict)
         if depth is not None:
             self.worker.load_state_dict(json.loads(depth))
+        if queued is not None and self.queue is not None:
+            n = self.rl.prompts_per_step
+            self.queue.restore([batch_from_state(b, self.dataloader.problems_at(b["problem_index"], n))
+                                for b in json.loads(queued)])
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen full copy of the initial policy for the KL term and the drift metrics
@@ -151,7 +164,11 @@ class RLTrainer(SpecTrainer):
         self.begin_step()
         lr_metrics = self.lr_schedulers.get_metrics()  # the LRs this step trains with
         t0 = time.perf_counter()
-        batch = self.generate(self.push_weights())
+        wait_s = None
+        if rl.async_steps:  # generated while earlier steps trained (rl/rollout_queue.py)
+            batch, wait_s = self.queued_generate()
+        else:
+            batch = self.generate(self.push_weights())
         rewards_PG = self.score(batch)
         if rl.dynamic_sampling:  # DAPO: rounds of new prompts until every group has spread
             batch, rewards_PG = dynamic_sample(batch, rewards_PG, lambda: self.generate(0.0, first=False), self.score,
@@ -162,7 +179,8 @@ class RLTrainer(SpecTrainer):
         minibatches = self.pack(batch, advantages_PG)
         mismatch = self.recompute_behaviour(minibatches) if rl.behaviour_logprobs == "recompute" else None
         record = StepRecord(batch, rewards_PG, shaping_PG if rl.overlong_buffer > 0 else None,
-                            rollout_done=time.perf_counter(), mismatch=mismatch)
+                            rollout_done=time.perf_counter(), mismatch=mismatch, wait_s=wait_s,
+                            policy_version=self._policy_version())
         # torchtitan's throughput account: the rollouts are this step's data loading.
         self.metrics_processor.count_data(record.rollout_done - t0, sum(mb.labels_BL.numel() for mb in minibatches))
         for _ in range(rl.ppo_epochs):
@@ -206,32 +224,65 @@ class RLTrainer(SpecTrainer):
 
     def generate(self, push_s: float, first: bool = True) -> RolloutBatch:
         """2: this rank's data-parallel share of the step's prompts, G completions each (and
-        the baselines). The ranks that hold the same data-parallel rank (its CP ranks) each
-        generate a share of those completions and exchange them (rl/sharing.py), so each
-        ends with all of them: one call of ``rollout_share`` per rank. ``first`` = False: a
-        further round of rl.dynamic_sampling (the dataloader's next problems, whose index
-        gives its own seeds; never the baselines, which measure the step's first round)."""
-        tok, rl = self.tokenizer, self.rl
-        step_index = self.dataloader.batch_index
+        the baselines), from the weights just pushed. ``first`` = False: a further round of
+        rl.dynamic_sampling (the dataloader's next problems, whose index gives its own
+        seeds; never the baselines, which measure the step's first round)."""
+        return self.run_generation(self.plan_generation(self.step, first), push_s, self._policy_version())
+
+    def plan_generation(self, step: int, first: bool = True) -> Generation:
+        """What step ``step`` generates: the dataloader's next problems (its state moves
+        here, in the trainer's thread), their prompts, seeds and whether it is a baseline step."""
+        rl = self.rl
+        index = self.dataloader.batch_index
         problems = self.dataloader.next_problems(rl.prompts_per_step)
         prompts = [self.dataloader.prompt_ids(p) for p in problems for _ in range(rl.group_size)]
-        baselines = first and bool(rl.baseline_interval and (self.step == 1 or self.step % rl.baseline_interval == 0))
-        seed_base = (self.config.spec.task.seed * 1_000_003 + step_index) * 4096
+        baselines = first and bool(rl.baseline_interval and (step == 1 or step % rl.baseline_interval == 0))
+        return Generation(step, index, problems, prompts, (self.config.spec.task.seed * 1_000_003 + index) * 4096, baselines)
+
+    def run_generation(self, plan: Generation, push_s: float, version: int) -> RolloutBatch:
+        """``plan`` through this rank's engine, which holds weights ``version``. The ranks that
+        hold the same data-parallel rank (its CP ranks) each generate a share of those
+        completions and exchange them (rl/sharing.py), so each ends with all of them: one
+        call of ``rollout_share`` per rank."""
         n = 1 if self.generation_group is None else dist.get_world_size(self.generation_group)
 
         def work(share: list[list[int]], k: int):
             # Share k of data-parallel rank d is generation rank d * n + k: a dp = D x cp = C
             # run's calls are a dp = D * C run's (the same prompts, seed and batch shape).
-            return self.rollout_share(share, seed_base + self.dataloader.dp_rank * n + k, baselines)
+            return self.rollout_share(share, plan.seed_base + self.dataloader.dp_rank * n + k, plan.baselines, plan.step)
 
-        shares = share_work(prompts, work, self.generation_group)
+        shares = share_work(plan.prompts, work, self.generation_group)
         rollouts = [r for share in shares for r in share[0]]
         stats = RolloutStats.combined([share[1] for share in shares])
         base = {name: RolloutStats.combined([share[2][name] for share in shares]) for name in shares[0][2]}
-        return RolloutBatch(problems, rollouts, stats, base, self._policy_version(), push_s)
+        return RolloutBatch(plan.problems, rollouts, stats, base, version, push_s, problem_index=plan.problem_index)
 
-    def rollout_share(self, prompts: list[list[int]], seed: int, baselines: bool):
-        """One rank's share of the step's generation: (rollouts, stats, baseline stats)."""
+    def queued_generate(self) -> tuple[RolloutBatch, float]:
+        """2, asynchronous (rl.async_steps = N; rl/rollout_queue.py): the trainer's weights
+        now (after step t-1) are gathered (collective) and copied, and the generation of step
+        t+N is queued on them (at step 1 or after a resume without saved batches, those of
+        steps t .. t+N); then this step's batch, generated by the weights after step t-1-N,
+        is taken from the queue. Returns it and the seconds all this took."""
+        t0 = time.perf_counter()
+        policy_state, draft_state = self.full_weights()
+        # Copies: the job pushes them later, while the optimizer updates the tensors in place.
+        policy_state = {n: t.detach().clone() for n, t in policy_state.items()}
+        draft_state = None if draft_state is None else {n: t.detach().clone() for n, t in draft_state.items()}
+        version = self._policy_version()
+        for offset in range(len(self.queue), self.rl.async_steps + 1):
+            plan = self.plan_generation(self.step + offset)
+            self.queue.submit(lambda plan=plan: self._pushed_generation(plan, policy_state, draft_state, version))
+        batch, _ = self.queue.next()
+        return batch, time.perf_counter() - t0
+
+    def _pushed_generation(self, plan: Generation, policy_state, draft_state, version: int) -> RolloutBatch:
+        """A queued job (the generation thread): push the weights, generate."""
+        t0 = time.perf_counter()
+        self.worker.push(policy_state, draft_state, version)
+        return self.run_generation(plan, time.perf_counter() - t0, version)
+
+    def rollout_share(self, prompts: list[list[int]], seed: int, baselines: bool, step: int):
+        """One rank's share of step ``step``'s generation: (rollouts, stats, baseline stats)."""
         rl, tok = self.rl, self.tokenizer
         sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
                                   stop_token_ids=tuple(tok.stop_ids), seed=seed)
@@ -239,7 +290,7 @@ class RLTrainer(SpecTrainer):
         # in such a sequence moves its time on CPU (the second of two identical calls measured
         # up to 11% apart from the first), so the order turns over from one baseline step to
         # the next: the step's rollouts, frozen, no-spec; then no-spec, frozen, the step's.
-        turned = baselines and (self.step // max(rl.baseline_interval, 1)) % 2 == 1
+        turned = baselines and (step // max(rl.baseline_interval, 1)) % 2 == 1
         base = self.worker.baselines(prompts, sampling, reverse=True) if turned else {}
         rollouts, stats = self.worker.generate(prompts, sampling)
         if baselines and not turned:
@@ -576,6 +627,8 @@ class RLTrainer(SpecTrainer):
             "rl/logp_mismatch_out_of_band": sums["mismatch_out"] / max(sums["mismatch_tokens"], 1.0),
             "rl/kl": sums["kl"] / ppo_tokens,
             "rl/policy_version": b.policy_version,
+            # Staleness in RL steps: 0 synchronous, rl.async_steps once the queue is full.
+            "rl/policy_lag": (record.policy_version - b.policy_version) / (self.rl.ppo_epochs * self.rl.minibatches),
             "rollout/tokens": tokens,
             "rollout/accept_len": tokens / max(sums["verify"], 1),
             "rollout/tokens_per_s": tokens / max(maxes["rollout"], 1e-9),
@@ -584,6 +637,14 @@ class RLTrainer(SpecTrainer):
             "time/train_s": maxes["train"],
             "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
         })
+        if record.wait_s is not None:  # rl.async_steps: push and rollouts overlapped earlier steps
+            wait = self._reduce({"wait": record.wait_s}, dist.ReduceOp.MAX, pd.get_optional_mesh("loss"))["wait"]
+            out["time/rollout_wait_s"] = wait
+            out["time/step_s"] = wait + maxes["train"]
+        if self.config.spec.mode.trains_draft:
+            drafts = [r.draft_version for r in b.rollouts]
+            out["rl/draft_lag"] = (record.policy_version - min(drafts, default=record.policy_version)) / (
+                self.rl.ppo_epochs * self.rl.minibatches)
         if self.config.spec.rollout.engine != "sglang":  # SGLang does not report its rounds' depths
             # Mean draft tokens proposed per verify round (speculative.depth = "adaptive" varies it).
             out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
@@ -660,6 +721,8 @@ class RLTrainer(SpecTrainer):
 
     def train(self):
         super().train()
+        if self.queue is not None:  # the batches of steps after the last are not trained on
+            self.queue.close()
         self.worker.close()
         if dist.get_rank() == 0:
             summary = write_report(self.config.dump_folder)
@@ -678,6 +741,3 @@ class _LogprobRecorder:
         self.logp = token_logprobs(logits_BLV, labels_BL, self.temperature)
         return self.logp.sum() * 0.0, None
 
-
-def _depth_key() -> str:
-    return f"rollout_depth_rank_{dist.get_rank()}"

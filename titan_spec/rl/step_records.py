@@ -17,7 +17,7 @@ from titan_spec.data.problem import Problem
 from titan_spec.rl.worker import RolloutStats
 from titan_spec.rollout.base import Rollout
 
-__all__ = ["DynamicSampling", "RolloutBatch", "Minibatch", "UpdateStats", "StepRecord"]
+__all__ = ["DynamicSampling", "Generation", "RolloutBatch", "Minibatch", "UpdateStats", "StepRecord"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,23 @@ class DynamicSampling:
     """Groups without reward spread put back to fill the batch (the rounds ran out)."""
     generated: int
     """Groups generated over all rounds."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one step generates, drawn in the trainer's thread (rl/step.py plan_generation)."""
+
+    step: int
+    """The RL step the batch is for (its baseline schedule and baseline order)."""
+    problem_index: int
+    """The dataloader's batch index the problems were drawn at."""
+    problems: list[Problem]
+    prompts: list[list[int]]
+    """len P * G: each problem's prompt ids G times."""
+    seed_base: int
+    """Seeds of the step's calls: seed_base + the generation rank (rl/step.py run_generation)."""
+    baselines: bool
+    """Whether the baselines run too (rl.baseline_interval)."""
 
 
 @dataclass
@@ -53,6 +70,8 @@ class RolloutBatch:
     dynamic: DynamicSampling | None = None
     """rl.dynamic_sampling: what it did this step (DynamicSampling above:
     rounds, groups dropped and topped up); None without it."""
+    problem_index: int = 0
+    """The dataloader's batch index its problems were drawn at (``problems_at``)."""
 
 
 @dataclass
@@ -123,3 +142,10 @@ class StepRecord:
     drift: dict[str, float] = field(default_factory=dict)
     """Sums of the drift estimates over the step's updates (rl/drift.py; empty without a
     reference policy)."""
+    wait_s: float | None = None
+    """rl.async_steps: seconds the step spent before its batch was in hand (the weights
+    gathered and copied for the next job, then the wait for this step's batch); the batch's
+    push and generation overlapped earlier steps. None: the synchronous step."""
+    policy_version: int = 0
+    """Optimizer steps the trainer's weights had seen when the step began (the batch's
+    own ``policy_version`` is the generating weights'; their difference is the staleness)."""
