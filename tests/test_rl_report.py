@@ -152,3 +152,18 @@ def test_regret_of_adaptive_depth_and_start_end_windows_that_do_not_overlap(tmp_
     reward = next(line for line in lines if line.startswith("| reward |"))
     assert reward == f"| reward | {0.2 + 0.5 * 2 / 6:.3f} | {0.2 + 0.5 * 5 / 6:.3f} |"  # steps 1-3 and 4-6
     assert not any("regret" in ln for ln in lines)
+
+
+def test_async_rows_show_the_wait_and_the_lag_and_only_for_an_async_run(tmp_path):
+    rows = synthetic_rows(baselines=False)
+    _write(tmp_path / "sync", rows)
+    assert "async" not in write_report(str(tmp_path / "sync"), plots=False)
+    for r in rows:  # rl.async_steps = 1: the first step waits for its own batch, later ones ~not
+        r["time/rollout_wait_s"] = 1.1 if r["step"] == 1 else 0.2 + 0.01 * r["step"]
+        r["rl/policy_lag"] = 0.0 if r["step"] == 1 else 1.0
+    _write(tmp_path / "async", rows)
+    text = write_report(str(tmp_path / "async"), plots=False)
+    start = sum(0.2 + 0.01 * s for s in range(2, 12)) / 10  # steps 2..11: step 1 pays warm-up
+    end = sum(0.2 + 0.01 * s for s in range(21, 31)) / 10
+    assert f"| wait for the batch s/step (async; push and rollout overlapped) | {start:.3f} | {end:.3f} |" in text
+    assert "| policy lag, steps (async) | 0.9 | 1.0 |" in text  # steps 1-10: one at lag 0

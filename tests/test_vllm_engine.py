@@ -473,18 +473,27 @@ def test_rl_steps_through_vllm_with_the_frozen_draft_baseline(tmp_path):
     draft.reset_parameters()
     save_draft(draft, str(tmp_path / "draft"))
     data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_records(32))
-    rl = str(tmp_path / "rl")
-    (rows,) = train_many(1, [(rl, (
+    common = (
         "--model.hf_checkpoint", str(policy), "--draft.init_from", str(tmp_path / "draft"),
         "--task.name", "dataset", "--task.path", data, "--task.chat_template_kwargs", "{enable_thinking = false}",
         "--training.steps", "3", "--rl.baseline_interval", "1", "--rl.max_new_tokens", "16",
         "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--checkpoint.enable", "false",
         "--rollout.vllm.log_dir", str(tmp_path / "logs"),
-    ))], config="debug_cpu_vllm.toml", timeout=600)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        assert 0.0 <= r["rl/reward"] <= 1.0 and r["rollout/tokens"] > 0 and r["rollout/draft_k"] == 4.0, r
-        assert r["rollout/accept_len_fixed"] == r["rollout/accept_len"], r  # the step's draft, the same call again
-        assert r["rollout/accept_len_frozen"] == r["rollout/accept_len_frozen_fixed"], r
-    assert rows[0]["rollout/accept_len_frozen"] == rows[0]["rollout/accept_len"]  # step 1: the same draft
+    )
+    # The same run again with rl.async_steps = 1: the generation thread pushes and generates
+    # through the server while the steps train (rl/rollout_queue.py), the baselines included.
+    rows, asyn = train_many(1, [(str(tmp_path / "rl"), common),
+                                (str(tmp_path / "rl_async"), (*common, "--rl.async_steps", "1"))],
+                            config="debug_cpu_vllm.toml", timeout=900)
+    for run in (rows, asyn):
+        assert [r["step"] for r in run] == [1, 2, 3]
+        for r in run:
+            assert 0.0 <= r["rl/reward"] <= 1.0 and r["rollout/tokens"] > 0 and r["rollout/draft_k"] == 4.0, r
+            assert r["rollout/accept_len_fixed"] == r["rollout/accept_len"], r  # the step's draft, the same call again
+            assert r["rollout/accept_len_frozen"] == r["rollout/accept_len_frozen_fixed"], r
+        assert run[0]["rollout/accept_len_frozen"] == run[0]["rollout/accept_len"]  # step 1: the same draft
+    assert [(r["rl/policy_version"], r["rl/policy_lag"], r["rl/draft_lag"]) for r in asyn] == [(0, 0, 0), (0, 1, 1), (1, 1, 1)]
+    assert [r["rl/policy_lag"] for r in rows] == [0, 0, 0] and all("time/rollout_wait_s" in r for r in asyn)
+    # Steps 1 and 2 of both runs generate from the starting weights with the same seeds.
+    assert asyn[0]["rollout/tokens"] == rows[0]["rollout/tokens"]
 

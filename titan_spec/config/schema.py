@@ -401,6 +401,12 @@ class VLLMConfig:
     kv_cache_gb: int = 1
     """CPU memory for vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE)."""
 
+    cpus: str = ""
+    """CPU cores the server runs on, as taskset -c takes them ("0", "0-3", "0,2"); vLLM's CPU
+    workers bind their threads to the same cores (VLLM_CPU_OMP_THREADS_BIND). "" = wherever
+    the trainer runs. On a CPU machine a server and a trainer that share cores slow each
+    other, which matters most with rl.async_steps (the two then run at the same time)."""
+
     enforce_eager: bool = True
     """Skip vLLM's torch.compile of the model (start-up on a small CPU is minutes shorter)."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -137,6 +138,8 @@ def _vllm(c: VLLMConfig) -> None:
     check(c.start_timeout_s > 0, "rollout.vllm.start_timeout_s", c.start_timeout_s, "> 0")
     check(c.request_timeout_s > 0, "rollout.vllm.request_timeout_s", c.request_timeout_s, "> 0")
     check(c.max_restarts >= 0, "rollout.vllm.max_restarts", c.max_restarts, ">= 0")
+    check(not c.cpus or re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", c.cpus) is not None, "rollout.vllm.cpus", c.cpus,
+          "'' or a CPU list as taskset -c takes it ('0', '0-3', '0,2')")
 
 
 def _rollout(c: RolloutConfig) -> None:

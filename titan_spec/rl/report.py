@@ -5,7 +5,8 @@ Written next to the TensorBoard logs: ``<dump_folder>/summary.md`` and
 
 - start vs end of the run: reward, acceptance length (under the engine's depth choice, and
   each draft at fixed K: the drafts' quality at equal depth), completion length and its
-  tail, the drift from the starting policy (rl/drift.py), the time split; and the headline:
+  tail, the drift from the starting policy (rl/drift.py), the time split (with
+  rl.async_steps: the wait for the batch and the policy lag); and the headline:
   co-trained / frozen acceptance at fixed K at the end, the adaptive-depth ratio beside it;
 - the three rollout variants side by side (co-trained draft / frozen draft / no
   speculation): reward, acceptance length, rollout and step seconds, each with its ratio to
@@ -109,6 +110,12 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     for key, name in (("time/push_s", "weight push"), ("time/rollout_s", "rollout"), ("time/train_s", "train"),
                       ("time/step_s", "step")):
         lines.append(row(f"{name} s/step", key, (warm, tail)))
+    if any(r.get("time/rollout_wait_s") is not None for r in rl):
+        # rl.async_steps: push and rollout ran beside earlier steps' training; a step paid
+        # only its wait for them (bench/rl_async.py sets this against a synchronous run).
+        lines.append(row("wait for the batch s/step (async; push and rollout overlapped)", "time/rollout_wait_s",
+                         (warm, tail)))
+        lines.append(row("policy lag, steps (async)", "rl/policy_lag", spec=".1f"))
     headline = _headline(b_tail[0] if b_tail else {}, k_fixed)
     regret = _regret_line(base)
     return "\n".join(lines + [x for x in (headline, regret) if x])

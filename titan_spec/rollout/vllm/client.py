@@ -121,9 +121,10 @@ class HttpClient:
 
 
 def launch_server(python: str, llm_kwargs: dict, host: str, port: int, start_timeout_s: float,
-                  request_timeout_s: float, log_path: str, env: dict | None = None, work_dir: str = "") -> HttpClient:
-    """Start the server (its own session, so that its process group can be ended whole)
-    and wait for /health. A server that exits while starting reports its exit code and the
+                  request_timeout_s: float, log_path: str, env: dict | None = None, work_dir: str = "",
+                  cpus: str = "") -> HttpClient:
+    """Start the server (its own session, so that its process group can be ended whole; on
+    the cores ``cpus`` with taskset, its children too) and wait for /health. A server that exits while starting reports its exit code and the
     last lines of its log; one that does not answer within start_timeout_s is killed."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     config_path = f"{log_path}.config.json"
@@ -135,6 +136,8 @@ def launch_server(python: str, llm_kwargs: dict, host: str, port: int, start_tim
     log = open(log_path, "ab")
     cmd = [python, SERVER_SCRIPT, "--host", host, "--port", str(port), "--config", config_path,
            "--parent-pid", str(os.getpid()), "--orphan-cleanup", work_dir]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
     # cwd: a neutral folder, so that no titan_spec folder named vllm shadows the vllm package.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=os.path.dirname(config_path),
                             start_new_session=True)

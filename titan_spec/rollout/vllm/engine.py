@@ -244,12 +244,14 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         log_dir = c.log_dir or tempfile.gettempdir()
         log = os.path.join(log_dir, f"vllm-{port}.log")
         env = {"VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gb)}
+        if c.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = c.cpus
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # The IPC transport shares this rank's GPU memory: the server must run on it.
             uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
             env["CUDA_VISIBLE_DEVICES"] = f"GPU-{uuid}"
         return launch_server(self._python, llm_kwargs, c.host, port, c.start_timeout_s, c.request_timeout_s, log, env,
-                             work_dir=self._work)
+                             work_dir=self._work, cpus=c.cpus)
 
     @property
     def server_pid(self) -> int | None:
