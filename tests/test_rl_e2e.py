@@ -50,11 +50,11 @@ def warm_start(tmp_path_factory):
     return os.path.join(sft, "hf"), os.path.join(draft, "draft")
 
 
-def _rl(warm_start, dump, steps, *extra):
+def _rl(warm_start, dump, steps, *extra, nproc: int = 1):
     from conftest import run_train
 
     hf, draft = warm_start
-    return run_train(dump, 1, (
+    return run_train(dump, nproc, (
         "--model.hf_checkpoint", hf, "--draft.init_from", draft, *TASK,
         "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "128",
         "--rl.prompts_per_step", "16", "--rl.group_size", "8", "--rl.max_new_tokens", "12",
@@ -255,19 +255,31 @@ def test_async_steps_train_on_the_batch_of_the_weights_one_step_older_exactly(wa
 
 def test_async_run_resumes_exactly_with_the_batches_in_flight(warm_start, tmp_path):
     """rl.async_steps = 1 through torchrun: staleness 0 at step 1 and 1 after it (rl/policy_lag,
-    rl/draft_lag); a run stopped at its step-3 checkpoint (which saved the batch of step 4,
-    generated while step 3 trained) and resumed gives the uninterrupted run's metrics, every
+    rl/draft_lag); a run stopped at its step-2 checkpoint (which saved the batch of step 3,
+    generated while step 2 trained) and resumed gives the uninterrupted run's metrics, every
     one but wall-clock time, step for step."""
-    rows = _rl(warm_start, str(tmp_path / "rl"), 6, "--rl.async_steps", "1")
-    assert [r["step"] for r in rows] == list(range(1, 7))
-    assert [r["rl/policy_lag"] for r in rows] == [0, 1, 1, 1, 1, 1]
-    assert [r["rl/draft_lag"] for r in rows] == [0, 1, 1, 1, 1, 1]
-    assert [r["rl/policy_version"] for r in rows] == [0, 0, 1, 2, 3, 4]
+    every2 = ("--rl.async_steps", "1", "--checkpoint.interval", "2")
+    rows = _rl(warm_start, str(tmp_path / "rl"), 4, *every2)
+    assert [r["step"] for r in rows] == list(range(1, 5))
+    assert [r["rl/policy_lag"] for r in rows] == [0, 1, 1, 1]
+    assert [r["rl/draft_lag"] for r in rows] == [0, 1, 1, 1]
+    assert [r["rl/policy_version"] for r in rows] == [0, 0, 1, 2]
     assert all(r["time/rollout_wait_s"] >= 0 for r in rows)
     dump = str(tmp_path / "resumed")
-    first = _rl(warm_start, dump, 3, "--rl.async_steps", "1")
-    resumed = _rl(warm_start, dump, 6, "--rl.async_steps", "1")[3:]
-    assert [r["step"] for r in first + resumed] == list(range(1, 7))
+    first = _rl(warm_start, dump, 2, *every2)
+    resumed = _rl(warm_start, dump, 4, *every2)[2:]
+    assert [r["step"] for r in first + resumed] == list(range(1, 5))
     for a, b in zip(rows, first + resumed):
         same = {k: v for k, v in a.items() if not (k.startswith("time/") or "tokens_per_s" in k)}
         assert {k: b.get(k) for k in same} == same, a["step"]
+
+
+def test_async_steps_under_data_parallelism(warm_start, tmp_path):
+    """rl.async_steps = 1 on 2 data-parallel processes (FSDP, gloo): each rank's generation thread
+    feeds its own engine while the trainer's thread runs the step's collectives (the weight
+    gather, the gradient reductions, the metrics); the lags are those of one process."""
+    rows = _rl(warm_start, str(tmp_path / "dp"), 2, "--rl.async_steps", "1", "--rl.baseline_interval", "0",
+               "--checkpoint.enable", "false", nproc=2)
+    assert [(r["step"], r["rl/policy_version"], r["rl/policy_lag"], r["rl/draft_lag"]) for r in rows] == [
+        (1, 0, 0, 0), (2, 0, 1, 1)]
+    assert all(0.0 <= r["rl/reward"] <= 1.0 and r["rollout/tokens"] > 0 for r in rows)

@@ -42,9 +42,9 @@ def main() -> None:
         rounds.append(rewards_PG.tolist())
         return rewards_PG
 
-    def recording_share(prompts, seed, baselines):
+    def recording_share(prompts, seed, baselines, step):
         seeds.append(seed)
-        return share(prompts, seed, baselines)
+        return share(prompts, seed, baselines, step)
 
     trainer.score, trainer.rollout_share = recording_score, recording_share
     out = []
