@@ -326,9 +326,9 @@ def test_jsonl_task_reports_malformed_lines_and_rejects_or_skips(tmp_path):
          "rl.behaviour_logprobs = 'recompute' does not go with rl.async_steps = 1; allowed: rl.behaviour_logprobs = 'engine'"),
         (["--draft.enable", "true", "--rl.async_steps", "2", "--rl.dynamic_sampling", "true"],
          "rl.dynamic_sampling = True does not go with rl.async_steps = 2"),
-        (["--draft.enable", "true", "--rl.async_steps", "1", "--parallelism.context_parallel_degree", "2",
+        (["--draft.enable", "true", "--rl.async_steps", "1", "--parallelism.tensor_parallel_degree", "2",
           "--parallelism.data_parallel_shard_degree", "1"],
-         "rl.async_steps = 1 runs with data parallelism only; parallelism.context_parallel_degree = 2 is not allowed"),
+         "rl.async_steps = 1 runs with data and context parallelism; parallelism.tensor_parallel_degree = 2 is not allowed"),
     ],
 )
 def test_rl_config_errors(args, needle):

@@ -274,12 +274,23 @@ def test_async_run_resumes_exactly_with_the_batches_in_flight(warm_start, tmp_pa
         assert {k: b.get(k) for k in same} == same, a["step"]
 
 
-def test_async_steps_under_data_parallelism(warm_start, tmp_path):
-    """rl.async_steps = 1 on 2 data-parallel processes (FSDP, gloo): each rank's generation thread
-    feeds its own engine while the trainer's thread runs the step's collectives (the weight
-    gather, the gradient reductions, the metrics); the lags are those of one process."""
-    rows = _rl(warm_start, str(tmp_path / "dp"), 2, "--rl.async_steps", "1", "--rl.baseline_interval", "0",
-               "--checkpoint.enable", "false", nproc=2)
-    assert [(r["step"], r["rl/policy_version"], r["rl/policy_lag"], r["rl/draft_lag"]) for r in rows] == [
-        (1, 0, 0, 0), (2, 0, 1, 1)]
-    assert all(0.0 <= r["rl/reward"] <= 1.0 and r["rollout/tokens"] > 0 for r in rows)
+def test_async_steps_under_data_and_context_parallelism(warm_start, tmp_path):
+    """rl.async_steps = 1 on 2 processes, dp = 2 and then cp = 2 (FSDP, gloo): the generation
+    threads feed their engines (under CP each rank a share of its data-parallel rank's
+    completions, exchanged over the generation group from the threads) while the trainer's
+    threads run the step's collectives (the weight gather, the gradient reductions, the ring
+    attention, the metrics). The lags are those of one process, and the two runs trained on
+    the same rollouts at both steps (a dp = 1 x cp = 2 run's generation calls are a dp = 2
+    run's: the same prompts, seeds and shapes; both batches come from the starting weights)."""
+    common = ("--rl.async_steps", "1", "--rl.baseline_interval", "0", "--checkpoint.enable", "false")
+    runs = {
+        "dp": _rl(warm_start, str(tmp_path / "dp"), 2, *common, nproc=2),
+        "cp": _rl(warm_start, str(tmp_path / "cp"), 2, *common, "--parallelism.context_parallel_degree", "2",
+                  "--parallelism.data_parallel_shard_degree", "1", nproc=2),
+    }
+    for rows in runs.values():
+        assert [(r["step"], r["rl/policy_version"], r["rl/policy_lag"], r["rl/draft_lag"]) for r in rows] == [
+            (1, 0, 0, 0), (2, 0, 1, 1)]
+    for a, b in zip(runs["dp"], runs["cp"]):
+        assert (a["rl/reward"], a["rollout/tokens"], a["rollout/accept_len"]) == (
+            b["rl/reward"], b["rollout/tokens"], b["rollout/accept_len"])

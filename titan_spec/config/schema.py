@@ -553,9 +553,11 @@ class RLConfig:
     starting weights), so N is also the bound on staleness (rl/policy_lag). The PPO ratio's
     denominator is the engine's behaviour log-probs of those weights, which makes the update
     correct off-policy (rl.dual_clip caps a stale token's loss). Needs rl.behaviour_logprobs
-    = "engine", no rl.dynamic_sampling, and data parallelism only (no CP / TP / PP, whose
-    ranks exchange each step's generation). A checkpoint waits for the batches in flight and
-    saves them, so a resume continues with exactly the batches an unbroken run trains on."""
+    = "engine" and no rl.dynamic_sampling; runs with data and context parallelism (under CP
+    the ranks of a data-parallel rank exchange the generation from their threads over a group
+    of their own, rl/sharing.py), not yet with TP or PP.
+    A checkpoint waits for the batches in flight and saves them, so a resume continues with
+    exactly the batches an unbroken run trains on."""
 
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal (advantage 0: no gradient)

@@ -41,7 +41,10 @@ def same_data_group(batch_rank: int, world_size: int) -> dist.ProcessGroup | Non
     groups = [[r for r in range(world_size) if coords[r] == b] for b in sorted(set(coords))]
     if len(groups[0]) == 1:
         return None  # batch mesh = world: data parallel only
-    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    # gloo, whatever the training backend: the exchange is of pickled Python objects (an NCCL
+    # group would copy them to the GPU and back), and with rl.async_steps it runs in the
+    # generation thread, beside the training step's own collectives on the mesh's groups.
+    mine, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
     return mine
 
 
