@@ -272,7 +272,7 @@ class RLTrainer(SpecTrainer):
         for offset in range(len(self.queue), self.rl.async_steps + 1):
             plan = self.plan_generation(self.step + offset)
             self.queue.submit(lambda plan=plan: self._pushed_generation(plan, policy_state, draft_state, version))
-        batch, _ = self.queue.next()
+        batch = self.queue.next()
         return batch, time.perf_counter() - t0
 
     def _pushed_generation(self, plan: Generation, policy_state, draft_state, version: int) -> RolloutBatch:
@@ -616,8 +616,11 @@ class RLTrainer(SpecTrainer):
         pd = self.parallel_dims
         sums = {**self._reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
                 **self._reduce(token_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("loss"))}
+        if record.wait_s is not None:  # rl.async_steps: push and rollouts overlapped earlier steps
+            maxes["wait"] = record.wait_s
         maxes = self._reduce(maxes, dist.ReduceOp.MAX, pd.get_optional_mesh("loss"))
         tokens, ppo_tokens = sums["tokens"], max(sums["policy_tokens"], 1.0)
+        updates_per_step = self.rl.ppo_epochs * self.rl.minibatches  # versions count optimizer steps
         out.update({
             "rl/reward": sums["reward"] / sums["completions"],
             "rl/stop_fraction": sums["stopped"] / sums["completions"],
@@ -628,7 +631,7 @@ class RLTrainer(SpecTrainer):
             "rl/kl": sums["kl"] / ppo_tokens,
             "rl/policy_version": b.policy_version,
             # Staleness in RL steps: 0 synchronous, rl.async_steps once the queue is full.
-            "rl/policy_lag": (record.policy_version - b.policy_version) / (self.rl.ppo_epochs * self.rl.minibatches),
+            "rl/policy_lag": (record.policy_version - b.policy_version) / updates_per_step,
             "rollout/tokens": tokens,
             "rollout/accept_len": tokens / max(sums["verify"], 1),
             "rollout/tokens_per_s": tokens / max(maxes["rollout"], 1e-9),
@@ -637,14 +640,12 @@ class RLTrainer(SpecTrainer):
             "time/train_s": maxes["train"],
             "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
         })
-        if record.wait_s is not None:  # rl.async_steps: push and rollouts overlapped earlier steps
-            wait = self._reduce({"wait": record.wait_s}, dist.ReduceOp.MAX, pd.get_optional_mesh("loss"))["wait"]
-            out["time/rollout_wait_s"] = wait
-            out["time/step_s"] = wait + maxes["train"]
+        if "wait" in maxes:
+            out["time/rollout_wait_s"] = maxes["wait"]
+            out["time/step_s"] = maxes["wait"] + maxes["train"]
         if self.config.spec.mode.trains_draft:
-            drafts = [r.draft_version for r in b.rollouts]
-            out["rl/draft_lag"] = (record.policy_version - min(drafts, default=record.policy_version)) / (
-                self.rl.ppo_epochs * self.rl.minibatches)
+            drafted_by = min((r.draft_version for r in b.rollouts), default=record.policy_version)
+            out["rl/draft_lag"] = (record.policy_version - drafted_by) / updates_per_step
         if self.config.spec.rollout.engine != "sglang":  # SGLang does not report its rounds' depths
             # Mean draft tokens proposed per verify round (speculative.depth = "adaptive" varies it).
             out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)

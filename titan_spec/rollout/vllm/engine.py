@@ -290,12 +290,15 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             except OSError:
                 pass
 
-    def _transport(self, client) -> str:
-        """The server's weight transport (server/titan_spec_vllm_server.py chooses it by its
-        device); asked once per server."""
+    def _info(self, client) -> dict:
+        """The server's /health: device, Triton, the expand fix, the weight transport
+        (server/titan_spec_vllm_server.py chooses it by its device); asked once."""
         if self._server_info is None:
             self._server_info = client.info()
-        return self._server_info.get("transport", "titan_spec_file")
+        return self._server_info
+
+    def _transport(self, client) -> str:
+        return self._info(client)["transport"]
 
     def _extra_push_problems(self, pairs: dict[str, torch.Tensor]) -> list[str]:
         """Fused groups pushed in part (_FUSED says why vLLM needs them whole)."""
@@ -350,9 +353,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         """True where the server's rejection sampler is the policy's distribution: Triton, a
         GPU, or vLLM's CPU stand-ins with cpu_expand_fix.py in every worker
         (SAMPLED_SPECULATION_BROKEN says what happens without it)."""
-        if self._server_info is None:
-            self._server_info = self._call(lambda c: c.info())
-        info = self._server_info
+        info = self._call(self._info)
         return bool(info.get("triton")) or info.get("device") != "cpu" or bool(info.get("expand_fixed"))
 
     def _after_close(self) -> None:
