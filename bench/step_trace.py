@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     for name, lv in levels.items():
         r = result[name] = {"files": len(lv["calls"]), "functions": len(lv["funcs"]), "switches": lv["switches"],
                             "calls": sum(lv["calls"].values()), "by_file": dict(lv["calls"].most_common()),
-                            "switch_pairs": dict(lv["pairs"].most_common())}
+                            "switch_pairs": dict(lv["pairs"].most_common()),
+                            "function_names": sorted(f"{f}:{q}" for f, q in lv["funcs"])}
         print(f"{name:>6} {r['files']:>6} {r['functions']:>10} {r['switches']:>9} {r['calls']:>7}")
     for f, n in levels["step"]["calls"].most_common(12):
         print(f"  {n:>8}  {f}")

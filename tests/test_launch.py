@@ -48,3 +48,21 @@ def test_a_stop_the_rank_handled_adds_nothing(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     noise = [ln for ln in out.stderr.splitlines() if "Warning" not in ln and "_rng_tracker" not in ln and ln.strip()]
     assert len(noise) == 1 and noise[0].startswith("[rank0]:titan_spec: stopped at step 4:"), out.stderr[-3000:]
+
+
+def test_a_config_error_found_by_the_ranks_is_their_one_line(tmp_path):
+    """run_train.sh runs a chain's later runs without a separate `--check` process: each rank
+    checks its config first (titan_spec.train main: load_config, validate_run) and a config
+    error is the one line of rank 0, exit 2, before anything is written."""
+    dump = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")  # as run_train.sh sets it (else torchrun's banner)
+    out = subprocess.run([sys.executable, "-m", "titan_spec.launch", "--standalone", "--nproc_per_node=2",
+                          "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
+                          "-m", "titan_spec.train", "--config", "train_configs/debug_cpu_sft.toml",
+                          "--job.dump_folder", str(dump), "--training.steps", "x"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
+    assert lines == ["[rank0]:titan_spec: config error: command line --training.steps: training.steps = 'x' "
+                     "has the wrong type; it must be an integer"], out.stderr[-3000:]
+    assert not dump.exists()

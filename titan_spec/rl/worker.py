@@ -310,12 +310,8 @@ class RolloutWorker:
     def _priced(self, engine, sampling: SamplingParams) -> float:
         """The last call's decode rounds priced by the shared round-cost table (RolloutStats.
         priced_s); 0 without the table's entry for this sampling mode."""
-        rounds = getattr(engine, "last_rounds", None)
         mode = sampling_mode(sampling.greedy, sampling.top_k, sampling.top_p)
-        if not rounds or mode not in self.costs.table:
-            return 0.0
-        k_max = self._engine_cfg.num_draft_tokens
-        return sum(self.costs.costs(mode, rows, k_max)[k] for k, rows in rounds)
+        return self.costs.price(mode, getattr(engine, "last_rounds", None) or [], self._engine_cfg.num_draft_tokens)
 
     def close(self) -> None:
         for engine in (self.main, self.frozen, self.nospec, *self.fixed.values()):

@@ -148,6 +148,14 @@ class RoundCosts:
         w = (batch - lo) / (hi - lo)
         return [(1 - w) * a + w * b for a, b in zip(rows[lo][: k_max + 1], rows[hi][: k_max + 1])]
 
+    def price(self, mode: str, rounds: list[tuple[int, int]], k_max: int) -> float:
+        """Seconds the table gives a call's decode ``rounds`` ((K, rows) each, an engine's
+        ``last_rounds``): what the call would cost by this table, free of the machine's noise
+        (the RL worker's ``RolloutStats.priced_s``); 0.0 without an entry for ``mode``."""
+        if not rounds or mode not in self.table:
+            return 0.0
+        return sum(self.costs(mode, rows, k_max)[k] for k, rows in rounds)
+
     def state_dict(self) -> dict[str, dict[str, list[float]]]:
         """JSON-ready: {mode: {str(bucket): [seconds per K]}}."""
         return {m: {str(b): list(r) for b, r in rows.items()} for m, rows in self.table.items()}
