@@ -20,11 +20,11 @@ from torchtitan.tools.logging import init_logger
 
 from titan_spec import platform
 from titan_spec.config import ConfigError, load_config
-from titan_spec.data.rewards import RewardError
-from titan_spec.models.registry import active_parameter_count, parameter_count
-from titan_spec.preflight import plan_runs, validate_run, weightless_inputs
-from titan_spec.training.checkpoint import CheckpointCorrupt, CheckpointWriteFailed
-from titan_spec.training.finite import NonFiniteStop
+
+# The preflight, the models and the trainer are imported once the config has loaded (in
+# main and train_and_close): they are most of titan_spec's import time (3-4 s of a ~7 s
+# start here), which a typo in a key or value should not wait for. Their errors and stops
+# are still raised and reported here.
 
 __all__ = ["main", "train_and_close"]
 
@@ -48,18 +48,22 @@ def main(argv: list[str] | None = None) -> int:
         path = argv[i + 1] if i + 1 < len(argv) else None
         del argv[i : i + 2]
     try:
-        if plan_only:
-            print("\n".join(plan_runs(path or "", argv)))
-            return 0
         if no_weights and not check_only:
             raise ConfigError("--no-weights goes with --check only (a run reads its weights)")
-        cfg = load_config(path, argv, check_paths=False)
+        cfg = load_config(path or "", argv, check_paths=False)  # the config's own errors, before the imports below
+        from titan_spec.preflight import plan_runs, validate_run, weightless_inputs
+
+        if plan_only:  # the whole job.requires chain (this config's again, with its inputs)
+            print("\n".join(plan_runs(path or "", argv)))
+            return 0
         trainer_config = validate_run(cfg, weightless_inputs(cfg) if no_weights else None, disk=not no_weights)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"titan_spec: config error: {e}", file=sys.stderr)
         return 2
     if check_only:
         if no_weights:
+            from titan_spec.models.registry import active_parameter_count, parameter_count
+
             arch = trainer_config.arch
             print(f"titan_spec: {path}: checked without its weight files; the target has "
                   f"{parameter_count(arch):,} parameters, {active_parameter_count(arch):,} active per token")
@@ -76,6 +80,10 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
     """Build, train (export, DONE) and close one run; the exit status. A run stopped by the
     finiteness guard, by a checkpoint it cannot resume from or write, or by a reward that
     raised prints one line and returns 1 (no DONE: run_train.sh does not treat it as finished)."""
+    from titan_spec.data.rewards import RewardError
+    from titan_spec.training.checkpoint import CheckpointCorrupt, CheckpointWriteFailed
+    from titan_spec.training.finite import NonFiniteStop
+
     trainer = None
     try:
         trainer = trainer_config.build()

@@ -22,7 +22,8 @@
                loss from the same forward's detached taps and logits (co_training.py);
                backward; clip; the guarded optimizer steps of the policy and the draft
   7 schedule   the LR schedules of both, once per RL step
-  8 metrics    reward, PPO stats, acceptance length, tokens/s, time split (StepRecord)
+  8 metrics    reward, PPO stats, acceptance length, tokens/s, time split, from the
+               step's StepRecord (rl/step_metrics.py)
 
 How it uses torchtitan: ``Trainer.train`` runs the loop (steps, checkpoints through
 titan_spec/training/checkpoint.py, profiler, GC) and calls this ``train_step`` once per step; the
@@ -53,12 +54,13 @@ from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values, unshard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
 from titan_spec.rl.dapo import overlong_penalty
-from titan_spec.rl.drift import DriftMeter, percentile_from_counts
+from titan_spec.rl.drift import DriftMeter
 from titan_spec.rl.dynamic_sampling import dynamic_sample
 from titan_spec.rl.grpo import group_advantages
 from titan_spec.rl.logprobs import token_logprobs
 from titan_spec.rl.mismatch import MismatchSums, tis_weights
 from titan_spec.rl.losses import POLICY_LOSSES
+from titan_spec.rl.step_metrics import rl_step_metrics
 from titan_spec.rl.step_records import Generation, Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
 from titan_spec.rl.rollout_queue import RolloutQueue, batch_from_state, batch_to_state
@@ -72,14 +74,6 @@ __all__ = ["RLTrainer"]
 DEGENERATE_WARN_STEPS = 5
 """Steps in a row in which every group's rewards are identical (all advantages 0, so the
 policy gradient is 0: nothing is learned) before a warning, repeated every as many steps."""
-
-
-def _length_counts(rollouts, max_new_tokens: int) -> dict[str, float]:
-    """len_<n>: completions of n tokens (a histogram summed over ranks: the p90 length)."""
-    counts = {f"len_{n}": 0.0 for n in range(max_new_tokens + 1)}
-    for r in rollouts:
-        counts[f"len_{min(len(r.output_ids), max_new_tokens)}"] += 1.0
-    return counts
 
 
 class RLTrainer(SpecTrainer):
@@ -568,157 +562,11 @@ class RLTrainer(SpecTrainer):
         )
 
     def step_metrics(self) -> dict[str, float]:
+        """torchtitan's step metrics, the draft's, and the RL step's (rl/step_metrics.py)."""
         out = super().step_metrics()
-        record = self.last_step
-        if record is None:
-            return out
-        K = self.config.spec.speculative.num_draft_tokens
-        b, names = record.batch, ("frozen", "nospec", "fixed", "frozen_fixed", *(f"fixed_k{k}" for k in range(1, K)))
-        stats = b.stats
-        # The rollouts are the same on every rank of a data-parallel rank (its CP ranks hold
-        # the group's exchanged rollouts): counted once, summed over the data-parallel ranks ...
-        rollout_sums = {
-            "reward": float(record.rewards_PG.sum()), "completions": len(b.rollouts),
-            "stopped": sum(r.finish_reason == "stop" for r in b.rollouts),
-            "tokens": stats.tokens, "verify": stats.verify_steps,
-            "drafted": stats.drafted_tokens, "rounds": stats.rounds,
-            **_length_counts(b.rollouts, self.rl.max_new_tokens),
-        }
-        if record.shaping_PG is not None:  # DAPO's soft overlong punishment (rl/dapo.py)
-            rollout_sums["shaping"] = float(record.shaping_PG.sum())
-            rollout_sums["shaped"] = float((record.shaping_PG < 0).sum())
-        for n in names:
-            base = b.baselines.get(n)
-            rollout_sums[f"{n}_tokens"], rollout_sums[f"{n}_verify"] = (
-                (base.tokens, base.verify_steps) if base is not None else (0, 0))
-            rollout_sums[f"{n}_drafted"], rollout_sums[f"{n}_rounds"] = (
-                (base.drafted_tokens, base.rounds) if base is not None else (0, 0))
-        # ... the PPO stats are per token of this rank's shard: token-weighted, summed over
-        # every rank that trains on data (dp x cp), means over all completion tokens ...
-        # The engine/trainer mismatch at the step's starting weights (rl/mismatch.py): from the
-        # recompute forward, or the first update's (it runs at those weights).
-        mismatch = (MismatchSums(**record.mismatch) if record.mismatch is not None
-                    else MismatchSums.from_update(record.updates[0]))
-        token_sums = {
-            "policy_tokens": sum(u.policy_tokens for u in record.updates),
-            "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
-            "dual_clip": sum(u.policy_tokens * u.dual_clip_fraction for u in record.updates),
-            "kl": sum(u.policy_tokens * u.kl for u in record.updates),
-            "mismatch_tokens": mismatch.tokens, "mismatch_diff": mismatch.diff_sum,
-            "mismatch_out": mismatch.out_of_band,
-            **record.drift,  # per token of this rank's shard, like the PPO stats
-        }
-        # ... and the slowest rank's seconds.
-        maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s, "mismatch_max": mismatch.diff_max,
-                 "len_max": max((len(r.output_ids) for r in b.rollouts), default=0), "rollout_priced": stats.priced_s,
-                 **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names},
-                 **{f"{n}_priced": b.baselines[n].priced_s if n in b.baselines else 0.0 for n in names}}
-        pd = self.parallel_dims
-        sums = {**self._reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
-                **self._reduce(token_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("loss"))}
-        if record.wait_s is not None:  # rl.async_steps: push and rollouts overlapped earlier steps
-            maxes["wait"] = record.wait_s
-        maxes = self._reduce(maxes, dist.ReduceOp.MAX, pd.get_optional_mesh("loss"))
-        tokens, ppo_tokens = sums["tokens"], max(sums["policy_tokens"], 1.0)
-        updates_per_step = self.rl.ppo_epochs * self.rl.minibatches  # versions count optimizer steps
-        out.update({
-            "rl/reward": sums["reward"] / sums["completions"],
-            "rl/stop_fraction": sums["stopped"] / sums["completions"],
-            "rl/clip_fraction": sums["clip"] / ppo_tokens,
-            "rl/logp_mismatch_mean": sums["mismatch_diff"] / max(sums["mismatch_tokens"], 1.0),
-            "rl/logp_mismatch_max": maxes["mismatch_max"],
-            "rl/logp_mismatch_out_of_band": sums["mismatch_out"] / max(sums["mismatch_tokens"], 1.0),
-            "rl/kl": sums["kl"] / ppo_tokens,
-            "rl/policy_version": b.policy_version,
-            # Staleness in RL steps: 0 synchronous, rl.async_steps once the queue is full.
-            "rl/policy_lag": (record.policy_version - b.policy_version) / updates_per_step,
-            "rollout/tokens": tokens,
-            "rollout/accept_len": tokens / max(sums["verify"], 1),
-            "rollout/tokens_per_s": tokens / max(maxes["rollout"], 1e-9),
-            "time/push_s": maxes["push"],
-            "time/rollout_s": maxes["rollout"],
-            "time/train_s": maxes["train"],
-            "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
-        })
-        if "wait" in maxes:
-            out["time/rollout_wait_s"] = maxes["wait"]
-            out["time/step_s"] = maxes["wait"] + maxes["train"]
-        if self.config.spec.mode.trains_draft:
-            drafted_by = min((r.draft_version for r in b.rollouts), default=record.policy_version)
-            out["rl/draft_lag"] = (record.policy_version - drafted_by) / updates_per_step
-        if self.config.spec.rollout.engine != "sglang":  # SGLang does not report its rounds' depths
-            # Mean draft tokens proposed per verify round (speculative.depth = "adaptive" varies it).
-            out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
-        if len(record.updates) > 1:
-            out["rl/updates"] = len(record.updates)
-        if "shaping" in sums:  # per completion; rl/reward stays the task's reward
-            out["rl/overlong_penalty"] = sums["shaping"] / sums["completions"]
-            out["rl/overlong_fraction"] = sums["shaped"] / sums["completions"]
-        if self.rl.dual_clip:
-            out["rl/dual_clip_fraction"] = sums["dual_clip"] / ppo_tokens
-        counts = [sums[f"len_{n}"] for n in range(self.rl.max_new_tokens + 1)]
-        out.update({"rollout/completion_len": tokens / sums["completions"],
-                    "rollout/completion_len_p90": percentile_from_counts(counts, 0.9),
-                    "rollout/completion_len_max": maxes["len_max"]})
-        if sums.get("drift_tokens"):
-            out["drift/kl"] = sums["drift_k1"] / sums["drift_tokens"]
-            out["drift/kl_k3"] = sums["drift_k3"] / sums["drift_tokens"]
-        if "frozen" in b.baselines:
-            out["rollout/accept_len_frozen"] = sums["frozen_tokens"] / max(sums["frozen_verify"], 1)
-            out["rollout/tokens_per_s_frozen"] = sums["frozen_tokens"] / max(maxes["frozen"], 1e-9)
-            out["rollout/draft_k_frozen"] = sums["frozen_drafted"] / max(sums["frozen_rounds"], 1)
-            out["time/rollout_s_frozen"] = maxes["frozen"]
-        if "nospec" in b.baselines:
-            out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
-            out["time/rollout_s_nospec"] = maxes["nospec"]
-        # The drafts at equal depth (rl/worker.py): tokens per verify at fixed K, the drafts' quality.
-        for n, key in (("fixed", "rollout/accept_len_fixed"), ("frozen_fixed", "rollout/accept_len_frozen_fixed")):
-            if n in b.baselines:
-                out[key] = sums[f"{n}_tokens"] / max(sums[f"{n}_verify"], 1)
-        if "fixed" in b.baselines:
-            out["rollout/fixed_k"] = K
-        # Adaptive depth's regret on this call: its tokens per second against the best fixed
-        # K in 0..K_max on the same prompts and seed (rl/worker.py; K = 0 is no-spec).
-        # Positive: the best single depth would have been that much faster; negative:
-        # choosing per round beat every single depth. Two clocks: the rounds priced by the
-        # engine's own round-cost table (RolloutStats.priced_s: one clock for all, free of
-        # load; the headline) and wall seconds (what the machine did; on a shared CPU calls
-        # run back to back differ by tens of percent, so the best of K_max + 1 noisy calls
-        # is biased upward).
-        sweep = {0: "nospec", **{k: f"fixed_k{k}" for k in range(1, K)}, K: "fixed"}
-        if K >= 1 and all(n in b.baselines for n in sweep.values()):
-            tps = {k: sums[f"{n}_tokens"] / max(maxes[n], 1e-9) for k, n in sweep.items()}
-            out.update({f"rollout/tokens_per_s_fixed_k{k}": tps[k] for k in range(1, K + 1)})
-            out["rollout/depth_regret_wall"] = 1.0 - out["rollout/tokens_per_s"] / max(tps.values())
-            if maxes["rollout_priced"] > 0 and all(maxes[f"{n}_priced"] > 0 for n in sweep.values()):
-                priced = {k: sums[f"{n}_tokens"] / maxes[f"{n}_priced"] for k, n in sweep.items()}
-                best = max(priced, key=priced.get)
-                out["rollout/best_fixed_k"] = best
-                out["rollout/depth_regret"] = 1.0 - (tokens / maxes["rollout_priced"]) / priced[best]
-        # --- rl.dynamic_sampling (rl/dynamic_sampling.py) ------------------------------------
-        # rl/reward above is the kept batch's (the groups trained on); the rollout/ speed and
-        # token metrics count every round's generation (its real cost), so the mean completion
-        # length is retaken on the kept completions. Counted once per data-parallel rank (its CP
-        # ranks hold the same batch): groups summed over the batch mesh, rounds the most any
-        # data-parallel rank used (the step waited for it).
-        if b.dynamic is not None:
-            d, batch_mesh = b.dynamic, pd.get_optional_mesh("batch")
-            ds = self._reduce({"dropped": d.dropped, "topped_up": d.topped_up, "generated": d.generated,
-                               "kept_tokens": sum(len(r.output_ids) for r in b.rollouts)}, dist.ReduceOp.SUM, batch_mesh)
-            out.update({
-                "rl/dynamic_groups_dropped": ds["dropped"], "rl/dynamic_topped_up": ds["topped_up"],
-                "rl/dynamic_groups_generated": ds["generated"],
-                "rl/dynamic_rounds": self._reduce({"rounds": d.rounds}, dist.ReduceOp.MAX, batch_mesh)["rounds"],
-                "rollout/completion_len": ds["kept_tokens"] / sums["completions"],
-            })
+        if self.last_step is not None:
+            out.update(rl_step_metrics(self.last_step, self.config.spec, self.parallel_dims))
         return out
-
-    def _reduce(self, values: dict[str, float], op, mesh) -> dict[str, float]:
-        """``values`` reduced over ``mesh`` (float64, one collective; None: this rank alone)."""
-        t = torch.tensor(list(values.values()), dtype=torch.float64)
-        if mesh is not None:
-            dist.all_reduce(t, op=op, group=mesh.get_group())
-        return dict(zip(values, t.tolist()))
 
     def train(self):
         super().train()
