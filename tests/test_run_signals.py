@@ -92,7 +92,16 @@ def _launch(dump, log):
             "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "false", "--checkpoint.interval", "2"]
     return subprocess.Popen(["bash", os.path.join(ROOT, "run_train.sh"), *args], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT and SIGTERM at their defaults, as a script started from a terminal has them: a
+    suite started in the background (`./run_tests.sh &` without job control) ignores SIGINT,
+    that is inherited, and bash cannot trap a signal ignored when it started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def test_sigterm_to_run_train_stops_every_rank_and_a_rerun_resumes(tmp_path):

@@ -310,8 +310,11 @@ class RolloutWorker:
     def _priced(self, engine, sampling: SamplingParams) -> float:
         """The last call's decode rounds priced by the shared round-cost table (RolloutStats.
         priced_s); 0 without the table's entry for this sampling mode."""
+        rounds = getattr(engine, "last_rounds", None)
+        if not rounds:  # a server engine (vLLM, SGLang) reports no rounds and has no table
+            return 0.0
         mode = sampling_mode(sampling.greedy, sampling.top_k, sampling.top_p)
-        return self.costs.price(mode, getattr(engine, "last_rounds", None) or [], self._engine_cfg.num_draft_tokens)
+        return self.costs.price(mode, rounds, self._engine_cfg.num_draft_tokens)
 
     def close(self) -> None:
         for engine in (self.main, self.frozen, self.nospec, *self.fixed.values()):
