@@ -616,6 +616,9 @@ def test_depth_choice_and_estimate_by_hand():
         c.set("greedy", 4, [1.0, 1.0])
     assert c.missing("greedy", [1, 2, 4], 1) == [2] and c.missing("greedy", [1], 2) == [1]
     assert RoundCosts(c.state_dict(), pinned=True).missing("greedy", [1, 2, 4], 1) == []
+    # A call's rounds (K, rows) priced by the table: 1 plain round at 4 rows, 2 at K = 1 with 2 rows.
+    assert c.price("greedy", [(0, 4), (1, 2), (1, 2)], 1) == pytest.approx(4.0 + 4.0 + 4.0)
+    assert c.price("sample", [(0, 4)], 1) == 0.0 and c.price("greedy", [], 1) == 0.0
 
 
 def test_adaptive_depth_drafts_from_every_position_after_plain_rounds(pair, monkeypatch):
