@@ -163,7 +163,7 @@ def rl_step_metrics(record: StepRecord, spec, pd) -> dict[str, float]:
     if b.dynamic is not None:
         d, batch_mesh = b.dynamic, pd.get_optional_mesh("batch")
         ds = _reduce({"dropped": d.dropped, "topped_up": d.topped_up, "generated": d.generated,
-                           "kept_tokens": sum(len(r.output_ids) for r in b.rollouts)}, dist.ReduceOp.SUM, batch_mesh)
+                      "kept_tokens": sum(len(r.output_ids) for r in b.rollouts)}, dist.ReduceOp.SUM, batch_mesh)
         out.update({
             "rl/dynamic_groups_dropped": ds["dropped"], "rl/dynamic_topped_up": ds["topped_up"],
             "rl/dynamic_groups_generated": ds["generated"],

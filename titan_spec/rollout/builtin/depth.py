@@ -152,9 +152,9 @@ class RoundCosts:
         """Seconds the table gives a call's decode ``rounds`` ((K, rows) each, an engine's
         ``last_rounds``): what the call would cost by this table, free of the machine's noise
         (the RL worker's ``RolloutStats.priced_s``); 0.0 without an entry for ``mode``."""
-        if not rounds or mode not in self.table:
+        if mode not in self.table:
             return 0.0
-        return sum(self.costs(mode, rows, k_max)[k] for k, rows in rounds)
+        return sum((self.costs(mode, rows, k_max)[k] for k, rows in rounds), 0.0)
 
     def state_dict(self) -> dict[str, dict[str, list[float]]]:
         """JSON-ready: {mode: {str(bucket): [seconds per K]}}."""
