@@ -27,7 +27,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import titan_spec.rollout.builtin.engine as torch_engine  # noqa: E402
-from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_vocab_mapping  # noqa: E402
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft  # noqa: E402
+from titan_spec.models.draft.vocab import build_vocab_mapping  # noqa: E402
 from titan_spec.models.registry import build_target_config, flavor_arch  # noqa: E402
 from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
 

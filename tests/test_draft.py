@@ -11,7 +11,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 import titan_spec  # noqa: F401
 from titan_spec.models.attention import doc_metadata_from_positions
-from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_vocab_mapping
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
+from titan_spec.models.draft.vocab import build_vocab_mapping
 from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, load_draft_into, read_draft_arch, save_draft
 from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
 

@@ -86,7 +86,7 @@ class _FakeKind(DraftKind):
     def default_tap_layer_ids(self, n_layers):
         return (n_layers - 1,)
 
-    def arch_from_target(self, target_arch, tap_layer_ids, draft_vocab_size):
+    def arch_from_target(self, target_arch, tap_layer_ids, draft_vocab_size, cfg):
         return _FakeArch(dim=target_arch.dim, tap_layer_ids=tuple(tap_layer_ids))
 
     def build(self, arch):

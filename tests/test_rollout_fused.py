@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_spec.models.draft.eagle3.model import apply_rotary, rotate_half
-from titan_spec.models.draft.eagle3.proposer import RotaryTable
+from titan_spec.models.draft.rotary import RotaryTable, apply_rotary, rotate_half
 from titan_spec.models.fused import FusedLinearWeight
 from titan_spec.models.kv_cache import rms as _rms
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 __all__ = ["DRAFT_KINDS", "tap_ids_problem"]
 
-DRAFT_KINDS: dict[str, int] = {"eagle3": 3}
-"""draft.kind -> how many distinct target layers the draft reads (its taps)."""
+DRAFT_KINDS: dict[str, int] = {"eagle3": 3, "dflash": 0}
+"""draft.kind -> how many distinct target layers the draft reads (its taps); 0 = any number
+from one up (DFlash's fc reads the concatenation of however many it is given)."""
 
 _WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
 
@@ -23,8 +24,8 @@ def tap_ids_problem(ids, n_layers: int | None = None, count: int | None = None) 
     """Why these tap layer ids cannot be used, as the one-line message users see; None = fine.
 
     n_layers: the target's depth (ids must be in 0..n_layers-1; None = not known yet).
-    count: how many distinct ids the draft kind reads (DRAFT_KINDS); None = any number,
-    but no layer twice. The range is checked first, then the count (or the repeats),
+    count: how many distinct ids the draft kind reads (DRAFT_KINDS; 0 = at least one);
+    None = any number, but no layer twice. The range is checked first, then the count (or the repeats),
     the order the preflight checks have always run in (tests pin the messages)."""
     ids = list(ids)
     if n_layers is not None:
@@ -32,9 +33,10 @@ def tap_ids_problem(ids, n_layers: int | None = None, count: int | None = None) 
         if bad:
             return (f"tap layer ids {bad} are out of range: the target has {n_layers} layers, "
                     f"so ids must be in 0..{n_layers - 1}")
-    if count is not None:
-        if len(ids) != count or len(set(ids)) != count:
-            return f"draft.tap_layer_ids = {ids} must be {_WORDS.get(count, count)} distinct layer ids"
-    elif len(set(ids)) != len(ids):
+    if count == 0 and not ids:
+        return "draft.tap_layer_ids = [] names no layer; the draft needs at least one tap"
+    if count and (len(ids) != count or len(set(ids)) != count):
+        return f"draft.tap_layer_ids = {ids} must be {_WORDS.get(count, count)} distinct layer ids"
+    if len(set(ids)) != len(ids):
         return f"tap layer ids {ids} repeat a layer; they must be distinct"
     return None

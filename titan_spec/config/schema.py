@@ -235,7 +235,9 @@ class DraftConfig:
     kind: str = "eagle3"
     """The draft's kind (titan_spec/models/draft/, docs/draft_kinds.md): its model, loss, taps
     and directory format. "eagle3": SpecForge/SGLang's EAGLE-3 draft (one decoder layer over
-    three target taps, trained with training-time test)."""
+    three target taps, trained with training-time test). "dflash": a DFlash block draft in
+    vLLM's layout (draft.num_layers decoder layers over the taps; one forward proposes a block
+    of draft.block_size - 1 tokens)."""
 
     offline: bool = False
     """Offline draft training: the target is frozen and only the draft trains on its taps and
@@ -261,7 +263,25 @@ class DraftConfig:
     """Training-time-test unroll length T."""
 
     loss_decay: float = 0.8
-    """Weight of TTT step j is loss_decay**j."""
+    """Weight of TTT step j is loss_decay**j (DFlash: of block position j + 1; DFlash's
+    exp(-(k - 1) / gamma) is loss_decay = exp(-1 / gamma): gamma 4 -> 0.78, gamma 7 -> 0.87)."""
+
+    block_size: int = 8
+    """DFlash: tokens per block, a known token and the block_size - 1 masked positions after it
+    that one draft forward predicts; the engines verify up to block_size - 1 of them
+    (speculative.num_draft_tokens must not exceed that)."""
+
+    num_layers: int = 1
+    """DFlash: decoder layers of the draft (EAGLE-3 always has one)."""
+
+    anchors_per_doc: int = 64
+    """DFlash: training blocks per packed document at most, evenly spaced over the positions
+    of its loss region (0 = a block at every one of them)."""
+
+    mask_token_id: int = -1
+    """DFlash: the target token id that stands for a masked position in the exported config
+    (vLLM's dflash_config.mask_token_id; the draft's own trained mask embedding replaces that
+    id's embedding, exported as mask_embedding.pt); -1 = the last id of the target vocabulary."""
 
     loss_weight: float = 1.0
     """lambda in total = policy loss + lambda * draft loss."""

@@ -88,6 +88,27 @@ def _draft(c: DraftConfig) -> None:
     why = c.tap_layer_ids and tap_ids_problem(c.tap_layer_ids, count=DRAFT_KINDS[c.kind])
     if why:
         raise ConfigError(why)
+    check(c.block_size >= 2, "draft.block_size", c.block_size, ">= 2 (a known token and at least one to predict)")
+    check(c.num_layers >= 1, "draft.num_layers", c.num_layers, ">= 1")
+    check(c.anchors_per_doc >= 0, "draft.anchors_per_doc", c.anchors_per_doc, ">= 0 (0 = every position)")
+    check(c.mask_token_id >= -1, "draft.mask_token_id", c.mask_token_id, "a token id, or -1 (the last id)")
+
+
+def _draft_block(cfg: TitanSpecConfig) -> None:
+    """A DFlash draft proposes draft.block_size - 1 tokens per forward: the engine cannot verify
+    more, and a block longer than the completion budget would train positions no rollout has."""
+    d = cfg.draft
+    if d.kind != "dflash" or not (d.enable or cfg.rl.enable):
+        return
+    if cfg.speculative.enabled and cfg.speculative.num_draft_tokens > d.block_size - 1:
+        raise ConfigError(f"speculative.num_draft_tokens = {cfg.speculative.num_draft_tokens} is not allowed with "
+                          f"draft.kind = 'dflash' and draft.block_size = {d.block_size}; it must be <= "
+                          f"{d.block_size - 1} (one block proposes block_size - 1 tokens)",
+                          key="speculative.num_draft_tokens")
+    if cfg.rl.enable and d.block_size - 1 > cfg.rl.max_new_tokens:
+        raise ConfigError(f"draft.block_size = {d.block_size} is larger than the completion budget: it must be <= "
+                          f"rl.max_new_tokens + 1 = {cfg.rl.max_new_tokens + 1} (a block predicts block_size - 1 "
+                          "tokens of one completion)", key="draft.block_size")
 
 
 def _speculative(c: SpeculativeConfig) -> None:
@@ -251,6 +272,7 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
             SECTION_CHECKS[type(section)](section)
     t, p = cfg.training, cfg.parallelism
     _moe_balance(cfg)
+    _draft_block(cfg)
     check(t.steps >= 1, "training.steps", t.steps, ">= 1")
     check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
     check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, ">= 1")

@@ -143,7 +143,7 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
                           "(the target vocabulary; a draft trained on another target?)", key="draft.init_from")
     taps = taps or tap_ids_for(cfg, arch.n_layers, kind)
     try:
-        d = kind.arch_from_target(arch, taps, vocab)
+        d = kind.arch_from_target(arch, taps, vocab, cfg.draft)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if found is not None:

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from titan_spec.config import DraftConfig
 
-__all__ = ["CachedProposer", "DraftKind", "DraftLossResult"]
+__all__ = ["BlockProposer", "CachedProposer", "DraftKind", "DraftLossResult"]
 
 
 @dataclass
@@ -60,6 +60,9 @@ class CachedProposer(Protocol):
     per round; built by the kind, ``DraftKind.cached_proposer(draft, embed)``, over the KV-cache
     pieces of models/kv_cache.py. EAGLE-3's is models/draft/eagle3/proposer.CachedDraft."""
 
+    block_size: int
+    """0: a chain (``extend`` proposes the first token, each ``step`` the next one)."""
+
     cache: Any
     """The batch's KV cache (``keep(rows_B)`` drops finished rows; None between batches)."""
 
@@ -77,6 +80,28 @@ class CachedProposer(Protocol):
     def compile(self, backend: str = "inductor") -> None: ...
 
 
+class BlockProposer(Protocol):
+    """A proposer that drafts a whole block in one forward (DFlash: models/draft/dflash/proposer.py
+    ``CachedBlockDraft``); the built-in engine's ``_propose`` takes its second path for it."""
+
+    block_size: int
+    """J > 0: one ``propose`` gives J - 1 proposals; a round verifies the first K <= J - 1."""
+
+    cache: Any
+
+    def new_cache(self, batch: int, slots: int) -> None: ...
+
+    def weights(self) -> tuple[torch.Tensor, ...]: ...
+
+    def extend(self, taps_BLCD, tokens_BL, start_B, n_B, n_slots=None, weights=None) -> None:
+        """Take in the newly committed positions (their taps); nothing is proposed yet."""
+
+    def propose(self, y_B, c_B, n_slots: int, weights=None) -> torch.Tensor:
+        """The block after the pending token y at position c -> logits_B(J-1)Vd of positions c+1 .. c+J-1."""
+
+    def compile(self, backend: str = "inductor") -> None: ...
+
+
 class DraftKind(ABC):
     """One kind of draft model. Stateless: every method takes the arch or the model."""
 
@@ -90,9 +115,11 @@ class DraftKind(ABC):
         """The taps an n_layers target feeds this kind when draft.tap_layer_ids is empty."""
 
     @abstractmethod
-    def arch_from_target(self, target_arch, tap_layer_ids: tuple[int, ...], draft_vocab_size: int) -> Any:
-        """The draft's arch for this target (``tap_layer_ids`` already resolved and checked
-        against the target), checked: ValueError (one line) if it cannot be built."""
+    def arch_from_target(self, target_arch, tap_layer_ids: tuple[int, ...], draft_vocab_size: int,
+                         cfg: DraftConfig) -> Any:
+        """The draft's arch for this target (``tap_layer_ids`` and ``draft_vocab_size`` already
+        resolved against the target and draft.init_from; the kind's own sizes from ``cfg``),
+        checked: ValueError (one line) if it cannot be built."""
 
     @abstractmethod
     def build(self, arch) -> nn.Module:
@@ -145,7 +172,8 @@ class DraftKind(ABC):
 
     # --- serving -----------------------------------------------------------------------
 
-    def cached_proposer(self, model: nn.Module, embed: Callable[[torch.Tensor], torch.Tensor]) -> CachedProposer | None:
+    def cached_proposer(self, model: nn.Module, embed: Callable[[torch.Tensor], torch.Tensor]
+                        ) -> CachedProposer | BlockProposer | None:
         """The built-in engine's proposer over a KV cache for ``model``; ``embed`` maps token
         ids to the target's embeddings (shared, not the draft's). None: this kind does not
         speculate in the built-in engine (it still trains; the engine refuses it with one line)."""

@@ -136,6 +136,10 @@ class TorchRolloutEngine:
             self._check_draft_fits(draft)
             self.draft = draft.to(self.device).eval()
             self._draft = _cached_proposer(self.draft, self._target.embed)
+            block = self._draft.block_size
+            if block and self.K > block - 1:
+                raise ValueError(f"num_draft_tokens = {self.K} is more than the draft's block proposes: it must be "
+                                 f"<= {block - 1} (block_size {block} - 1)")
         self.policy_version = 0
         self.draft_version = 0
         self.adaptive = config.depth == "adaptive" and self.K > 0
@@ -273,8 +277,9 @@ class TorchRolloutEngine:
         done: list[_Request] = []
         P_B = torch.tensor([len(p) for p in prompts], device=dev)
         P = int(max(len(p) for p in prompts))
-        # Slots: prompt + completion, plus room for a final verify window that overshoots.
-        slots = P + sp.max_new_tokens + K_max + 1
+        # Slots: prompt + completion, plus room for a final verify window (or a draft block) that overshoots.
+        ahead = max(K_max, self._draft.block_size - 1) if K_max else 0
+        slots = P + sp.max_new_tokens + ahead + 1
         tw, dw, d2t_Vd = self._new_batch(B, slots)
         tokens_BP = torch.zeros(B, P, dtype=torch.long, device=dev)  # right-padded
         for b, p in enumerate(prompts):
@@ -303,7 +308,7 @@ class TorchRolloutEngine:
                 # Propose K tokens, verify [y, d_1..d_K] in ONE target forward, accept a of them.
                 d_BK = d_idx_BK = q_BKVd = None
                 if K:
-                    d_BK, d_idx_BK, q_BKVd = self._propose(trunk, c_B, c_max, K, sp, gen, dw, d2t_Vd)
+                    d_BK, d_idx_BK, q_BKVd = self._propose(trunk, y_B, c_B, c_max, K, sp, gen, dw, d2t_Vd)
                 verify_BL = torch.cat([y_B[:, None], d_BK], dim=1) if K else y_B[:, None]
                 logits_BLV, taps_BLCD = self._target.forward(verify_BL, c_B, n_slots=c_max + K + 1, fused=tw)
                 a_B, new_BL = self._accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, d2t_Vd, sp, gen)
@@ -377,13 +382,22 @@ class TorchRolloutEngine:
         # est.depth: now and then a probe at K_max where the choice is K = 0 (depth.PROBE_EVERY).
         return est.depth(choose_depth(est.alphas(), [sp.max_new_tokens - len(r.out) for r in reqs], costs))
 
-    def _propose(self, trunk: PendingTrunk, c_B, c_max: int, K: int, sp: SamplingParams, gen, dw, d2t_Vd):
+    def _propose(self, trunk: PendingTrunk, y_B, c_B, c_max: int, K: int, sp: SamplingParams, gen, dw, d2t_Vd):
         """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy).
-        c_max, trunk.slots: host-side slot bounds (no sync); dw: the draft's batch weights."""
-        h_BH, logits_BVd = self._draft.extend(*trunk.joined(), n_slots=trunk.slots, weights=dw)
+        c_max, trunk.slots: host-side slot bounds (no sync); dw: the draft's batch weights.
+        A chain proposes token j from token j-1; a block (DFlash) all K from one forward, each
+        sampled from its own q_j (independent of the others, so the acceptance rule is exact)."""
+        block = self._draft.block_size
+        if block:
+            self._draft.extend(*trunk.joined(), n_slots=trunk.slots, weights=dw)
+            logits_BJVd = self._draft.propose(y_B, c_B, n_slots=c_max + block, weights=dw)
+        else:
+            h_BH, logits_BVd = self._draft.extend(*trunk.joined(), n_slots=trunk.slots, weights=dw)
         d, d_idx, q = [], [], []
         for j in range(K):
-            if j:
+            if block:
+                logits_BVd = logits_BJVd[:, j]
+            elif j:
                 # Step j of the row at c-1 sits at position c-1+j (its branch slot).
                 h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j, n_slots=c_max + j, weights=dw)
             idx_B, q_BVd = sample(logits_BVd, sp, gen)

@@ -30,6 +30,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
+from titan_spec.models.draft.directory import check_vocab_maps, config_field, is_int, read_config_json, weights_file
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.hf_io import read_safetensors_header, write_safetensors_dir
 
@@ -105,62 +106,28 @@ def save_draft(draft: Eagle3Draft, path: str, dtype: torch.dtype = torch.float32
 
 
 def read_draft_arch(path: str) -> DraftArch:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"draft directory {path!r} has no config.json")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path}: not a JSON object of config fields")
-    if "LlamaForCausalLMEagle3" not in (cfg.get("architectures") or []):
-        raise ValueError(f"{cfg_path}: architectures {cfg.get('architectures')} is not LlamaForCausalLMEagle3")
+    cfg_path, cfg = read_config_json(path, "LlamaForCausalLMEagle3", "eagle3")
     eagle = cfg.get("eagle_config") or {}
     ids_field = "eagle_config.eagle_aux_hidden_state_layer_ids"
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     if not ids:
         ids_field, ids = "eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids")
-    if ids and not (isinstance(ids, list) and all(_is_int(i) and i >= 0 for i in ids)):
+    if ids and not (isinstance(ids, list) and all(is_int(i) and i >= 0 for i in ids)):
         raise ValueError(f"{cfg_path}: {ids_field} = {json.dumps(ids)} is not allowed; it must be a list of layer ids "
                          "(integers >= 0)")
-    hidden, heads = _field(cfg_path, cfg, "hidden_size"), _field(cfg_path, cfg, "num_attention_heads")
-    vocab = _field(cfg_path, cfg, "vocab_size")
+    hidden, heads = config_field(cfg_path, cfg, "hidden_size"), config_field(cfg_path, cfg, "num_attention_heads")
+    vocab = config_field(cfg_path, cfg, "vocab_size")
     return DraftArch(
-        hidden=hidden, n_heads=heads, n_kv_heads=_field(cfg_path, cfg, "num_key_value_heads", heads),
-        head_dim=_field(cfg_path, cfg, "head_dim", hidden // heads),
-        intermediate=_field(cfg_path, cfg, "intermediate_size"),
-        target_hidden=_field(cfg_path, cfg, "target_hidden_size", hidden), vocab_size=vocab,
-        draft_vocab_size=_field(cfg_path, cfg, "draft_vocab_size", vocab),
-        rope_theta=_field(cfg_path, cfg, "rope_theta", 10000.0, float),
-        norm_eps=_field(cfg_path, cfg, "rms_norm_eps", 1e-6, float),
-        max_seq_len=_field(cfg_path, cfg, "max_position_embeddings", 2048),
+        hidden=hidden, n_heads=heads, n_kv_heads=config_field(cfg_path, cfg, "num_key_value_heads", heads),
+        head_dim=config_field(cfg_path, cfg, "head_dim", hidden // heads),
+        intermediate=config_field(cfg_path, cfg, "intermediate_size"),
+        target_hidden=config_field(cfg_path, cfg, "target_hidden_size", hidden), vocab_size=vocab,
+        draft_vocab_size=config_field(cfg_path, cfg, "draft_vocab_size", vocab),
+        rope_theta=config_field(cfg_path, cfg, "rope_theta", 10000.0, float),
+        norm_eps=config_field(cfg_path, cfg, "rms_norm_eps", 1e-6, float),
+        max_seq_len=config_field(cfg_path, cfg, "max_position_embeddings", 2048),
         tap_layer_ids=tuple(ids) if ids else (),
     )
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a size
-
-
-def _field(cfg_path: str, cfg: dict, name: str, default=None, kind=int):
-    """config.json's ``name``, a positive integer (``kind`` float: a positive finite number):
-    one line naming the file and the field otherwise. ``default`` stands in for a field that is
-    absent or null (HF writes null for 'derive it'); without one, the field is required."""
-    value = cfg.get(name)
-    if value is None:
-        if default is None:
-            what = "missing" if name not in cfg else "null"
-            raise ValueError(f"{cfg_path}: field {name!r} is {what}; it must be a positive "
-                             f"{'integer' if kind is int else 'number'}")
-        return default
-    ok = _is_int(value) if kind is int else (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                             and math.isfinite(value))
-    if not ok or value <= 0:
-        raise ValueError(f"{cfg_path}: {name} = {json.dumps(value)} is not allowed; it must be a positive "
-                         f"{'integer' if kind is int else 'number'}")
-    return kind(value)
 
 
 def draft_mismatches(found: DraftArch, want: DraftArch) -> list[str]:
@@ -171,13 +138,6 @@ def draft_mismatches(found: DraftArch, want: DraftArch) -> list[str]:
     if found.tap_layer_ids and tuple(found.tap_layer_ids) != tuple(want.tap_layer_ids):
         bad.append(f"tap ids: directory {list(found.tap_layer_ids)} vs config {list(want.tap_layer_ids)}")
     return bad
-
-
-def _weights_file(path: str) -> str:
-    file = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(file):
-        raise ValueError(f"draft directory {path!r} has no model.safetensors")
-    return file
 
 
 def _check_names(path: str, names, full_vocab: bool = False) -> None:
@@ -193,7 +153,7 @@ def _check_names(path: str, names, full_vocab: bool = False) -> None:
 def check_draft_weights(path: str, arch: DraftArch) -> None:
     """The draft directory's model.safetensors holds exactly the export tensors of ``arch``
     with their shapes (header only, no data read; a corrupt or truncated file is named)."""
-    found = read_safetensors_header(_weights_file(path))
+    found = read_safetensors_header(weights_file(path))
     _check_names(path, found, arch.draft_vocab_size == arch.vocab_size)
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in Eagle3Draft(arch).state_dict().items()}
@@ -202,31 +162,7 @@ def check_draft_weights(path: str, arch: DraftArch) -> None:
         raise ValueError(f"draft directory {path}: tensor shapes do not match its config.json and the target: "
                          f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
     if "d2t" in found:
-        _check_vocab_maps(_weights_file(path), arch)
-
-
-def _check_vocab_maps(file: str, arch: DraftArch) -> None:
-    """d2t maps each draft id i to the target id i + d2t[i]: those ids must be distinct ids of
-    the target vocabulary (the engines index the target's logits with them; the built-in
-    engine refuses such a draft only when it starts). Only d2t is read (a few KB)."""
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        d2t = f.get_tensor("d2t")
-    if d2t.is_floating_point() or d2t.dtype == torch.bool:
-        raise ValueError(f"{file}: d2t has dtype {d2t.dtype}; it must hold integer id offsets")
-    ids = torch.arange(d2t.numel()) + d2t.to(torch.long)
-    outside = ((ids < 0) | (ids >= arch.vocab_size)).nonzero().flatten()
-    if outside.numel():
-        i = int(outside[0])
-        raise ValueError(f"{file}: d2t maps {outside.numel()} draft id(s) outside the target vocabulary "
-                         f"0..{arch.vocab_size - 1} (first: draft id {i} -> {int(ids[i])}); target id = i + d2t[i] "
-                         "must be a target id")
-    if ids.unique().numel() != ids.numel():
-        values, counts = ids.unique(return_counts=True)
-        repeated = values[counts > 1]
-        raise ValueError(f"{file}: d2t maps several draft ids onto the same target id ({repeated.numel()} repeated, "
-                         f"first: {int(repeated[0])}); each draft id must have its own target id")
+        check_vocab_maps(weights_file(path), arch)
 
 
 def load_draft_into(draft: Eagle3Draft, path: str) -> None:
@@ -236,7 +172,7 @@ def load_draft_into(draft: Eagle3Draft, path: str) -> None:
     bad = draft_mismatches(found, draft.arch)
     if bad:
         raise ValueError(f"draft directory {path} does not match the target: {'; '.join(bad)}")
-    sd = load_file(_weights_file(path))
+    sd = load_file(weights_file(path))
     sd = {k: v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
     full_vocab = draft.arch.draft_vocab_size == draft.arch.vocab_size
     _check_names(path, sd, full_vocab)

@@ -19,8 +19,9 @@ from titan_spec.models.attention import DocMetadata
 from titan_spec.models.draft.base import DraftKind, DraftLossResult
 from titan_spec.models.draft.eagle3.halo import TTTHalo
 from titan_spec.models.draft.eagle3.io import check_draft_weights, draft_mismatches, load_draft_into, read_draft_arch, save_draft
-from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft, build_vocab_mapping
+from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.proposer import CachedDraft
+from titan_spec.models.draft.vocab import build_vocab_mapping
 from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
 from titan_spec.models.target import default_tap_layer_ids
 
@@ -43,7 +44,7 @@ class Eagle3Kind(DraftKind):
     def default_tap_layer_ids(self, n_layers: int) -> tuple[int, ...]:
         return default_tap_layer_ids(n_layers)
 
-    def arch_from_target(self, target_arch, tap_layer_ids, draft_vocab_size: int) -> DraftArch:
+    def arch_from_target(self, target_arch, tap_layer_ids, draft_vocab_size: int, cfg: DraftConfig) -> DraftArch:
         d = DraftArch.from_target(target_arch, tap_layer_ids, draft_vocab_size)
         d.validate()
         return d

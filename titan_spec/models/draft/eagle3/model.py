@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.models.draft.eagle3.ttt import ttt_unroll
+from titan_spec.models.draft.rotary import apply_rotary
 
-__all__ = ["DraftArch", "Eagle3Draft", "build_vocab_mapping", "apply_rotary", "rotary_cos_sin", "rotate_half"]
+__all__ = ["DraftArch", "Eagle3Draft"]
 
 
 @dataclass(frozen=True)
@@ -83,28 +84,6 @@ class DraftArch:
         if self.hidden != target_dim:
             bad.append(f"draft hidden {self.hidden} != target dim {target_dim} (the draft reads the target's embeddings)")
         return bad
-
-
-def rotary_cos_sin(pos_T: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos_TH, sin_TH of the rotate-half rotary embedding at positions pos_T (float32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos_T.device, dtype=torch.float32) / head_dim))
-    ang_TF = pos_T.to(torch.float32)[:, None] * inv_freq[None, :]
-    ang_TH = torch.cat([ang_TF, ang_TF], -1)
-    return ang_TH.cos(), ang_TH.sin()
-
-
-def rotate_half(x_TNH: torch.Tensor, cos_T1H: torch.Tensor, sin_T1H: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), in float32."""
-    hd = x_TNH.shape[-1]
-    x = x_TNH.float()
-    rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], dim=-1)
-    return (x * cos_T1H + rot * sin_T1H).to(x_TNH.dtype)
-
-
-def apply_rotary(x_TNH: torch.Tensor, pos_T: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half (NeoX / HF Llama) rotary embedding, as SGLang's Llama attention uses."""
-    cos_TH, sin_TH = rotary_cos_sin(pos_T, x_TNH.shape[-1], theta)
-    return rotate_half(x_TNH, cos_TH[:, None], sin_TH[:, None])
 
 
 class _Attention(nn.Module):
@@ -188,17 +167,3 @@ class Eagle3Draft(nn.Module):
         r = h_TH + layer.self_attn.o_proj(attn_TNH.flatten(1))
         out = r + layer.mlp(layer.post_attention_layernorm(r))
         return out, self.lm_head(self.norm(out))
-
-
-def build_vocab_mapping(token_counts_V: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``draft_vocab_size`` target ids by frequency (ties: lower id) -> (d2t, t2d)."""
-    V = token_counts_V.numel()
-    if not 1 <= draft_vocab_size <= V:
-        raise ValueError(f"draft vocab size {draft_vocab_size} must be in 1..{V} (the target vocabulary)")
-    # Stable sort on -count keeps lower ids first among equal counts.
-    order = torch.sort(-token_counts_V.to(torch.float64), stable=True).indices[:draft_vocab_size]
-    ids = torch.sort(order).values
-    d2t = ids - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    return d2t.to(torch.long), t2d

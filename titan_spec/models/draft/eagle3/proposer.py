@@ -9,7 +9,7 @@ K = kv heads, Hd = head dim, Vd = draft vocab, F = gate/up features, n = q + k +
 The cache's slot rule (slot == position; the chain's step-j key in slot t+j, where the TTT
 branch key of training sits) is models/kv_cache.py's. The math is the draft's ``qkv`` and
 ``finish`` (model.py) with q/k/v and gate/up fused (models/fused.py) and the rotary angles
-from a table (``RotaryTable``); tests check it against the TTT unroll.
+from a table (models/draft/rotary.py ``RotaryTable``); tests check it against the TTT unroll.
 """
 
 from __future__ import annotations
@@ -18,26 +18,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_spec.models.draft.eagle3.model import Eagle3Draft, rotary_cos_sin, rotate_half
+from titan_spec.models.draft.eagle3.model import Eagle3Draft
+from titan_spec.models.draft.rotary import RotaryTable, rotate_half
 from titan_spec.models.fused import FusedLinearWeight
 from titan_spec.models.kv_cache import KVCache, Step, attend, require_plain, rms, step_indices, write_kv
 
-__all__ = ["CachedDraft", "RotaryTable"]
-
-
-class RotaryTable:
-    """cos/sin of the draft's rotary embedding (model.rotary_cos_sin) for positions 0..S-1,
-    so gathering a row is the on-the-fly result (the table holds exactly the values the
-    formula computes) without recomputing it per call. Grows on demand; never shrinks."""
-
-    def __init__(self, head_dim: int, theta: float, device=None):
-        self.head_dim, self.theta, self.device = head_dim, float(theta), device
-        self.cos_SHd = self.sin_SHd = torch.empty(0, head_dim, device=device)
-
-    def ensure(self, n_positions: int) -> None:
-        if self.cos_SHd.shape[0] < n_positions:
-            pos_S = torch.arange(n_positions, device=self.device)
-            self.cos_SHd, self.sin_SHd = rotary_cos_sin(pos_S, self.head_dim, self.theta)
+__all__ = ["CachedDraft"]
 
 
 class CachedDraft:
@@ -49,6 +35,9 @@ class CachedDraft:
     step(): one chain step of that row, at position t+j with the embedding of draft
         token j; its key lands in slot t+j (the branch slot, models/kv_cache.py).
     """
+
+    block_size = 0
+    """A chain, not a block (models/draft/base.CachedProposer)."""
 
     def __init__(self, draft: Eagle3Draft, embed):
         self.draft = draft

@@ -1,0 +1,388 @@
+"""The DFlash draft kind (models/draft/dflash/): its block loss and gradients against a per-block
+fp64 reference written here from the DFlash description, its cached block proposer against
+the same reference, lossless speculation with it in the built-in engine (greedy token for
+token, sampled by chi-square), its vLLM-layout directory, and its bad inputs.
+
+Models are tiny and random (vocab 32, as tests/test_rollout_engine.py); a "fitted" draft is
+trained on the target's own completions by the kind's loss for a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from torchtitan.components.loss import IGNORE_INDEX
+
+from titan_spec.config import ConfigError, DraftConfig, load_config
+from titan_spec.models.attention import doc_metadata_from_positions
+from titan_spec.models.draft import draft_kind
+from titan_spec.models.draft.dflash.io import MASK_FILE, export_keys
+from titan_spec.models.draft.vocab import build_vocab_mapping
+from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
+from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+
+from helpers.chi2 import chi2_pvalue
+from test_rollout_engine import check_stats, random_prompts, sampled_tokens_distribution_check
+
+V = 32
+TAPS = (1, 3, 5)
+KIND = draft_kind("dflash")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_target(seed: int):
+    torch.manual_seed(seed)
+    arch = with_vocab(flavor_arch("qwen3", "tiny"), V)
+    model = build_target_config(arch, tap_layer_ids=TAPS, max_seq_len=256).build()
+    model.init_weights(buffer_device=None)
+    with torch.no_grad():  # peaked, varied distributions (as test_rollout_engine.make_target)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+    return model.eval(), arch
+
+
+def make_draft(arch, seed: int, block_size: int = 4, draft_vocab: int = V, n_layers: int = 1, anchors: int = 0):
+    cfg = DraftConfig(kind="dflash", block_size=block_size, num_layers=n_layers, anchors_per_doc=anchors,
+                      draft_vocab_size=draft_vocab)
+    da = KIND.arch_from_target(arch, TAPS, draft_vocab, cfg)
+    counts = torch.rand(V, generator=torch.Generator().manual_seed(seed)) if draft_vocab < V else None
+    draft = KIND.initial(da, counts, seed)
+    with torch.no_grad():  # norms away from 1, so a test that skips one of them fails
+        for n, p in draft.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return draft, cfg
+
+
+def packed_batch(seed: int):
+    """Two documents in one row: prompt rows outside the loss region, a last row without label."""
+    g = torch.Generator().manual_seed(seed)
+    pos_1T = torch.cat([torch.arange(11), torch.arange(9)])[None]
+    tok_1T = torch.randint(0, V, (1, 20), generator=g)
+    labels_1T = torch.roll(tok_1T, -1, 1).clone()
+    labels_1T[0, [0, 1, 2, 10, 11, 12, 19]] = IGNORE_INDEX
+    return tok_1T, pos_1T, labels_1T
+
+
+# --- an independent reference: one block at a time, in fp64 --------------------------------
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x_RNH, pos_R, theta):
+    hd = x_RNH.shape[-1]
+    inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = pos_R.double()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x_RNH[..., : hd // 2], x_RNH[..., hd // 2 :]
+    return x_RNH * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_block_logits(draft, taps_TD: list, emb_TH, pos_T, anchor: int, start: int):
+    """Logits of the J rows of the block anchored at row ``anchor`` of the document starting at
+    ``start``: context rows start .. anchor-1, bidirectional inside the block."""
+    a, p = draft.arch, dict(draft.named_parameters())
+    J, eps, th = a.block_size, a.norm_eps, a.rope_theta
+    ctx = _rms(torch.cat([t[start:anchor] for t in taps_TD], -1) @ p["fc.weight"].T, p["hidden_norm.weight"], eps)
+    h = torch.cat([emb_TH[anchor][None], p["mask_embedding"][None].expand(J - 1, -1)])
+    bpos = pos_T[anchor] + torch.arange(J)
+    rep = a.n_heads // a.n_kv_heads
+    for i in range(a.n_layers):
+        w = {k.removeprefix(f"layers.{i}."): v for k, v in p.items() if k.startswith(f"layers.{i}.")}
+        x = _rms(h, w["input_layernorm.weight"], eps)
+
+        def heads(y, name, n):
+            return y @ w[f"self_attn.{name}_proj.weight"].T if n is None else (y @ w[f"self_attn.{name}_proj.weight"].T).view(len(y), n, a.head_dim)
+
+        q = _rope(_rms(heads(x, "q", a.n_heads), w["self_attn.q_norm.weight"], eps), bpos, th)
+        k = torch.cat([_rope(_rms(heads(ctx, "k", a.n_kv_heads), w["self_attn.k_norm.weight"], eps), pos_T[start:anchor], th),
+                       _rope(_rms(heads(x, "k", a.n_kv_heads), w["self_attn.k_norm.weight"], eps), bpos, th)])
+        v = torch.cat([heads(ctx, "v", a.n_kv_heads), heads(x, "v", a.n_kv_heads)])
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        att = torch.softmax(torch.einsum("qnh,knh->nqk", q, k) / math.sqrt(a.head_dim), -1)
+        h = h + torch.einsum("nqk,knh->qnh", att, v).flatten(1) @ w["self_attn.o_proj.weight"].T
+        y = _rms(h, w["post_attention_layernorm.weight"], eps)
+        h = h + (torch.nn.functional.silu(y @ w["mlp.gate_proj.weight"].T) * (y @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+    return _rms(h, p["norm.weight"], eps) @ p["lm_head.weight"].T
+
+
+def reference_loss(draft, logits_TV, taps_TD, emb_TH, pos_T, labels_T, decay):
+    J = draft.arch.block_size
+    starts = [t for t in range(len(pos_T)) if pos_T[t] == 0] + [len(pos_T)]
+    d2t_ids = torch.arange(draft.arch.draft_vocab_size) + draft.d2t
+    sums, counts, denoms = [0.0] * (J - 1), [0] * (J - 1), [0] * (J - 1)
+    for s, e in zip(starts[:-1], starts[1:]):
+        for anchor in range(s, e):
+            if labels_T[anchor] == IGNORE_INDEX:
+                continue
+            out = torch.log_softmax(reference_block_logits(draft, taps_TD, emb_TH, pos_T, anchor, s), -1)
+            for k in range(1, J):
+                src = anchor + k - 1
+                if src >= e or labels_T[src] == IGNORE_INDEX:
+                    continue
+                denoms[k - 1] += 1  # the normalizer: fixed by positions and labels, before the forward
+                if not draft.t2d[logits_TV[src].argmax()]:
+                    continue
+                p = torch.softmax(logits_TV[src][d2t_ids], -1)
+                sums[k - 1] = sums[k - 1] - (p * out[k]).sum()
+                counts[k - 1] += 1
+    return sum(decay ** (k - 1) * sums[k - 1] / max(denoms[k - 1], 1) for k in range(1, J)), counts
+
+
+@pytest.mark.parametrize("block_size,n_layers,draft_vocab", [(4, 1, V), (3, 2, 20)])
+def test_block_loss_and_gradients_equal_a_per_block_reference(block_size, n_layers, draft_vocab):
+    model, arch = make_target(0)
+    draft, cfg = make_draft(arch, 1, block_size, draft_vocab, n_layers)
+    tok, pos, labels = packed_batch(2)
+    meta = doc_metadata_from_positions(pos)
+    with torch.no_grad():
+        logits, taps = model(tok, pos, meta)
+    draft64 = draft.double()
+    taps64 = type(taps)(taps.embeds_BLD.double(), tuple(h.double() for h in taps.hidden))
+    got = KIND.loss(draft64, logits.double(), taps64, pos, labels, meta, cfg, None, lambda c: c)
+    got.loss.backward()
+    got_grads = {n: p.grad.clone() for n, p in draft64.named_parameters()}
+    draft64.zero_grad()
+    want, counts = reference_loss(draft64, logits[0].double(), [h[0] for h in taps64.hidden], taps64.embeds_BLD[0],
+                                  pos[0], labels[0], cfg.loss_decay)
+    want.backward()
+    # The scored rows are the reference's; the normalizer counts them before the draft-vocab mask.
+    assert got.count_S.tolist() == counts and min(counts) > 0
+    norm_S = KIND.normalizer_counts(pos, labels, meta, cfg)
+    assert (norm_S >= got.count_S).all() and (norm_S == got.count_S).all() == (draft_vocab == V)
+    # The drafts' rotary runs in float32 (as SGLang's and vLLM's cos/sin tables), the reference in fp64.
+    torch.testing.assert_close(got.loss, want, rtol=1e-7, atol=1e-9)
+    for n, p in draft64.named_parameters():
+        torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-6, atol=1e-8, msg=n)
+    assert got_grads["mask_embedding"].abs().sum() > 0 and got_grads["fc.weight"].abs().sum() > 0
+
+
+def test_anchors_per_document_are_capped_evenly_and_deterministically():
+    from titan_spec.models.draft.dflash.loss import block_plan
+
+    pos = torch.cat([torch.arange(30), torch.arange(10)])[None]
+    labels = torch.ones(1, 40, dtype=torch.long)
+    labels[0, :5] = IGNORE_INDEX  # doc 1: rows 5..29 are candidates (25), doc 2: rows 30..39 (10)
+    plan = block_plan(pos, labels, 4)
+    assert plan.anchors_A.tolist() == [5, 11, 17, 23, 30, 32, 35, 37]
+    assert plan.groups == [(0, 4, 0, 30), (4, 8, 30, 40)]
+    assert block_plan(pos, labels, 0).anchors_A.tolist() == list(range(5, 40))
+
+
+# --- the cached proposer ------------------------------------------------------------------
+
+
+def test_cached_block_proposer_equals_the_reference_block():
+    from titan_spec.rollout.builtin.cached_target import CachedTarget
+
+    model, arch = make_target(0)
+    draft, _ = make_draft(arch, 3, block_size=5, n_layers=2)
+    seqs = [[int(t) for t in torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n))] for n in (9, 6)]
+    target = CachedTarget(model, TAPS)
+    prop = KIND.cached_proposer(draft.eval(), target.embed)
+    prop.new_cache(2, 32)
+    with torch.no_grad():
+        taps_BLCD = []
+        for s in seqs:
+            pos = torch.arange(len(s))[None]
+            _, taps = model(torch.tensor([s]), pos, doc_metadata_from_positions(pos))
+            taps_BLCD.append(torch.stack([h[0] for h in taps.hidden], 1))
+        # Context: the first c = 5 positions of each row in one call, then the rest in a second.
+        c = torch.tensor([5, 4])
+        L = max(len(s) for s in seqs)
+        padded = torch.zeros(2, L, len(TAPS), arch.dim)
+        for b, t in enumerate(taps_BLCD):
+            padded[b, : len(t)] = t
+        tokens = torch.zeros(2, L, dtype=torch.long)
+        prop.extend(padded[:, :5], tokens[:, :5], torch.zeros(2, dtype=torch.long), c)
+        y = torch.tensor([seqs[0][5], seqs[1][4]])
+        got_BJV = prop.propose(y, c, n_slots=int(c.max()) + 5)
+        for b, s in enumerate(seqs):
+            emb = model.tok_embeddings(torch.tensor(s))
+            want = reference_block_logits(draft.double(), [h.double() for h in taps_BLCD[b].unbind(1)], emb.double(),
+                                          torch.arange(len(s)), int(c[b]), 0)
+            draft.float()
+            torch.testing.assert_close(got_BJV[b].double(), want[1:], rtol=1e-4, atol=1e-4)
+        # The next round: extend to c' = 7 / 5 (the block's slots become context), propose again.
+        new = torch.stack([padded[0, 5:7], torch.cat([padded[1, 4:5], torch.zeros_like(padded[1, :1])])])
+        prop.extend(new, tokens[:, :2], c, torch.tensor([2, 1]))
+        c2 = torch.tensor([7, 5])
+        got2 = prop.propose(torch.tensor([seqs[0][7], seqs[1][5]]), c2, n_slots=12)
+        for b, s in enumerate(seqs):
+            emb = model.tok_embeddings(torch.tensor(s))
+            want = reference_block_logits(draft.double(), [h.double() for h in taps_BLCD[b].unbind(1)], emb.double(),
+                                          torch.arange(len(s)), int(c2[b]), 0)
+            draft.float()
+            torch.testing.assert_close(got2[b].double(), want[1:], rtol=1e-4, atol=1e-4)
+
+
+# --- speculation in the built-in engine -----------------------------------------------------
+
+
+def fit_draft(model, arch, block_size: int, steps: int = 60, seed: int = 0):
+    """A DFlash draft fitted by its own loss on the target's greedy completions (and a few sampled)."""
+    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    prompts = random_prompts(24, seed + 100)
+    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=40))]
+    seqs += [r.prompt_ids + r.output_ids for r in plain.generate(prompts[:6], SamplingParams(1.0, max_new_tokens=40, seed=seed))]
+    draft, cfg = make_draft(arch, seed, block_size, anchors=0)
+    tok = torch.tensor([t for s in seqs for t in s])[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    labels = torch.roll(tok, -1, 1).clone()
+    labels[pos == torch.roll(pos, -1, 1) + 0] = IGNORE_INDEX  # never: positions differ
+    labels[0, torch.roll(pos, -1, 1)[0] == 0] = IGNORE_INDEX  # a document's last row has no next token
+    meta = doc_metadata_from_positions(pos)
+    with torch.no_grad():
+        logits, taps = model(tok, pos, meta)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    draft.train()
+    for _ in range(steps):
+        loss = KIND.loss(draft, logits, taps, pos, labels, meta, cfg, None, lambda c: c).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    model, arch = make_target(0)
+    return model, arch, fit_draft(model, arch, block_size=8)
+
+
+@pytest.mark.parametrize("which,K", [("fitted", 7), ("fitted", 3), ("random", 2)])
+def test_greedy_speculation_with_a_block_draft_equals_plain(fitted, which, K):
+    model, arch, good = fitted
+    draft = good if which == "fitted" else make_draft(arch, 7, block_size=3, draft_vocab=20)[0].eval()
+    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    spec = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K))
+    tokens = steps = 0
+    for seed in (3, 4):
+        prompts = random_prompts(6, seed)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[int(random_prompts(1, seed)[0][0])])
+        want = plain.generate(prompts, sp)
+        got = spec.generate(prompts, sp)
+        check_stats(got, K)
+        for g, w in zip(got, want):
+            assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+            tokens, steps = tokens + len(g.output_ids), steps + g.verify_steps
+    if which == "fitted" and K == 7:
+        assert tokens / steps > 1.5, tokens / steps  # it really speculates: the equality is not vacuous
+
+
+def test_adaptive_depth_with_a_block_draft_equals_plain(fitted):
+    model, _, draft = fitted
+    prompts = random_prompts(5, 11)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    want = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0)).generate(prompts, sp)
+    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=7, depth="adaptive"))
+    got = engine.generate(prompts, sp)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert set(engine.last_depths) <= set(range(8)) and engine.last_depths
+
+
+@pytest.mark.parametrize("K,sp", [(4, SamplingParams(1.0, max_new_tokens=3, seed=0)),
+                                  (2, SamplingParams(0.8, top_k=10, top_p=0.9, max_new_tokens=3, seed=2))])
+def test_sampled_tokens_with_a_block_draft_follow_the_policy(fitted, K, sp):
+    model, _, draft = fitted
+    res, accepted_per_row = sampled_tokens_distribution_check(model, draft, K, sp)
+    for k in (1, 2, 3):
+        stat, df = res[k]
+        assert df >= 5, (k, df)
+        assert chi2_pvalue(stat, df) > 1e-3, f"token {k}: chi2 = {stat:.1f} on {df} df"
+    stat, df = res["power"]
+    assert chi2_pvalue(stat, df) < 1e-6, "the test cannot tell T from 1.5 T: no power"
+    assert accepted_per_row > 0.3  # drafts are accepted and rejected: both paths run
+
+
+def test_more_draft_tokens_than_the_block_is_one_line(fitted):
+    model, _, draft = fitted
+    with pytest.raises(ValueError) as e:
+        TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=8))
+    assert "\n" not in str(e.value) and "<= 7 (block_size 8 - 1)" in str(e.value)
+
+
+# --- the directory: vLLM's layout, round trip, refusals -------------------------------------
+
+
+def test_export_is_vllms_layout_and_round_trips(tmp_path):
+    model, arch = make_target(0)
+    draft, cfg = make_draft(arch, 5, block_size=6, draft_vocab=20, n_layers=2)
+    path = str(tmp_path / "dflash")
+    KIND.save(draft, path)
+    conf = json.loads(open(os.path.join(path, "config.json")).read())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
+    assert conf["num_hidden_layers"] == 2 and conf["block_size"] == 6 and conf["draft_vocab_size"] == 20
+    assert conf["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": list(TAPS)}
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert names == set(export_keys(draft.arch))
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight", "lm_head.weight", "d2t"} <= names
+    assert not any("mask" in n or "embed" in n for n in names)
+    mask = torch.load(os.path.join(path, MASK_FILE), weights_only=True)
+    assert mask["mask_token_id"] == V - 1 and torch.equal(mask["embedding"], draft.mask_embedding.detach())
+    found = KIND.read_arch(path)
+    assert found == draft.arch and KIND.mismatches(found, draft.arch) == []
+    KIND.check_weights(path, draft.arch)
+    copy = KIND.build(found)
+    KIND.load_into(copy, path)
+    for (n, a), (_, b) in zip(draft.state_dict().items(), copy.state_dict().items()):
+        assert torch.equal(a, b), n
+    # A full-vocabulary draft carries no maps (vLLM has no draft_id_to_target_id then).
+    full, _ = make_draft(arch, 6, block_size=4)
+    KIND.save(full, str(tmp_path / "full"))
+    with safe_open(str(tmp_path / "full" / "model.safetensors"), "pt") as f:
+        assert "d2t" not in f.keys() and "t2d" not in f.keys()
+    # The engine loads it from the directories alone, as the rollout worker does.
+    engine = TorchRolloutEngine(model, copy, TorchEngineConfig(num_draft_tokens=5))
+    assert engine.generate([[1, 2, 3]], SamplingParams(0.0, max_new_tokens=4))[0].output_ids
+
+
+def test_a_directory_of_the_other_kind_is_one_line_naming_the_kind(tmp_path):
+    model, arch = make_target(0)
+    draft, _ = make_draft(arch, 5)
+    KIND.save(draft, str(tmp_path / "dflash"))
+    eagle = draft_kind("eagle3")
+    from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
+
+    e3 = Eagle3Draft(DraftArch.from_target(arch, TAPS, 0))
+    e3.reset_parameters()
+    eagle.save(e3, str(tmp_path / "eagle3"))
+    with pytest.raises(ValueError) as e:
+        eagle.read_arch(str(tmp_path / "dflash"))
+    assert "\n" not in str(e.value) and "set draft.kind = 'dflash'" in str(e.value), e.value
+    with pytest.raises(ValueError) as e:
+        KIND.read_arch(str(tmp_path / "eagle3"))
+    assert "\n" not in str(e.value) and "set draft.kind = 'eagle3'" in str(e.value), e.value
+    os.remove(tmp_path / "dflash" / MASK_FILE)
+    with pytest.raises(ValueError) as e:
+        KIND.check_weights(str(tmp_path / "dflash"), draft.arch)
+    assert "no mask_embedding.pt" in str(e.value)
+
+
+@pytest.mark.parametrize("args,key", [
+    (["--draft.block_size", "40", "--rl.max_new_tokens", "32"], "draft.block_size"),
+    (["--draft.block_size", "4", "--speculative.num_draft_tokens", "4"], "speculative.num_draft_tokens"),
+    (["--draft.tap_layer_ids", "[]", "--draft.block_size", "1"], "draft.block_size"),
+])
+def test_config_errors_of_the_kind_are_one_line(args, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--rl.enable", "true", "--draft.kind", "dflash", *args])
+    assert "\n" not in str(e.value) and key in str(e.value), e.value

@@ -1,0 +1,155 @@
+"""The DFlash block loss over a packed batch: blocks anchored in each document, predicted in one forward.
+
+Shape legend: T = packed tokens (rows of the flat stream), A = blocks (anchors), J = block rows
+(draft.block_size), H = hidden, N / K / Hd = heads / kv heads / head dim, Vd = draft vocab,
+V = target vocab, S = J - 1 loss positions.
+
+Mirrors inference (proposer.py): a block anchored at row a
+  - holds the known token x[a] (its target embedding) at position pos[a], then J - 1 masked
+    rows (the draft's mask embedding) at positions pos[a] + 1 .. pos[a] + J - 1;
+  - attends to the context, the target's tapped features of rows s .. a - 1 of its document
+    (row a's features are what the verify forward has not computed yet), and to all J rows
+    of its own block;
+  - at block row k (1 .. J - 1) is trained against the target's distribution at row a + k - 1
+    (its prediction of x[a + k]), restricted to the draft vocab, weighted decay**(k - 1)
+    (DFlash's exp(-(k - 1) / gamma)).
+Block row k is masked when a + k - 1 leaves the document, when that row is outside the loss
+region (labels == IGNORE), or when the target's argmax there is not in the draft vocab.
+
+Anchors: the rows a of the loss region (labels[a] != IGNORE, so block row 1 trains), at most
+``per_doc`` of them per document, evenly spaced (deterministic: a run, its resume and its
+parallel layouts draw the same blocks). Everything read from the target is detached.
+
+Attention runs per document (its anchors' J rows against its context rows and their own
+blocks) so memory grows with a document's length, not the batch's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchtitan.components.loss import IGNORE_INDEX
+
+from titan_spec.models.draft.base import DraftLossResult
+
+__all__ = ["BlockPlan", "block_loss", "block_plan", "block_targets", "block_valid"]
+
+
+class BlockPlan(NamedTuple):
+    """Where the blocks of one packed stream sit (fixed by positions and labels alone)."""
+
+    anchors_A: torch.Tensor
+    """Row of each block's known token, ascending."""
+    doc_end_A: torch.Tensor
+    """One past the last row of the anchor's document."""
+    groups: list[tuple[int, int, int, int]]
+    """Per document with blocks: (first anchor, one past its last anchor, first row, one past
+    the last row), host ints; anchors of one document are contiguous."""
+
+
+def block_plan(positions_BL: torch.Tensor, labels_BL: torch.Tensor, per_doc: int) -> BlockPlan:
+    """The blocks of a [B, L] batch viewed as one stream (a document starts at position 0 and
+    at every row start). One host transfer of the labels."""
+    B, L = positions_BL.shape
+    starts_BL = (positions_BL == 0).cpu()
+    starts_BL[:, 0] = True
+    bounds = starts_BL.reshape(-1).nonzero().squeeze(1).tolist() + [B * L]
+    cand = (labels_BL.reshape(-1).cpu() != IGNORE_INDEX).nonzero().squeeze(1)
+    anchors, ends, groups = [], [], []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        lo, hi = torch.searchsorted(cand, torch.tensor([s, e])).tolist()
+        n = hi - lo
+        if not n:
+            continue
+        m = min(n, per_doc) if per_doc else n
+        picked = cand[lo + (torch.arange(m) * n) // m]
+        groups.append((len(anchors), len(anchors) + m, s, e))
+        anchors += picked.tolist()
+        ends += [e] * m
+    dev = positions_BL.device
+    return BlockPlan(torch.tensor(anchors, dtype=torch.long, device=dev),
+                     torch.tensor(ends, dtype=torch.long, device=dev), groups)
+
+
+def block_valid(plan: BlockPlan, labels_T: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per block row k = 1 .. J-1: (src_A = a + k - 1, clamped inside the document; valid_A:
+    inside the document and in the loss region). Pure index math."""
+    out = []
+    for k in range(1, block_size):
+        idx = plan.anchors_A + k - 1
+        inside = idx < plan.doc_end_A
+        src = torch.where(inside, idx, plan.anchors_A)
+        out.append((src, inside & (labels_T[src] != IGNORE_INDEX)))
+    return out
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    # Softmax in float32 for bf16/fp32 models; fp64 stays fp64 (the reference tests run there).
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@torch.no_grad()
+def block_targets(draft: nn.Module, plan: BlockPlan, labels_T, target_logits_TV, block_size: int):
+    """Per block row k: (valid_A, target_p_AVd): block_valid plus 'the target's argmax is in the
+    draft vocab'; the target's distribution at a + k - 1 restricted to the draft vocab."""
+    d2t_ids = draft.draft_to_target_ids()
+    out = []
+    for src, valid in block_valid(plan, labels_T, block_size):
+        tgt_AV = _at_least_fp32(target_logits_TV[src])
+        out.append((valid & draft.t2d[tgt_AV.argmax(-1)], torch.softmax(tgt_AV[:, d2t_ids], dim=-1)))
+    return out
+
+
+def _attend(draft: nn.Module, plan: BlockPlan, q_QNH, k_QKH, v_QKH, kc_TKH, vc_TKH):
+    """Each document's block rows over its context rows < anchor and their own block."""
+    a, J = draft.arch, draft.arch.block_size
+    scale = a.head_dim**-0.5
+    outs = []
+    for a0, a1, s, e in plan.groups:
+        q0, q1 = a0 * J, a1 * J
+        anchor_Q = plan.anchors_A[a0:a1].repeat_interleave(J)
+        block_Q = torch.arange(a1 - a0, device=q_QNH.device).repeat_interleave(J)
+        ctx_mask = torch.arange(s, e, device=q_QNH.device)[None, :] < anchor_Q[:, None]
+        own_mask = block_Q[:, None] == block_Q[None, :]
+        keys = torch.cat([kc_TKH[s:e], k_QKH[q0:q1]]).transpose(0, 1)
+        vals = torch.cat([vc_TKH[s:e], v_QKH[q0:q1]]).transpose(0, 1)
+        o_NQH = F.scaled_dot_product_attention(
+            q_QNH[q0:q1].transpose(0, 1), keys, vals, attn_mask=torch.cat([ctx_mask, own_mask], dim=1),
+            scale=scale, enable_gqa=a.n_heads != a.n_kv_heads,
+        )
+        outs.append(o_NQH.transpose(0, 1))
+    return torch.cat(outs) if outs else q_QNH * 0
+
+
+def block_loss(draft: nn.Module, taps, embeds_TH, positions_T, plan: BlockPlan, targets, decay: float = 0.8,
+               count_S: torch.Tensor | None = None) -> DraftLossResult:
+    """The draft's block loss over one packed stream, for ``targets = block_targets(...)``.
+    ``count_S`` (valid rows per block row, summed over data-parallel ranks) normalizes the loss
+    when given, else the local counts do. ``taps``: the C tap tensors [T, Dt] (detached here)."""
+    J, A, H = draft.arch.block_size, plan.anchors_A.numel(), embeds_TH.shape[-1]
+    ctx_TH = draft.context(tuple(t.detach() for t in taps))
+    pos_Q = (positions_T[plan.anchors_A][:, None] + torch.arange(J, device=positions_T.device)).reshape(-1)
+    known_A1H = embeds_TH.detach()[plan.anchors_A][:, None]
+    h_QH = torch.cat([known_A1H, draft.mask_embedding.to(known_A1H.dtype).expand(A, J - 1, H)], dim=1).reshape(A * J, H)
+    for i in range(draft.arch.n_layers):
+        kc_TKH, vc_TKH = draft.context_kv(i, ctx_TH, positions_T)
+        q_QNH, k_QKH, v_QKH = draft.block_qkv(i, h_QH, pos_Q)
+        h_QH = draft.block_finish(i, h_QH, _attend(draft, plan, q_QNH, k_QKH, v_QKH, kc_TKH, vc_TKH))
+    logits_AJVd = draft.logits(h_QH).view(A, J, -1)
+
+    loss_sum, counts, correct, terms = [], [], [], []
+    for k, (valid, tgt_p_AVd) in enumerate(targets, start=1):
+        logits_AVd = logits_AJVd[:, k]
+        ce_A = -(tgt_p_AVd * F.log_softmax(_at_least_fp32(logits_AVd), dim=-1)).sum(-1)
+        step_sum = (ce_A * valid).sum()
+        n = valid.sum()
+        denom = (count_S[k - 1] if count_S is not None else n).clamp(min=1)
+        terms.append((decay ** (k - 1)) * step_sum / denom)
+        loss_sum.append(step_sum.detach())
+        counts.append(n)
+        correct.append(((logits_AVd.argmax(-1) == tgt_p_AVd.argmax(-1)) & valid).sum())
+    return DraftLossResult(loss=torch.stack(terms).sum(), loss_sum_S=torch.stack(loss_sum),
+                           count_S=torch.stack(counts), correct_S=torch.stack(correct))
