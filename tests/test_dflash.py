@@ -31,6 +31,7 @@ from test_rollout_engine import check_stats, random_prompts, sampled_tokens_dist
 V = 32
 TAPS = (1, 3, 5)
 KIND = draft_kind("dflash")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -386,3 +387,44 @@ def test_config_errors_of_the_kind_are_one_line(args, key):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--rl.enable", "true", "--draft.kind", "dflash", *args])
     assert "\n" not in str(e.value) and key in str(e.value), e.value
+
+
+# --- co-training under parallelism: pp = 2 (and FSDP dp = 2) equal pp = 1 ----------------------
+
+
+def test_dflash_under_fsdp_dp2_and_pp2_equals_one_process(tmp_path, many):
+    """The pipeline test's layouts (tests/test_pipeline.py) with the DFlash kind, against one
+    process on the same 4-row batches: FSDP dp = 2 (2 rows a rank, the draft sharded, its
+    normalizer summed over the ranks) and pp = 2 (1F1B, 4 microbatches of a row, the block loss
+    on the last stage from the taps the TapChannel delivers). Equal losses, gradient norms and
+    per-position accuracies at every step, and the exported draft (mask embedding included)
+    within Adam's sign-flip bound."""
+    from safetensors.torch import load_file
+
+    from numerics import assert_adam_weights_close, assert_same_draft_accuracy, assert_same_draft_export
+
+    common = ("--model.name", "llama3",
+              "--training.seq_len", "64", "--training.steps", "3", "--draft.enable", "true", "--draft.kind", "dflash",
+              "--draft.block_size", "4", "--draft.anchors_per_doc", "6", "--draft.draft_vocab_size", "24",
+              "--draft.num_layers", "2", "--checkpoint.enable", "false", "--lr_scheduler.total_steps", "3",
+              "--speculative.num_draft_tokens", "3")
+    pp1 = (*common, "--training.local_batch_size", "2", "--parallelism.pipeline_parallel_degree", "1",
+           "--parallelism.data_parallel_shard_degree", "2")
+    pp2 = (*common, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+           "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.data_parallel_shard_degree", "1")
+    one = (*common, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "1")
+    dumps = [str(tmp_path / "one"), str(tmp_path / "pp1"), str(tmp_path / "pp2")]
+    (ref,) = many(1, [(dumps[0], one)])
+    runs = many(2, [(dumps[1], pp1), (dumps[2], pp2)])
+    assert ref[-1]["draft/loss"] < ref[0]["draft/loss"]
+    want = load_file(os.path.join(dumps[0], "draft/model.safetensors"))
+    mask = torch.load(os.path.join(dumps[0], "draft", MASK_FILE), weights_only=True)["embedding"]
+    for label, dump, rows in zip(("fsdp dp2", "pp2"), dumps[1:], runs):
+        assert [r["step"] for r in rows] == [r["step"] for r in ref] == [1, 2, 3]
+        for a, b in zip(ref, rows):
+            for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), (label, key, a, b)
+            assert_same_draft_accuracy(a, b, 3, label)
+        assert_same_draft_export(load_file(os.path.join(dump, "draft/model.safetensors")), want, 3e-3, 3, label)
+        got_mask = torch.load(os.path.join(dump, "draft", MASK_FILE), weights_only=True)["embedding"]
+        assert_adam_weights_close(got_mask, mask, 3e-3, 3, msg=f"{label}: mask embedding")
