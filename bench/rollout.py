@@ -1,5 +1,5 @@
-# Benchmark: the built-in rollout engine, speculative (EAGLE-3) vs plain decoding, and
-# adaptive speculation depth vs every fixed depth.
+# Benchmark: the built-in rollout engine, speculative vs plain decoding, adaptive speculation
+# depth vs every fixed depth, and (--vs-draft) one draft kind against another.
 #
 # Measures completion tokens/s and acceptance length (completion tokens / target forwards,
 # the prefill included; "sglang_accept" excludes the prefill as SGLang's spec_verify_ct does)
@@ -15,6 +15,10 @@
 #              same shape: what a stale draft costs
 #   distilled  (optional, --distill-steps N) the trained draft fine-tuned by TTT on the
 #              policy's own rollouts, fixed K_max
+#   <kind>_fixed_k, <kind>_adaptive  (--vs-draft DIR, --vs-draft-kind KIND) a second draft, of
+#              another kind (default: a DFlash block draft), at every fixed K and adaptive, in the
+#              same interleaved passes on the same prompts; its adaptive engine has its own cost
+#              table (a block costs what it costs). "kinds" in the JSON compares the two drafts.
 # Every timed pass runs --requests prompts (or `batch`, when larger) through each engine,
 # `batch` per generate call (batch 1: one request after another), so acceptance and tokens/s
 # are not one prompt's, and adaptive depth carries its acceptance estimate from call to call
@@ -60,7 +64,7 @@ import torch  # noqa: E402
 
 import titan_spec  # noqa: E402,F401
 from titan_spec.data.tokenizer import CharTokenizer  # noqa: E402
-from titan_spec.models.draft.eagle3.model import Eagle3Draft  # noqa: E402
+from titan_spec.models.draft import draft_kind  # noqa: E402
 from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
 from titan_spec.rollout.builtin.depth import RoundCosts  # noqa: E402
 from titan_spec.config import load_config  # noqa: E402
@@ -71,6 +75,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="rollout engine: speculative vs plain decoding")
     p.add_argument("--policy", default="", help="HF policy dir (default: outputs/debug_cpu/hf, else train one)")
     p.add_argument("--draft", default="", help="draft dir (default: outputs/offline_draft/draft, else train one)")
+    p.add_argument("--draft-kind", default="eagle3", help="the kind of --draft (draft.kind)")
+    p.add_argument("--vs-draft", default="", help="a second draft dir, benched beside --draft on the same prompts")
+    p.add_argument("--vs-draft-kind", default="dflash", help="the kind of --vs-draft")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K_max: fixed K = 1..K_max and adaptive's maximum")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--temperatures", default="0,1")
@@ -191,11 +198,11 @@ def main(argv=None) -> int:
     temps = [float(t) for t in args.temperatures.split(",")]
     costs = RoundCosts()  # shared by the adaptive engines (same model shapes)
 
-    def engine(k, depth="fixed", draft_dir_=draft_dir):
+    def engine(k, depth="fixed", draft_dir_=draft_dir, kind=args.draft_kind, costs_=costs):
         cfg = TorchEngineConfig(num_draft_tokens=k, depth=depth, compile=args.compile)
-        e = TorchRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg,
-                                               max_seq_len=max(512, 64 + args.max_new_tokens + K + 1), device=args.device)
-        e.costs = costs
+        e = TorchRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg, draft_kind_name=kind,
+                                               max_seq_len=max(512, 64 + args.max_new_tokens + 2 * K + 16), device=args.device)
+        e.costs = costs_
         return e
 
     engines = {"plain": engine(0)}
@@ -206,12 +213,17 @@ def main(argv=None) -> int:
         engines["untrained_adaptive"] = engine(K, "adaptive")
         with torch.no_grad():
             torch.manual_seed(args.seed)
-            fresh = Eagle3Draft(engines["adaptive"].draft.arch)
+            fresh = draft_kind(args.draft_kind).build(engines["adaptive"].draft.arch)
             fresh.reset_parameters()
             sd = engines["adaptive"].draft.state_dict()
             new = {k: v for k, v in fresh.state_dict().items() if k not in ("d2t", "t2d")} | {"d2t": sd["d2t"], "t2d": sd["t2d"]}
             for name in ("untrained", "untrained_adaptive"):
                 engines[name].update_draft_weights(new, version=1)
+    vs = args.vs_draft_kind if args.vs_draft else ""
+    if vs:
+        vs_costs = RoundCosts()
+        engines |= {f"{vs}_fixed_{k}": engine(k, draft_dir_=args.vs_draft, kind=vs, costs_=vs_costs) for k in range(1, K + 1)}
+        engines[f"{vs}_adaptive"] = engine(K, "adaptive", args.vs_draft, vs, vs_costs)
     if args.distill_steps:
         engines["distilled"] = engine(K)
         t0 = time.perf_counter()
@@ -237,7 +249,7 @@ def main(argv=None) -> int:
                 ratio = lambda key: statistics.median(p[name][key] / p["plain"][key] for p in passes)  # noqa: E731
                 rows.append({
                     "temperature": T, "batch": B, "engine": name,
-                    "K": 0 if name == "plain" else int(name.split("_")[1]) if name.startswith("fixed_") else K,
+                    "K": 0 if name == "plain" else int(name.rsplit("_", 1)[1]) if "fixed_" in name else K,
                     "tok_s": statistics.median(r["tok_s"] for r in rs),
                     "accept_len": statistics.median(r["accept_len"] for r in rs),
                     "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
@@ -250,9 +262,11 @@ def main(argv=None) -> int:
 
     summary = _summary(rows, K)
     summary_cpu = _summary(rows, K, "tok_cpu_s")
+    kinds = _kinds(rows, K, args.draft_kind, vs) if vs else []
     result = {
         "benchmark": "rollout_engine",
-        "policy": policy, "draft": draft_dir, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
+        "policy": policy, "draft": draft_dir, "draft_kind": args.draft_kind, "vs_draft": args.vs_draft,
+        "vs_draft_kind": vs, "kinds": kinds, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
         "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(), "device": args.device,
         "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "torch": torch.__version__, "rows": rows, "adaptive_vs_fixed": summary, "adaptive_vs_fixed_cpu": summary_cpu,
@@ -265,6 +279,9 @@ def main(argv=None) -> int:
     print(_summary_table(summary))
     print("\nthis process's CPU time (other jobs' load does not stretch it):")
     print(_summary_table(summary_cpu))
+    if kinds:
+        print(f"\ndraft kinds on the same prompts ({args.draft_kind} vs {vs}; speedups against plain, same passes):")
+        print(_kinds_table(kinds, K))
     print("\nround costs (ms per round at K = 0..K_max, frozen after the warm-up):")
     for m, rb in result["round_costs_ms"].items():
         for b, r in rb.items():
@@ -300,6 +317,33 @@ def _summary(rows: list[dict], K: int, key: str = "tok_s") -> list[dict]:
             row["untrained_fixed_vs_plain"] = vs("untrained", "plain")
         out.append(row)
     return out
+
+
+def _kinds(rows: list[dict], K: int, main: str, vs: str) -> list[dict]:
+    """Per (T, batch): both drafts' acceptance length and speedup at fixed K_max and adaptive
+    (``main``'s engines are fixed_k / adaptive, ``vs``'s <vs>_fixed_k / <vs>_adaptive)."""
+    out = []
+    for T, B in sorted({(r["temperature"], r["batch"]) for r in rows}):
+        cell = {r["engine"]: r for r in rows if (r["temperature"], r["batch"]) == (T, B)}
+        row = {"temperature": T, "batch": B}
+        for kind, prefix in ((main, ""), (vs, f"{vs}_")):
+            fixed, adaptive = cell[f"{prefix}fixed_{K}"], cell[f"{prefix}adaptive"]
+            row[kind] = {"accept_len_fixed": fixed["accept_len"], "speedup_fixed": fixed["speedup"],
+                         "accept_len_adaptive": adaptive["accept_len"], "speedup_adaptive": adaptive["speedup"],
+                         "draft_k_adaptive": adaptive["draft_k"]}
+        out.append(row)
+    return out
+
+
+def _kinds_table(kinds: list[dict], K: int) -> str:
+    names = [k for k in kinds[0] if k not in ("temperature", "batch")]
+    head = "|    T | batch | " + " | ".join(f"{n}: accept len K={K} / speedup / adaptive (draft_k)" for n in names) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in kinds:
+        lines.append(f"| {r['temperature']:>4g} | {r['batch']:>5} | " + " | ".join(
+            f"{r[n]['accept_len_fixed']:.2f} / {r[n]['speedup_fixed']:.2f}x / {r[n]['speedup_adaptive']:.2f}x "
+            f"({r[n]['draft_k_adaptive']:.2f})" for n in names) + " |")
+    return "\n".join(lines)
 
 
 def _summary_table(summary: list[dict]) -> str:

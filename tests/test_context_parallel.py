@@ -128,7 +128,7 @@ def _layout_and_compile_worker(rank, world, init_file):
     # t's document and has a label. Chunks shorter than the step count included.
     from torchtitan.components.loss import IGNORE_INDEX
 
-    from titan_spec.models.draft.eagle3.halo import TTTHalo
+    from titan_spec.models.draft.halo import TTTHalo
 
     for doc_lens in ((1, 2, 3, 1, 5), (9, 1, 16, 2, 7), (30,)):
         layout = ZigzagLayout(doc_lens, world)

@@ -173,15 +173,23 @@ def test_block_loss_and_gradients_equal_a_per_block_reference(block_size, n_laye
 
 
 def test_anchors_per_document_are_capped_evenly_and_deterministically():
-    from titan_spec.models.draft.dflash.loss import block_plan
+    from titan_spec.models.draft.dflash.loss import block_plan, doc_bounds_of
 
     pos = torch.cat([torch.arange(30), torch.arange(10)])[None]
-    labels = torch.ones(1, 40, dtype=torch.long)
-    labels[0, :5] = IGNORE_INDEX  # doc 1: rows 5..29 are candidates (25), doc 2: rows 30..39 (10)
-    plan = block_plan(pos, labels, 4)
-    assert plan.anchors_A.tolist() == [5, 11, 17, 23, 30, 32, 35, 37]
+    labels = torch.ones(40, dtype=torch.long)
+    labels[:5] = IGNORE_INDEX  # doc 1: rows 5..29 are candidates (25), doc 2: rows 30..39 (10)
+    bounds = doc_bounds_of(pos)
+    assert bounds == [0, 30, 40]
+    plan = block_plan(bounds, labels, 4)
+    assert plan.anchors_S.tolist() == plan.rows_A.tolist() == [5, 11, 17, 23, 30, 32, 35, 37]
     assert plan.groups == [(0, 4, 0, 30), (4, 8, 30, 40)]
-    assert block_plan(pos, labels, 0).anchors_A.tolist() == list(range(5, 40))
+    assert block_plan(bounds, labels, 0).anchors_S.tolist() == list(range(5, 40))
+    # A CP rank keeps the blocks anchored on its rows, at their local rows.
+    mine = torch.zeros(40, dtype=torch.bool)
+    mine[[11, 23, 32]] = True
+    kept = block_plan(bounds, labels, 4, mine, torch.arange(40) + 100)
+    assert kept.anchors_S.tolist() == [11, 23, 32] and kept.rows_A.tolist() == [111, 123, 132]
+    assert kept.groups == [(0, 2, 0, 30), (2, 3, 30, 40)]
 
 
 # --- the cached proposer ------------------------------------------------------------------
@@ -392,13 +400,14 @@ def test_config_errors_of_the_kind_are_one_line(args, key):
 # --- co-training under parallelism: pp = 2 (and FSDP dp = 2) equal pp = 1 ----------------------
 
 
-def test_dflash_under_fsdp_dp2_and_pp2_equals_one_process(tmp_path, many):
-    """The pipeline test's layouts (tests/test_pipeline.py) with the DFlash kind, against one
-    process on the same 4-row batches: FSDP dp = 2 (2 rows a rank, the draft sharded, its
-    normalizer summed over the ranks) and pp = 2 (1F1B, 4 microbatches of a row, the block loss
-    on the last stage from the taps the TapChannel delivers). Equal losses, gradient norms and
-    per-position accuracies at every step, and the exported draft (mask embedding included)
-    within Adam's sign-flip bound."""
+def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
+    """The DFlash kind under each parallelism, against one process on the same 4-row batches:
+    FSDP dp = 2 (2 rows a rank, the draft sharded, its normalizer summed over the ranks),
+    pp = 2 (1F1B, 4 microbatches of a row, the block loss on the last stage from the taps the
+    TapChannel delivers) and cp = 2 (zigzag shards: every rank gathers the documents' context
+    rows, trains the blocks anchored on its rows, and reads the target's logits across the
+    boundary through the halo). Equal losses, gradient norms and per-position accuracies at
+    every step, and the exported draft (mask embedding included) within Adam's sign-flip bound."""
     from safetensors.torch import load_file
 
     from numerics import assert_adam_weights_close, assert_same_draft_accuracy, assert_same_draft_export
@@ -413,13 +422,15 @@ def test_dflash_under_fsdp_dp2_and_pp2_equals_one_process(tmp_path, many):
     pp2 = (*common, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
            "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.data_parallel_shard_degree", "1")
     one = (*common, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "1")
-    dumps = [str(tmp_path / "one"), str(tmp_path / "pp1"), str(tmp_path / "pp2")]
+    cp2 = (*common, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "1",
+           "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
+    dumps = [str(tmp_path / "one"), str(tmp_path / "pp1"), str(tmp_path / "pp2"), str(tmp_path / "cp2")]
     (ref,) = many(1, [(dumps[0], one)])
-    runs = many(2, [(dumps[1], pp1), (dumps[2], pp2)])
+    runs = many(2, [(dumps[1], pp1), (dumps[2], pp2), (dumps[3], cp2)])
     assert ref[-1]["draft/loss"] < ref[0]["draft/loss"]
     want = load_file(os.path.join(dumps[0], "draft/model.safetensors"))
     mask = torch.load(os.path.join(dumps[0], "draft", MASK_FILE), weights_only=True)["embedding"]
-    for label, dump, rows in zip(("fsdp dp2", "pp2"), dumps[1:], runs):
+    for label, dump, rows in zip(("fsdp dp2", "pp2", "cp2"), dumps[1:], runs):
         assert [r["step"] for r in rows] == [r["step"] for r in ref] == [1, 2, 3]
         for a, b in zip(ref, rows):
             for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm"):

@@ -97,16 +97,10 @@ def _draft(c: DraftConfig) -> None:
 def _draft_block(cfg: TitanSpecConfig) -> None:
     """A DFlash draft proposes draft.block_size - 1 tokens per forward: the engine cannot verify
     more, and a block longer than the completion budget would train positions no rollout has.
-    Its context is every earlier row of a document, which context parallelism splits over the
-    ranks (not built yet), and SGLang serves EAGLE-3 drafts only."""
+    SGLang serves EAGLE-3 drafts only."""
     d = cfg.draft
     if d.kind != "dflash" or not (d.enable or cfg.rl.enable):
         return
-    cp = cfg.parallelism.context_parallel_degree
-    if cp > 1:
-        raise ConfigError(f"draft.kind = 'dflash' does not train under context parallelism yet: "
-                          f"parallelism.context_parallel_degree = {cp} must be 1 (or use draft.kind = 'eagle3')",
-                          key="parallelism.context_parallel_degree")
     if cfg.rl.enable and cfg.rollout.engine == "sglang" and cfg.speculative.enabled:
         raise ConfigError("draft.kind = 'dflash' is not served by rollout.engine = 'sglang' (titan_spec drives "
                           "SGLang's EAGLE-3 only); allowed: rollout.engine = 'torch' or 'vllm'", key="rollout.engine")

@@ -19,6 +19,8 @@ __all__ = ["KIND_OF_ARCHITECTURE", "check_vocab_maps", "config_field", "is_int",
 KIND_OF_ARCHITECTURE = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
 """config.json ``architectures`` -> the draft.kind that reads it."""
 
+_NAMES = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}
+
 
 def read_config_json(path: str, architecture: str, kind: str) -> tuple[str, dict]:
     """(config.json's path, its fields) of a draft directory whose ``architectures`` names
@@ -36,8 +38,8 @@ def read_config_json(path: str, architecture: str, kind: str) -> tuple[str, dict
     archs = cfg.get("architectures") or []
     if architecture not in archs:
         other = next((KIND_OF_ARCHITECTURE[a] for a in archs if a in KIND_OF_ARCHITECTURE), None)
-        hint = (f" (a {other} draft: set draft.kind = {other!r}, or give a {kind} draft directory)" if other
-                else f" (draft.kind = {kind!r} reads {architecture} directories)")
+        hint = (f" (it is {_NAMES[other]} draft: set draft.kind = {other!r}, or give {_NAMES[kind]} draft directory)"
+                if other else f" (draft.kind = {kind!r} reads {architecture} directories)")
         raise ValueError(f"{cfg_path}: architectures {archs} is not {architecture}{hint}")
     return cfg_path, cfg
 

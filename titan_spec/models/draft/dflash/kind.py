@@ -1,6 +1,6 @@
 """DFlash as a draft kind (``draft.kind = "dflash"``): models/draft/base.DraftKind over model.py
-(the block draft), loss.py (its block loss), io.py (vLLM's directory) and proposer.py (the
-built-in engine's block proposer).
+(the block draft), loss.py (its block loss), context.py (the loss under context parallelism),
+io.py (vLLM's directory) and proposer.py (the built-in engine's block proposer).
 
 Shape legend: B = batch rows, L = row length, T = B*L packed tokens, V = target vocab,
 S = block_size - 1 loss positions.
@@ -13,23 +13,57 @@ import torch
 from titan_spec.config import DraftConfig
 from titan_spec.models.attention import DocMetadata
 from titan_spec.models.draft.base import DraftKind, DraftLossResult
+from titan_spec.models.draft.dflash.context import CPStream
 from titan_spec.models.draft.dflash.io import (
     check_dflash_weights, dflash_mismatches, load_dflash_into, read_dflash_arch, save_dflash,
 )
-from titan_spec.models.draft.dflash.loss import block_plan, block_targets, block_valid
+from titan_spec.models.draft.dflash.loss import block_plan, block_targets, block_valid, doc_bounds_of
 from titan_spec.models.draft.dflash.model import DFlashArch, DFlashDraft, default_dflash_tap_ids
 from titan_spec.models.draft.dflash.proposer import CachedBlockDraft
+from titan_spec.models.draft.halo import TTTHalo
 from titan_spec.models.draft.vocab import build_vocab_mapping
 
 __all__ = ["KIND", "DFlashKind"]
 
 
-def _no_cp(meta) -> None:
-    # A block's context is every earlier row of its document, which under context parallelism
-    # lives on every rank; the preflight refuses the combination first (this is the backstop).
-    if meta is not None and not isinstance(meta, DocMetadata):
-        raise ValueError("draft.kind = 'dflash' does not train under context parallelism yet "
-                         "(parallelism.context_parallel_degree must be 1)")
+def _is_cp_shard(meta) -> bool:
+    # As eagle3/kind.py: attention metadata that is not a DocMetadata is a context-parallel
+    # shard (parallelisms/context_parallel.CPMetadata, not imported: a higher floor).
+    return meta is not None and not isinstance(meta, DocMetadata)
+
+
+class _Blocks:
+    """A (micro)batch's blocks and the stream they attend to: the local rows in one process;
+    under context parallelism the global stream (context.py), this rank's blocks only."""
+
+    def __init__(self, positions_BL, labels_BL, meta, cfg: DraftConfig):
+        labels_T = labels_BL.reshape(-1)
+        self.stream = CPStream(meta, labels_T.device) if _is_cp_shard(meta) else None
+        if self.stream is None:
+            self.labels_S, self.positions_S = labels_T, positions_BL.reshape(-1)
+            self.plan = block_plan(doc_bounds_of(positions_BL), self.labels_S, cfg.anchors_per_doc)
+        else:
+            st = self.stream
+            self.labels_S, self.positions_S = st.gather_labels(labels_T), st.positions_G.to(labels_T.device)
+            self.plan = block_plan(st.doc_bounds, self.labels_S, cfg.anchors_per_doc, st.owner_G == st.rank, st.local_G)
+        self.valid = block_valid(self.plan, self.labels_S, cfg.block_size)
+
+    def counts(self) -> torch.Tensor:
+        return torch.stack([v.sum() for _, v in self.valid])
+
+    def target_logits(self, logits_TV, labels_BL, meta, block_size: int) -> list[torch.Tensor]:
+        """The target's logits at a + k - 1 for every block row k. Under context parallelism
+        rows a+1 .. a+J-2 may live on the next chunk's rank: EAGLE-3's halo brings the first
+        J-2 rows of every chunk (the only V-wide rows that cross)."""
+        if self.stream is None:
+            return [logits_TV[src] for src, _ in self.valid]
+        rows_A = self.plan.rows_A
+        if block_size <= 2:
+            return [logits_TV[rows_A]]
+        halo = TTTHalo(meta, block_size - 2, logits_TV.device)
+        logits_E = halo.extend(logits_TV)
+        shifts = halo.shifts(halo.extend(labels_BL.reshape(-1)))
+        return [logits_TV[rows_A]] + [logits_E[src_R[rows_A]] for src_R, _ in shifts]
 
 
 class DFlashKind(DraftKind):
@@ -59,23 +93,23 @@ class DFlashKind(DraftKind):
     # --- training ----------------------------------------------------------------------
 
     def normalizer_counts(self, positions_BL, labels_BL, meta, cfg: DraftConfig) -> torch.Tensor:
-        _no_cp(meta)
-        plan = block_plan(positions_BL, labels_BL, cfg.anchors_per_doc)
-        valid = block_valid(plan, labels_BL.reshape(-1), cfg.block_size)
-        return torch.stack([v.sum() for _, v in valid])
+        """Under context parallelism a rank counts the blocks anchored on its rows (their sum
+        over the ranks is the one-process count)."""
+        return _Blocks(positions_BL, labels_BL, meta, cfg).counts()
 
     def loss(self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig,
              count_S, global_count) -> DraftLossResult:
-        _no_cp(meta)
         T = positions_BL.numel()
-        positions_T, labels_T = positions_BL.reshape(T), labels_BL.reshape(T)
-        plan = block_plan(positions_BL, labels_BL, cfg.anchors_per_doc)
-        targets = block_targets(model, plan, labels_T, logits_BLV.detach().reshape(T, -1), cfg.block_size)
+        blocks = _Blocks(positions_BL, labels_BL, meta, cfg)
+        logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), labels_BL, meta, cfg.block_size)
+        targets = block_targets(model, [(v, x) for (_, v), x in zip(blocks.valid, logits)])
         if count_S is None:
-            count_S = global_count(torch.stack([v.sum() for _, v in block_valid(plan, labels_T, cfg.block_size)]))
+            count_S = global_count(blocks.counts())
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
+        gather = blocks.stream.gather if blocks.stream is not None else None
         # Through forward: FSDP's hooks gather the parameters.
-        return model(hidden, taps.embeds_BLD.detach().reshape(T, -1), positions_T, plan, targets, cfg.loss_decay, count_S)
+        return model(hidden, taps.embeds_BLD.detach().reshape(T, -1), blocks.positions_S, blocks.plan, targets,
+                     cfg.loss_decay, count_S, gather)
 
     # --- export / import ---------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The DFlash block loss over a packed batch: blocks anchored in each document, predicted in one forward.
 
-Shape legend: T = packed tokens (rows of the flat stream), A = blocks (anchors), J = block rows
+Shape legend: T = packed tokens (rows of the flat stream), S = rows of the context stream (T in
+one process; the global stream under context parallelism), A = blocks (anchors), J = block rows
 (draft.block_size), H = hidden, N / K / Hd = heads / kv heads / head dim, Vd = draft vocab,
 V = target vocab, S = J - 1 loss positions.
 
@@ -21,7 +22,9 @@ Anchors: the rows a of the loss region (labels[a] != IGNORE, so block row 1 trai
 parallel layouts draw the same blocks). Everything read from the target is detached.
 
 Attention runs per document (its anchors' J rows against its context rows and their own
-blocks) so memory grows with a document's length, not the batch's.
+blocks) so memory grows with a document's length, not the batch's. Under context
+parallelism the context stream is the global one (context.py CPStream) and each rank trains
+the blocks anchored on its rows: the sum over ranks is the one-process loss.
 """
 
 from __future__ import annotations
@@ -35,29 +38,42 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.models.draft.base import DraftLossResult
 
-__all__ = ["BlockPlan", "block_loss", "block_plan", "block_targets", "block_valid"]
+__all__ = ["BlockPlan", "block_loss", "block_plan", "block_targets", "block_valid", "doc_bounds_of"]
 
 
 class BlockPlan(NamedTuple):
-    """Where the blocks of one packed stream sit (fixed by positions and labels alone)."""
+    """Where the blocks of one packed stream sit (fixed by positions and labels alone).
 
-    anchors_A: torch.Tensor
-    """Row of each block's known token, ascending."""
+    The context stream is what the blocks attend to: the local rows in one process, the
+    global stream under context parallelism (context.py), where a rank trains the blocks
+    whose known token is one of its rows."""
+
+    rows_A: torch.Tensor
+    """Local row of each block's known token (its embedding, the target's logits there)."""
+    anchors_S: torch.Tensor
+    """The same rows in the context stream, ascending."""
     doc_end_A: torch.Tensor
-    """One past the last row of the anchor's document."""
+    """One past the last context-stream row of the anchor's document."""
     groups: list[tuple[int, int, int, int]]
-    """Per document with blocks: (first anchor, one past its last anchor, first row, one past
-    the last row), host ints; anchors of one document are contiguous."""
+    """Per document with blocks here: (first anchor, one past its last anchor, first row, one
+    past the last row of the context stream), host ints; a document's anchors are contiguous."""
 
 
-def block_plan(positions_BL: torch.Tensor, labels_BL: torch.Tensor, per_doc: int) -> BlockPlan:
-    """The blocks of a [B, L] batch viewed as one stream (a document starts at position 0 and
-    at every row start). One host transfer of the labels."""
+def doc_bounds_of(positions_BL: torch.Tensor) -> list[int]:
+    """Document boundaries of a [B, L] batch viewed as one stream: a document starts at
+    position 0 and at every row start (one host transfer)."""
     B, L = positions_BL.shape
     starts_BL = (positions_BL == 0).cpu()
     starts_BL[:, 0] = True
-    bounds = starts_BL.reshape(-1).nonzero().squeeze(1).tolist() + [B * L]
-    cand = (labels_BL.reshape(-1).cpu() != IGNORE_INDEX).nonzero().squeeze(1)
+    return starts_BL.reshape(-1).nonzero().squeeze(1).tolist() + [B * L]
+
+
+def block_plan(bounds: list[int], labels_S: torch.Tensor, per_doc: int, owner_S=None, local_S=None) -> BlockPlan:
+    """The blocks of a stream cut at ``bounds``: at most ``per_doc`` rows of each document's
+    loss region, evenly spaced. ``owner_S`` (a bool per row: this rank's) and ``local_S`` (its
+    local row) keep a CP rank's blocks; None: every block, rows_A = anchors_S."""
+    cand = (labels_S.cpu() != IGNORE_INDEX).nonzero().squeeze(1)
+    mine = owner_S.cpu() if owner_S is not None else None
     anchors, ends, groups = [], [], []
     for s, e in zip(bounds[:-1], bounds[1:]):
         lo, hi = torch.searchsorted(cand, torch.tensor([s, e])).tolist()
@@ -66,23 +82,28 @@ def block_plan(positions_BL: torch.Tensor, labels_BL: torch.Tensor, per_doc: int
             continue
         m = min(n, per_doc) if per_doc else n
         picked = cand[lo + (torch.arange(m) * n) // m]
-        groups.append((len(anchors), len(anchors) + m, s, e))
+        if mine is not None:
+            picked = picked[mine[picked]]
+        if not picked.numel():
+            continue
+        groups.append((len(anchors), len(anchors) + picked.numel(), s, e))
         anchors += picked.tolist()
-        ends += [e] * m
-    dev = positions_BL.device
-    return BlockPlan(torch.tensor(anchors, dtype=torch.long, device=dev),
-                     torch.tensor(ends, dtype=torch.long, device=dev), groups)
+        ends += [e] * picked.numel()
+    dev = labels_S.device
+    anchors_S = torch.tensor(anchors, dtype=torch.long, device=dev)
+    rows_A = anchors_S if local_S is None else local_S.to(dev)[anchors_S]
+    return BlockPlan(rows_A, anchors_S, torch.tensor(ends, dtype=torch.long, device=dev), groups)
 
 
-def block_valid(plan: BlockPlan, labels_T: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per block row k = 1 .. J-1: (src_A = a + k - 1, clamped inside the document; valid_A:
-    inside the document and in the loss region). Pure index math."""
+def block_valid(plan: BlockPlan, labels_S: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per block row k = 1 .. J-1: (src_A = a + k - 1 in the context stream, clamped inside the
+    document; valid_A: inside the document and in the loss region). Pure index math."""
     out = []
     for k in range(1, block_size):
-        idx = plan.anchors_A + k - 1
+        idx = plan.anchors_S + k - 1
         inside = idx < plan.doc_end_A
-        src = torch.where(inside, idx, plan.anchors_A)
-        out.append((src, inside & (labels_T[src] != IGNORE_INDEX)))
+        src = torch.where(inside, idx, plan.anchors_S)
+        out.append((src, inside & (labels_S[src] != IGNORE_INDEX)))
     return out
 
 
@@ -92,30 +113,31 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def block_targets(draft: nn.Module, plan: BlockPlan, labels_T, target_logits_TV, block_size: int):
-    """Per block row k: (valid_A, target_p_AVd): block_valid plus 'the target's argmax is in the
-    draft vocab'; the target's distribution at a + k - 1 restricted to the draft vocab."""
+def block_targets(draft: nn.Module, rows: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Per block row k, from (valid_A, the target's logits_AV at a + k - 1): (valid_A and 'the
+    target's argmax is in the draft vocab', the target's distribution restricted to the draft
+    vocab)."""
     d2t_ids = draft.draft_to_target_ids()
     out = []
-    for src, valid in block_valid(plan, labels_T, block_size):
-        tgt_AV = _at_least_fp32(target_logits_TV[src])
+    for valid, logits_AV in rows:
+        tgt_AV = _at_least_fp32(logits_AV)
         out.append((valid & draft.t2d[tgt_AV.argmax(-1)], torch.softmax(tgt_AV[:, d2t_ids], dim=-1)))
     return out
 
 
-def _attend(draft: nn.Module, plan: BlockPlan, q_QNH, k_QKH, v_QKH, kc_TKH, vc_TKH):
+def _attend(draft: nn.Module, plan: BlockPlan, q_QNH, k_QKH, v_QKH, kc_SKH, vc_SKH):
     """Each document's block rows over its context rows < anchor and their own block."""
     a, J = draft.arch, draft.arch.block_size
     scale = a.head_dim**-0.5
     outs = []
     for a0, a1, s, e in plan.groups:
         q0, q1 = a0 * J, a1 * J
-        anchor_Q = plan.anchors_A[a0:a1].repeat_interleave(J)
+        anchor_Q = plan.anchors_S[a0:a1].repeat_interleave(J)
         block_Q = torch.arange(a1 - a0, device=q_QNH.device).repeat_interleave(J)
         ctx_mask = torch.arange(s, e, device=q_QNH.device)[None, :] < anchor_Q[:, None]
         own_mask = block_Q[:, None] == block_Q[None, :]
-        keys = torch.cat([kc_TKH[s:e], k_QKH[q0:q1]]).transpose(0, 1)
-        vals = torch.cat([vc_TKH[s:e], v_QKH[q0:q1]]).transpose(0, 1)
+        keys = torch.cat([kc_SKH[s:e], k_QKH[q0:q1]]).transpose(0, 1)
+        vals = torch.cat([vc_SKH[s:e], v_QKH[q0:q1]]).transpose(0, 1)
         o_NQH = F.scaled_dot_product_attention(
             q_QNH[q0:q1].transpose(0, 1), keys, vals, attn_mask=torch.cat([ctx_mask, own_mask], dim=1),
             scale=scale, enable_gqa=a.n_heads != a.n_kv_heads,
@@ -124,20 +146,24 @@ def _attend(draft: nn.Module, plan: BlockPlan, q_QNH, k_QKH, v_QKH, kc_TKH, vc_T
     return torch.cat(outs) if outs else q_QNH * 0
 
 
-def block_loss(draft: nn.Module, taps, embeds_TH, positions_T, plan: BlockPlan, targets, decay: float = 0.8,
-               count_S: torch.Tensor | None = None) -> DraftLossResult:
-    """The draft's block loss over one packed stream, for ``targets = block_targets(...)``.
-    ``count_S`` (valid rows per block row, summed over data-parallel ranks) normalizes the loss
-    when given, else the local counts do. ``taps``: the C tap tensors [T, Dt] (detached here)."""
-    J, A, H = draft.arch.block_size, plan.anchors_A.numel(), embeds_TH.shape[-1]
-    ctx_TH = draft.context(tuple(t.detach() for t in taps))
-    pos_Q = (positions_T[plan.anchors_A][:, None] + torch.arange(J, device=positions_T.device)).reshape(-1)
-    known_A1H = embeds_TH.detach()[plan.anchors_A][:, None]
+def block_loss(draft: nn.Module, taps, embeds_TH, positions_S, plan: BlockPlan, targets, decay: float = 0.8,
+               count_S: torch.Tensor | None = None, gather=None) -> DraftLossResult:
+    """The draft's block loss, for ``targets = block_targets(...)``. ``taps``: the C local tap
+    tensors [T, Dt] and ``embeds_TH`` the local embeddings (detached here); ``positions_S``: of
+    the context stream, which ``gather`` makes from the local context rows (None: they are
+    it). ``count_S`` (valid rows per block row, summed over the data-parallel ranks)
+    normalizes the loss when given, else the local counts do."""
+    J, A, H = draft.arch.block_size, plan.rows_A.numel(), embeds_TH.shape[-1]
+    ctx_SH = draft.context(tuple(t.detach() for t in taps))
+    if gather is not None:
+        ctx_SH = gather(ctx_SH)
+    pos_Q = (positions_S[plan.anchors_S][:, None] + torch.arange(J, device=positions_S.device)).reshape(-1)
+    known_A1H = embeds_TH.detach()[plan.rows_A][:, None]
     h_QH = torch.cat([known_A1H, draft.mask_embedding.to(known_A1H.dtype).expand(A, J - 1, H)], dim=1).reshape(A * J, H)
     for i in range(draft.arch.n_layers):
-        kc_TKH, vc_TKH = draft.context_kv(i, ctx_TH, positions_T)
+        kc_SKH, vc_SKH = draft.context_kv(i, ctx_SH, positions_S)
         q_QNH, k_QKH, v_QKH = draft.block_qkv(i, h_QH, pos_Q)
-        h_QH = draft.block_finish(i, h_QH, _attend(draft, plan, q_QNH, k_QKH, v_QKH, kc_TKH, vc_TKH))
+        h_QH = draft.block_finish(i, h_QH, _attend(draft, plan, q_QNH, k_QKH, v_QKH, kc_SKH, vc_SKH))
     logits_AJVd = draft.logits(h_QH).view(A, J, -1)
 
     loss_sum, counts, correct, terms = [], [], [], []

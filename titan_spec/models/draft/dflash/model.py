@@ -173,9 +173,9 @@ class DFlashDraft(nn.Module):
     def draft_to_target_ids(self) -> torch.Tensor:
         return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def forward(self, taps, embeds_TH, positions_T, plan, targets, decay: float = 0.8, count_S=None):
+    def forward(self, taps, embeds_TH, positions_S, plan, targets, decay: float = 0.8, count_S=None, gather=None):
         """The block loss (loss.py). Going through forward lets FSDP's hooks gather the parameters."""
-        return block_loss(self, taps, embeds_TH, positions_T, plan, targets, decay, count_S)
+        return block_loss(self, taps, embeds_TH, positions_S, plan, targets, decay, count_S, gather)
 
     # --- the pieces, shared by the loss and the cached proposer ----------------------------
 

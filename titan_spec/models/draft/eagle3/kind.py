@@ -17,10 +17,10 @@ import torch
 from titan_spec.config import DraftConfig
 from titan_spec.models.attention import DocMetadata
 from titan_spec.models.draft.base import DraftKind, DraftLossResult
-from titan_spec.models.draft.eagle3.halo import TTTHalo
 from titan_spec.models.draft.eagle3.io import check_draft_weights, draft_mismatches, load_draft_into, read_draft_arch, save_draft
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.proposer import CachedDraft
+from titan_spec.models.draft.halo import TTTHalo
 from titan_spec.models.draft.vocab import build_vocab_mapping
 from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
 from titan_spec.models.target import default_tap_layer_ids

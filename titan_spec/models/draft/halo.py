@@ -1,18 +1,19 @@
-"""The EAGLE-3 TTT unroll under context parallelism: the rows it reads across shard boundaries.
+"""A draft loss under context parallelism: the rows t+1 .. t+S it reads across shard boundaries.
 
-Shape suffix legend: R = local rows, E = local rows + halo rows, S = TTT steps.
+Shape suffix legend: R = local rows, E = local rows + halo rows, S = steps ahead.
 
-The draft at step j reads, for local row t, the row t+1+j of the global stream (next
-token's embedding, the target's distribution there, its label). Under the zigzag split
-(parallelisms/context_parallel.ZigzagLayout) that row can sit on another rank, but only as
+EAGLE-3's TTT at step j reads, for local row t, the row t+1+j of the global stream (next
+token's embedding, the target's distribution there, its label); DFlash's block anchored at t
+reads the target's distributions at t+1 .. t+J-2. Under the zigzag split
+(parallelisms/context_parallel.ZigzagLayout) such a row can sit on another rank, but only as
 one of the first S rows of some chunk: t+1+j either stays in t's chunk or enters a later
 chunk at offset <= j < S. So every rank all-gathers the first min(S, c_d) rows of each of
 its chunks (the "halo", the same count on every rank) and indexes into [local rows; halo
 of every rank].
 
 It reads the CPMetadata it is given (layout, rank, group) and imports nothing above the
-models floor: the CP halo is TTT's business (models/draft/eagle3/kind.py calls it), the
-trainer only hands the loss its CPMetadata.
+models floor: the CP halo is the draft kinds' business (models/draft/eagle3/kind.py and
+dflash/kind.py call it), the trainer only hands the loss its CPMetadata.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = ["TTTHalo"]
 
 
 class TTTHalo:
-    """Cross-shard row lookup for the TTT unroll on one CP rank."""
+    """Cross-shard row lookup of rows t+1 .. t+S on one CP rank."""
 
     def __init__(self, meta, steps: int, device):
         """meta: the rank's parallelisms/context_parallel.CPMetadata."""
