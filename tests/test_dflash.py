@@ -242,22 +242,16 @@ def test_cached_block_proposer_equals_the_reference_block():
 # --- speculation in the built-in engine -----------------------------------------------------
 
 
-def fit_draft(model, arch, block_size: int, steps: int = 60, seed: int = 0):
-    """A DFlash draft fitted by its own loss on the target's greedy completions (and a few sampled)."""
-    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
-    prompts = random_prompts(24, seed + 100)
-    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=40))]
-    seqs += [r.prompt_ids + r.output_ids for r in plain.generate(prompts[:6], SamplingParams(1.0, max_new_tokens=40, seed=seed))]
-    draft, cfg = make_draft(arch, seed, block_size, anchors=0)
+def train_dflash(model, draft, cfg: DraftConfig, seqs: list[list[int]], steps: int, lr: float = 1e-2):
+    """``steps`` AdamW steps of the kind's loss on token sequences packed as one row's documents."""
     tok = torch.tensor([t for s in seqs for t in s])[None]
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
     labels = torch.roll(tok, -1, 1).clone()
-    labels[pos == torch.roll(pos, -1, 1) + 0] = IGNORE_INDEX  # never: positions differ
     labels[0, torch.roll(pos, -1, 1)[0] == 0] = IGNORE_INDEX  # a document's last row has no next token
     meta = doc_metadata_from_positions(pos)
     with torch.no_grad():
         logits, taps = model(tok, pos, meta)
-    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr)
     draft.train()
     for _ in range(steps):
         loss = KIND.loss(draft, logits, taps, pos, labels, meta, cfg, None, lambda c: c).loss
@@ -265,6 +259,16 @@ def fit_draft(model, arch, block_size: int, steps: int = 60, seed: int = 0):
         loss.backward()
         opt.step()
     return draft.eval()
+
+
+def fit_draft(model, arch, block_size: int, steps: int = 60, seed: int = 0):
+    """A DFlash draft fitted by its own loss on the target's greedy completions (and a few sampled)."""
+    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    prompts = random_prompts(24, seed + 100)
+    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=40))]
+    seqs += [r.prompt_ids + r.output_ids for r in plain.generate(prompts[:6], SamplingParams(1.0, max_new_tokens=40, seed=seed))]
+    draft, cfg = make_draft(arch, seed, block_size, anchors=0)
+    return train_dflash(model, draft, cfg, seqs, steps)
 
 
 @pytest.fixture(scope="module")

@@ -201,8 +201,8 @@ def _validate_vllm(cfg: TitanSpecConfig) -> None:
         raise ConfigError("rollout.engine = 'vllm' needs model.hf_checkpoint: vLLM loads the policy from a local HF directory",
                           key="model.hf_checkpoint")
     if cfg.speculative.enabled and not cfg.draft.init_from:
-        raise ConfigError("rollout.engine = 'vllm' with speculative.enabled needs draft.init_from: the exported EAGLE-3 "
-                          "draft directory vLLM starts from (train one with --draft.offline true)", key="draft.init_from")
+        raise ConfigError("rollout.engine = 'vllm' with speculative.enabled needs draft.init_from: the exported draft "
+                          "directory (EAGLE-3 or DFlash) vLLM starts from (train one with --draft.offline true)", key="draft.init_from")
     T = cfg.rl.temperature
     if T != 1:
         raise ConfigError(f"rl.temperature = {T!r} is not allowed with rollout.engine = 'vllm'; it must be 1 "

@@ -146,6 +146,10 @@ class ServerRolloutEngine:
         """The part of a checked draft push that is sent (default: all of it)."""
         return pairs
 
+    def _draft_names(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+        """A draft push by the names the server loads (default: EAGLE-3's export names)."""
+        return draft_to_export_names(named_tensors)
+
     def _after_close(self) -> None:
         """Clean up what the engine owns besides the server (default: nothing)."""
 
@@ -261,7 +265,7 @@ class ServerRolloutEngine:
         self._check_open()
         if not self.K:
             raise ValueError("this engine has no draft (num_draft_tokens = 0); there are no draft weights to update")
-        pairs = self._cast(draft_to_export_names(named_tensors))
+        pairs = self._cast(self._draft_names(named_tensors))
         self._check_push("draft", pairs, self._draft_table)
         pairs = self._sendable_draft(pairs)
         with self._lock:

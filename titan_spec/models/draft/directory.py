@@ -14,12 +14,24 @@ import os
 
 import torch
 
-__all__ = ["KIND_OF_ARCHITECTURE", "check_vocab_maps", "config_field", "is_int", "read_config_json", "weights_file"]
+__all__ = ["KIND_OF_ARCHITECTURE", "check_vocab_maps", "config_field", "is_int", "kind_of_directory", "read_config_json",
+           "weights_file"]
 
 KIND_OF_ARCHITECTURE = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
 """config.json ``architectures`` -> the draft.kind that reads it."""
 
 _NAMES = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}
+
+
+def kind_of_directory(path: str, default: str = "eagle3") -> str:
+    """The draft.kind whose directory ``path`` is, by its config.json's ``architectures``;
+    ``default`` when it names none of them or cannot be read (its kind's reader then says why)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return default
+    return next((KIND_OF_ARCHITECTURE[a] for a in archs if a in KIND_OF_ARCHITECTURE), default)
 
 
 def read_config_json(path: str, architecture: str, kind: str) -> tuple[str, dict]:

@@ -1,4 +1,5 @@
-"""The built-in PyTorch rollout engine: batched, KV-cached, lossless EAGLE-3 speculative decoding.
+"""The built-in PyTorch rollout engine: batched, KV-cached, lossless speculative decoding with a
+chain draft (EAGLE-3) or a block draft (DFlash).
 
 Shape legend: B = active requests, P = longest prompt, K = draft tokens per round,
 L = K + 1 verified tokens, V = target vocab, Vd = draft vocab, C = tap layers, D = dim.
@@ -7,7 +8,8 @@ One round for every active request (all requests of the batch together):
 
   1. propose (the draft kind's cached proposer, ``DraftKind.cached_proposer``): the trunk
      rows of the positions committed by the last rounds (one batched ``extend``, trunk.py),
-     then K-1 chain ``step``s, proposing d_1..d_K with distributions q_1..q_K
+     then K-1 chain ``step``s, proposing d_1..d_K with distributions q_1..q_K (a block
+     draft: one ``propose`` forward gives q_1..q_{J-1}, the first K are drafted from)
   2. verify (cached_target.py): ONE target forward over [y, d_1..d_K] (y = the pending,
      not yet processed token) gives p_1..p_{K+1} and the tap features of those positions
   3. accept (sampling.py): d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first

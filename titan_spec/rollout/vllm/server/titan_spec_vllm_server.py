@@ -100,6 +100,8 @@ class Server:
                 self.llm.start_weight_update()
             self.llm.update_weights({"update_info": body["update_info"]})
             self.llm.finish_weight_update(weight_version=body.get("version"))
+            if body["which"] == "draft":
+                self.llm.collective_rpc("titan_spec_after_draft_reload")
             # The cached prefixes' keys and values came from the old weights.
             self.llm.reset_prefix_cache()
         return {"version": self.llm.get_weight_version()}

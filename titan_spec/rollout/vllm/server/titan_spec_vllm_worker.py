@@ -58,6 +58,24 @@ def _refresh_lm_heads(model) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def _refresh_dflash_from(model, loaded: dict, kv_before) -> None:
+    """A DFlash drafter's fused context buffers after a CPU reload: vLLM's own rebuild for the
+    norms and the rotary table (which are not packed), then the stacked K/V projection weights
+    [k_0; v_0; k_1; v_1; ...] (QKVParallelLinear's rows after q) from the pushed checkpoint
+    tensors, the start-of-push ones for a layer the push left out."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "_build_fused_kv_buffers") or kv_before is None:
+        return
+    inner._build_fused_kv_buffers()
+    parts = []
+    for i, layer in enumerate(inner.layers):
+        rows = 2 * layer.self_attn.kv_size
+        before = kv_before[i * rows : (i + 1) * rows]
+        k, v = (loaded.get(f"layers.{i}.self_attn.{p}_proj.weight") for p in ("k", "v"))
+        parts.append(torch.cat([k, v]).to(before) if k is not None and v is not None else before)
+    inner._fused_kv_weight = torch.cat(parts).contiguous()
+
+
 @dataclass
 class FileInitInfo(WeightTransferInitInfo):
     """Nothing to agree on: the file says everything."""
@@ -84,6 +102,9 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        # A DFlash drafter's fused K/V weights as they are before the reload replaces them.
+        self._kv_before = getattr(getattr(self.model, "model", None), "_fused_kv_weight", None)
+        self._loaded = {}
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -92,8 +113,9 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
+        self._loaded = load_file(update_info.path)
         with torch.no_grad():
-            self.model.load_weights(iter(load_file(update_info.path).items()))
+            self.model.load_weights(iter(self._loaded.items()))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -101,6 +123,8 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         with torch.no_grad():
             finalize_layerwise_reload(self.model, self.model_config)
             _refresh_lm_heads(self.model)
+            _refresh_dflash_from(self.model, self._loaded, self._kv_before)
+        self._loaded, self._kv_before = {}, None
 
     def shutdown(self) -> None:
         pass
@@ -129,6 +153,25 @@ class TitanSpecWorkerExtension:
 
     def titan_spec_pid(self) -> int:
         return os.getpid()
+
+    def titan_spec_after_draft_reload(self) -> bool:
+        """Rebuild what a drafter derives from its weights outside the reload: vLLM's DFlash
+        model stacks its context K/V projections, K norms and hidden norm into fused buffers
+        (qwen3_dflash.py ``_build_fused_kv_buffers``) inside ``load_weights``, which in a
+        layerwise reload runs on placeholders, before finalize has put the new values in place.
+        Where the linear weights stay in place (CUDA), vLLM's own rebuild reads them; on CPU
+        they are packed into the GEMM's private copy and emptied, so the file transport
+        rebuilds from the pushed tensors instead (``_refresh_dflash_from``). Measured on CPU
+        before either: the next proposal failed ("size mismatch ... vec (0)")."""
+        draft = self.titan_spec_models()["draft"]
+        inner = getattr(draft, "model", None)
+        if inner is None or not hasattr(inner, "_build_fused_kv_buffers"):
+            return False
+        if not all(layer.self_attn.qkv_proj.weight.numel() for layer in inner.layers):
+            return False  # packed away (CPU): the file transport rebuilt them from the pushed tensors
+        with torch.no_grad():
+            inner._build_fused_kv_buffers()
+        return True
 
     def titan_spec_expand_fixed(self) -> bool:
         """Whether this worker runs the expand-kernel fix (cpu_expand_fix.py; False where
