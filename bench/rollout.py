@@ -220,8 +220,8 @@ def main(argv=None) -> int:
             for name in ("untrained", "untrained_adaptive"):
                 engines[name].update_draft_weights(new, version=1)
     vs = args.vs_draft_kind if args.vs_draft else ""
+    vs_costs = RoundCosts()
     if vs:
-        vs_costs = RoundCosts()
         engines |= {f"{vs}_fixed_{k}": engine(k, draft_dir_=args.vs_draft, kind=vs, costs_=vs_costs) for k in range(1, K + 1)}
         engines[f"{vs}_adaptive"] = engine(K, "adaptive", args.vs_draft, vs, vs_costs)
     if args.distill_steps:
@@ -271,6 +271,7 @@ def main(argv=None) -> int:
         "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "torch": torch.__version__, "rows": rows, "adaptive_vs_fixed": summary, "adaptive_vs_fixed_cpu": summary_cpu,
         "round_costs_ms": {m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in costs.table.items()},
+        "vs_round_costs_ms": {m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in vs_costs.table.items()},
     }
     print()
     print(_table(rows))
@@ -282,10 +283,12 @@ def main(argv=None) -> int:
     if kinds:
         print(f"\ndraft kinds on the same prompts ({args.draft_kind} vs {vs}; speedups against plain, same passes):")
         print(_kinds_table(kinds, K))
-    print("\nround costs (ms per round at K = 0..K_max, frozen after the warm-up):")
-    for m, rb in result["round_costs_ms"].items():
-        for b, r in rb.items():
-            print(f"  {m:>8} batch {b:>3}: {r}  (x plain: {[round(x / r[0], 2) for x in r]})")
+    for title, table in ((args.draft_kind, result["round_costs_ms"]), (vs, result["vs_round_costs_ms"])):
+        if table:
+            print(f"\n{title} round costs (ms per round at K = 0..K_max, frozen after the warm-up):")
+        for m, rb in table.items():
+            for b, r in rb.items():
+                print(f"  {m:>8} batch {b:>3}: {r}  (x plain: {[round(x / r[0], 2) for x in r]})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

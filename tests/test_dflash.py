@@ -25,8 +25,7 @@ from titan_spec.models.draft.vocab import build_vocab_mapping
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
 
-from helpers.chi2 import chi2_pvalue
-from test_rollout_engine import check_stats, random_prompts, sampled_tokens_distribution_check
+from test_rollout_engine import assert_follows_the_policy, check_stats, random_prompts, sampled_tokens_distribution_check
 
 V = 32
 TAPS = (1, 3, 5)
@@ -210,33 +209,27 @@ def test_cached_block_proposer_equals_the_reference_block():
             pos = torch.arange(len(s))[None]
             _, taps = model(torch.tensor([s]), pos, doc_metadata_from_positions(pos))
             taps_BLCD.append(torch.stack([h[0] for h in taps.hidden], 1))
-        # Context: the first c = 5 positions of each row in one call, then the rest in a second.
-        c = torch.tensor([5, 4])
         L = max(len(s) for s in seqs)
         padded = torch.zeros(2, L, len(TAPS), arch.dim)
         for b, t in enumerate(taps_BLCD):
             padded[b, : len(t)] = t
-        tokens = torch.zeros(2, L, dtype=torch.long)
-        prop.extend(padded[:, :5], tokens[:, :5], torch.zeros(2, dtype=torch.long), c)
-        y = torch.tensor([seqs[0][5], seqs[1][4]])
-        got_BJV = prop.propose(y, c, n_slots=int(c.max()) + 5)
-        for b, s in enumerate(seqs):
-            emb = model.tok_embeddings(torch.tensor(s))
-            want = reference_block_logits(draft.double(), [h.double() for h in taps_BLCD[b].unbind(1)], emb.double(),
-                                          torch.arange(len(s)), int(c[b]), 0)
-            draft.float()
-            torch.testing.assert_close(got_BJV[b].double(), want[1:], rtol=1e-4, atol=1e-4)
-        # The next round: extend to c' = 7 / 5 (the block's slots become context), propose again.
-        new = torch.stack([padded[0, 5:7], torch.cat([padded[1, 4:5], torch.zeros_like(padded[1, :1])])])
-        prop.extend(new, tokens[:, :2], c, torch.tensor([2, 1]))
-        c2 = torch.tensor([7, 5])
-        got2 = prop.propose(torch.tensor([seqs[0][7], seqs[1][5]]), c2, n_slots=12)
-        for b, s in enumerate(seqs):
-            emb = model.tok_embeddings(torch.tensor(s))
-            want = reference_block_logits(draft.double(), [h.double() for h in taps_BLCD[b].unbind(1)], emb.double(),
-                                          torch.arange(len(s)), int(c2[b]), 0)
-            draft.float()
-            torch.testing.assert_close(got2[b].double(), want[1:], rtol=1e-4, atol=1e-4)
+        start = torch.zeros(2, dtype=torch.long)
+        # Round 1: positions 0..4 / 0..3 committed in one call; round 2: two / one more (the
+        # first block's slots become context), then propose again.
+        for n in (torch.tensor([5, 4]), torch.tensor([2, 1])):
+            new = torch.zeros(2, int(n.max()), len(TAPS), arch.dim)
+            for b in range(2):
+                new[b, : n[b]] = padded[b, start[b] : start[b] + n[b]]
+            prop.extend(new, torch.zeros(2, new.shape[1], dtype=torch.long), start, n)
+            start = start + n
+            got_BJV = prop.propose(torch.tensor([s[c] for s, c in zip(seqs, start.tolist())]), start,
+                                   n_slots=int(start.max()) + 5)
+            for b, s in enumerate(seqs):
+                emb = model.tok_embeddings(torch.tensor(s))
+                want = reference_block_logits(draft.double(), [h.double() for h in taps_BLCD[b].unbind(1)], emb.double(),
+                                              torch.arange(len(s)), int(start[b]), 0)
+                draft.float()
+                torch.testing.assert_close(got_BJV[b].double(), want[1:], rtol=1e-4, atol=1e-4)
 
 
 # --- speculation in the built-in engine -----------------------------------------------------
@@ -314,12 +307,7 @@ def test_adaptive_depth_with_a_block_draft_equals_plain(fitted):
 def test_sampled_tokens_with_a_block_draft_follow_the_policy(fitted, K, sp):
     model, _, draft = fitted
     res, accepted_per_row = sampled_tokens_distribution_check(model, draft, K, sp)
-    for k in (1, 2, 3):
-        stat, df = res[k]
-        assert df >= 5, (k, df)
-        assert chi2_pvalue(stat, df) > 1e-3, f"token {k}: chi2 = {stat:.1f} on {df} df"
-    stat, df = res["power"]
-    assert chi2_pvalue(stat, df) < 1e-6, "the test cannot tell T from 1.5 T: no power"
+    assert_follows_the_policy(res)
     assert accepted_per_row > 0.3  # drafts are accepted and rejected: both paths run
 
 

@@ -268,6 +268,17 @@ def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17
     return results, accepted / n
 
 
+def assert_follows_the_policy(res) -> None:
+    """sampled_tokens_distribution_check's chi-squares: tokens 1-3 follow the policy (p > 1e-3 on
+    >= 5 degrees of freedom each) and the test has the power to tell T from 1.5 T."""
+    for k in (1, 2, 3):
+        stat, df = res[k]
+        assert df >= 5, (k, df)
+        assert chi2_pvalue(stat, df) > 1e-3, f"token {k}: chi2 = {stat:.1f} on {df} df"
+    stat, df = res["power"]
+    assert chi2_pvalue(stat, df) < 1e-6, "the test cannot tell T from 1.5 T: no power"
+
+
 def _bad_draft(model, arch):
     """A draft that always proposes one token the policy rarely picks (draft vocab of one)."""
     d = make_draft(arch, 11, draft_vocab=1)
@@ -291,12 +302,7 @@ def test_sampled_tokens_follow_the_policy(pair, which, K, sp):
     model, arch, fitted = pair
     draft = {"fitted": fitted, "bad": _bad_draft(model, arch), "random": make_draft(arch, 5, draft_vocab=24)}[which]
     res, accepted_per_row = sampled_tokens_distribution_check(model, draft, K, sp)
-    for k in (1, 2, 3):
-        stat, df = res[k]
-        assert df >= 5, (k, df)
-        assert chi2_pvalue(stat, df) > 1e-3, f"token {k}: chi2 = {stat:.1f} on {df} df"
-    stat, df = res["power"]
-    assert chi2_pvalue(stat, df) < 1e-6, "the test cannot tell T from 1.5 T: no power"
+    assert_follows_the_policy(res)
     if which == "fitted":
         assert accepted_per_row > 0.5  # both acceptance and rejection paths are exercised
     if which == "bad":

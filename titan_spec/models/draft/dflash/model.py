@@ -27,10 +27,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.models.draft.dflash.loss import block_loss
+from titan_spec.models.draft.parts import GatedMLP, VocabMaps, init_draft_weights, width_misfits
 from titan_spec.models.draft.rotary import apply_rotary
 
 __all__ = ["DFlashArch", "DFlashDraft", "default_dflash_tap_ids"]
@@ -100,15 +100,7 @@ class DFlashArch:
 
     def misfits(self, target_vocab: int, target_dim: int) -> list[str]:
         """Why this draft cannot serve a target of this vocabulary and width ([] = it fits)."""
-        bad = []
-        if self.vocab_size != target_vocab:
-            bad.append(f"draft vocab_size {self.vocab_size} != target vocab {target_vocab}")
-        if self.target_hidden != target_dim:
-            bad.append(f"draft target_hidden {self.target_hidden} != target dim {target_dim}")
-        if self.hidden != target_dim:
-            bad.append(f"draft hidden {self.hidden} != target dim {target_dim} (the block's known token is "
-                       "embedded by the target)")
-        return bad
+        return width_misfits(self, target_vocab, target_dim, "the block's known token is embedded by the target")
 
 
 class _Attention(nn.Module):
@@ -122,27 +114,16 @@ class _Attention(nn.Module):
         self.k_norm = nn.RMSNorm(a.head_dim, eps=a.norm_eps)
 
 
-class _MLP(nn.Module):
-    def __init__(self, a: DFlashArch):
-        super().__init__()
-        self.gate_proj = nn.Linear(a.hidden, a.intermediate, bias=False)
-        self.up_proj = nn.Linear(a.hidden, a.intermediate, bias=False)
-        self.down_proj = nn.Linear(a.intermediate, a.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, a: DFlashArch):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
         self.self_attn = _Attention(a)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
-        self.mlp = _MLP(a)
+        self.mlp = GatedMLP(a.hidden, a.intermediate)
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(VocabMaps, nn.Module):
     def __init__(self, arch: DFlashArch):
         super().__init__()
         arch.validate()
@@ -153,25 +134,11 @@ class DFlashDraft(nn.Module):
         self.norm = nn.RMSNorm(arch.hidden, eps=arch.norm_eps)
         self.lm_head = nn.Linear(arch.hidden, arch.draft_vocab_size, bias=False)
         self.mask_embedding = nn.Parameter(torch.empty(arch.hidden))
-        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
-        t2d[: arch.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.register_vocab_maps(arch.draft_vocab_size, arch.vocab_size)
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, nn.RMSNorm):
-                nn.init.ones_(m.weight)
+        init_draft_weights(self, std)
         nn.init.normal_(self.mask_embedding, std=std)
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target_ids(self) -> torch.Tensor:
-        return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(self, taps, embeds_TH, positions_S, plan, targets, decay: float = 0.8, count_S=None, gather=None):
         """The block loss (loss.py). Going through forward lets FSDP's hooks gather the parameters."""

@@ -23,10 +23,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.models.draft.eagle3.ttt import ttt_unroll
+from titan_spec.models.draft.parts import GatedMLP, VocabMaps, init_draft_weights, width_misfits
 from titan_spec.models.draft.rotary import apply_rotary
 
 __all__ = ["DraftArch", "Eagle3Draft"]
@@ -76,14 +76,7 @@ class DraftArch:
     def misfits(self, target_vocab: int, target_dim: int) -> list[str]:
         """Why this draft cannot serve a target of this vocabulary and width ([] = it fits).
         The draft reads the target's embeddings, so its own width is the target's too."""
-        bad = []
-        if self.vocab_size != target_vocab:
-            bad.append(f"draft vocab_size {self.vocab_size} != target vocab {target_vocab}")
-        if self.target_hidden != target_dim:
-            bad.append(f"draft target_hidden {self.target_hidden} != target dim {target_dim}")
-        if self.hidden != target_dim:
-            bad.append(f"draft hidden {self.hidden} != target dim {target_dim} (the draft reads the target's embeddings)")
-        return bad
+        return width_misfits(self, target_vocab, target_dim, "the draft reads the target's embeddings")
 
 
 class _Attention(nn.Module):
@@ -95,17 +88,6 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.hidden, bias=False)
 
 
-class _MLP(nn.Module):
-    def __init__(self, a: DraftArch):
-        super().__init__()
-        self.gate_proj = nn.Linear(a.hidden, a.intermediate, bias=False)
-        self.up_proj = nn.Linear(a.hidden, a.intermediate, bias=False)
-        self.down_proj = nn.Linear(a.intermediate, a.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _MidLayer(nn.Module):
     def __init__(self, a: DraftArch):
         super().__init__()
@@ -113,10 +95,10 @@ class _MidLayer(nn.Module):
         self.hidden_norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
         self.self_attn = _Attention(a)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
-        self.mlp = _MLP(a)
+        self.mlp = GatedMLP(a.hidden, a.intermediate)
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(VocabMaps, nn.Module):
     def __init__(self, arch: DraftArch):
         super().__init__()
         arch.validate()
@@ -125,24 +107,10 @@ class Eagle3Draft(nn.Module):
         self.midlayer = _MidLayer(arch)
         self.norm = nn.RMSNorm(arch.hidden, eps=arch.norm_eps)
         self.lm_head = nn.Linear(arch.hidden, arch.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
-        t2d[: arch.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.register_vocab_maps(arch.draft_vocab_size, arch.vocab_size)
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, nn.RMSNorm):
-                nn.init.ones_(m.weight)
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target_ids(self) -> torch.Tensor:
-        return torch.arange(self.arch.draft_vocab_size, device=self.d2t.device) + self.d2t
+        init_draft_weights(self, std)
 
     def forward(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay: float = 0.8, count_S=None):
         """The training-time-test loss (models/draft/eagle3/ttt.py). Going through forward (not a helper
