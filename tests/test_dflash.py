@@ -431,3 +431,16 @@ def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
         assert_same_draft_export(load_file(os.path.join(dump, "draft/model.safetensors")), want, 3e-3, 3, label)
         got_mask = torch.load(os.path.join(dump, "draft", MASK_FILE), weights_only=True)["embedding"]
         assert_adam_weights_close(got_mask, mask, 3e-3, 3, msg=f"{label}: mask embedding")
+
+
+def test_compiled_block_proposer_matches_eager(fitted):
+    """The block proposer's cores compile with fullgraph=True (a graph break fails here, not
+    silently eager)."""
+    model, _, draft = fitted
+    prompts = random_prompts(3, seed=6)
+    sp = SamplingParams(1.0, max_new_tokens=12, seed=0)
+    ref = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=4)).generate(prompts, sp)
+    cfg = TorchEngineConfig(num_draft_tokens=4, compile=True, compile_backend="aot_eager")
+    got = TorchRolloutEngine(model, draft, cfg).generate(prompts, sp)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [r.accepted_tokens for r in got] == [r.accepted_tokens for r in ref]
