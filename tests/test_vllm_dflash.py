@@ -114,3 +114,44 @@ def test_dflash_draft_push_with_its_mask_embedding_lands(served):
     back = _same_as_builtin(served, served.fitted, prompts)
     assert back > 0 and moved != back  # the mask embedding alone moved acceptance (greedy: deterministic)
     assert served.engine.served_version == "policy-0.draft-3"
+
+
+def test_rl_steps_through_vllm_with_a_co_trained_dflash_draft(tmp_path):
+    """The vLLM config's RL (train_configs/debug_cpu_vllm.toml) with draft.kind = "dflash": 3
+    GRPO steps on a transformers-written Qwen3 (BPE tokenizer, GSM8K file), rollouts from the
+    run's own vLLM server speculating with the exported DFlash draft at K = 4 (block 5), the
+    policy and the co-trained draft (mask embedding included) pushed every step, the frozen
+    DFlash draft measured at every step. The baseline's call with the step's draft repeats
+    the step's own call exactly (same prompts, seed and weights)."""
+    built = subprocess.run(["bash", ENV_SCRIPT], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.skip(f"the vLLM environment cannot be built here ({ENV_SCRIPT})")
+    from conftest import train_many
+    from helpers.hf_assets import gsm8k_records, write_jsonl, write_tokenizer
+    from titan_spec.data.tokenizer import HFTokenizer
+
+    tok_dir = write_tokenizer(tmp_path / "tokenizer")
+    tok = HFTokenizer(tokenizer_path=tok_dir)
+    policy = tmp_path / "policy"
+    write_tiny_qwen3(policy, tok.get_vocab_size(), num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    tok.save(str(policy))
+    _, arch = load_target(str(policy), taps=())
+    cfg = DraftConfig(kind="dflash", block_size=5)
+    taps = KIND.default_tap_layer_ids(arch.n_layers)
+    KIND.save(KIND.initial(KIND.arch_from_target(arch, taps, arch.vocab_size, cfg), None, seed=0), str(tmp_path / "draft"))
+    data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_records(32))
+    args = (
+        "--model.hf_checkpoint", str(policy), "--draft.init_from", str(tmp_path / "draft"), "--draft.kind", "dflash",
+        "--draft.block_size", "5", "--speculative.num_draft_tokens", "4",
+        "--task.name", "dataset", "--task.path", data, "--task.chat_template_kwargs", "{enable_thinking = false}",
+        "--training.steps", "3", "--rl.baseline_interval", "1", "--rl.max_new_tokens", "16",
+        "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--checkpoint.enable", "false",
+        "--rollout.vllm.log_dir", str(tmp_path / "logs"),
+    )
+    (rows,) = train_many(1, [(str(tmp_path / "rl"), args)], config="debug_cpu_vllm.toml", timeout=900)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 0.0 <= r["rl/reward"] <= 1.0 and r["rollout/tokens"] > 0 and r["rollout/draft_k"] == 4.0, r
+        assert r["rollout/accept_len_fixed"] == r["rollout/accept_len"], r  # the step's draft, the same call again
+        assert r["draft/tokens_0"] > 0 and r["draft/loss"] > 0, r  # the DFlash block loss trained
+    assert rows[0]["rollout/accept_len_frozen"] == rows[0]["rollout/accept_len"]  # step 1: the same draft
