@@ -444,3 +444,17 @@ def test_compiled_block_proposer_matches_eager(fitted):
     got = TorchRolloutEngine(model, draft, cfg).generate(prompts, sp)
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert [r.accepted_tokens for r in got] == [r.accepted_tokens for r in ref]
+
+
+def test_dflash_taps_outside_the_target_are_one_line_before_the_start(capsys, monkeypatch):
+    """The DFlash chain's plan (--plan, what run_train.sh runs first) with a tap past the
+    8-layer target: exit 2 and one line naming the key and the allowed range."""
+    from titan_spec.train import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    capsys.readouterr()
+    rc = main(["--plan", "--config", "train_configs/debug_cpu_dflash.toml", "--draft.tap_layer_ids", "[1, 9]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "draft.tap_layer_ids" in err[0] and "must be in 0..7" in err[0], err
