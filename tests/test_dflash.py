@@ -164,9 +164,11 @@ def test_block_loss_and_gradients_equal_a_per_block_reference(block_size, n_laye
     assert got.count_S.tolist() == counts and min(counts) > 0
     norm_S = KIND.normalizer_counts(pos, labels, meta, cfg)
     assert (norm_S >= got.count_S).all() and (norm_S == got.count_S).all() == (draft_vocab == V)
-    # The drafts' rotary runs in float32 (as SGLang's and vLLM's cos/sin tables), the reference in fp64.
+    # tolerance: the drafts' rotary runs in float32 (as SGLang's and vLLM's cos/sin tables), the
+    # reference's in fp64; everything else is fp64 on both sides.
     torch.testing.assert_close(got.loss, want, rtol=1e-7, atol=1e-9)
     for n, p in draft64.named_parameters():
+        # tolerance: the same fp32 rotary angles, through the backward (gradients O(1e-2)).
         torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-6, atol=1e-8, msg=n)
     assert got_grads["mask_embedding"].abs().sum() > 0 and got_grads["fc.weight"].abs().sum() > 0
 
@@ -229,6 +231,7 @@ def test_cached_block_proposer_equals_the_reference_block():
                 want = reference_block_logits(draft.double(), [h.double() for h in taps_BLCD[b].unbind(1)], emb.double(),
                                               torch.arange(len(s)), int(start[b]), 0)
                 draft.float()
+                # tolerance: the cached proposer in fp32 against the fp64 reference (logits O(1)).
                 torch.testing.assert_close(got_BJV[b].double(), want[1:], rtol=1e-4, atol=1e-4)
 
 
@@ -285,6 +288,8 @@ def test_greedy_speculation_with_a_block_draft_equals_plain(fitted, which, K):
         check_stats(got, K)
         for g, w in zip(got, want):
             assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+            # tolerance: the same target, its verify window wider than plain decoding's one token
+            # (fp32 attention over other key counts), as tests/test_rollout_engine.py.
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
             tokens, steps = tokens + len(g.output_ids), steps + g.verify_steps
     if which == "fitted" and K == 7:
