@@ -21,24 +21,17 @@ from titan_spec.config import ConfigError, DraftConfig, load_config
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft import draft_kind
 from titan_spec.models.draft.dflash.io import MASK_FILE, export_keys
-from titan_spec.models.draft.vocab import build_vocab_mapping
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
 
-from test_rollout_engine import assert_follows_the_policy, check_stats, random_prompts, sampled_tokens_distribution_check
+from test_rollout_engine import (  # noqa: F401  (_one_thread: the module's autouse fixture, shared)
+    _one_thread, assert_follows_the_policy, check_stats, random_prompts, sampled_tokens_distribution_check,
+)
 
 V = 32
 TAPS = (1, 3, 5)
 KIND = draft_kind("dflash")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_target(seed: int):

@@ -458,14 +458,9 @@ def test_rl_steps_through_vllm_with_the_frozen_draft_baseline(tmp_path):
     if built.returncode != 0:
         pytest.skip(f"the vLLM environment cannot be built here ({ENV_SCRIPT})")
     from conftest import train_many
-    from helpers.hf_assets import gsm8k_records, write_jsonl, write_tokenizer
-    from titan_spec.data.tokenizer import HFTokenizer
+    from helpers.hf_assets import gsm8k_records, write_hd32_policy, write_jsonl
 
-    tok_dir = write_tokenizer(tmp_path / "tokenizer")
-    tok = HFTokenizer(tokenizer_path=tok_dir)
-    policy = tmp_path / "policy"
-    write_tiny_qwen3(policy, tok.get_vocab_size(), num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    tok.save(str(policy))
+    policy = write_hd32_policy(tmp_path)
     taps = (1, 3, 4)  # draft.tap_layer_ids' default for 8 layers
     _, arch = load_target(str(policy), taps=taps)
     torch.manual_seed(0)

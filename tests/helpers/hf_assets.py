@@ -190,3 +190,15 @@ def load_target(path, taps=(1, 2, 4)):
     model.init_weights(buffer_device=None)
     load_hf_into(model, path, arch)
     return model.eval(), arch
+
+
+def write_hd32_policy(tmp_path) -> str:
+    """The vLLM RL tests' policy: a tiny transformers-written Qwen3 with head_dim 32 (vLLM's CPU
+    attention has no kernel for 16) and the BPE tokenizer of ``write_tokenizer`` saved beside it."""
+    from titan_spec.data.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(tokenizer_path=write_tokenizer(tmp_path / "tokenizer"))
+    policy = tmp_path / "policy"
+    write_tiny_qwen3(policy, tok.get_vocab_size(), num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    tok.save(str(policy))
+    return str(policy)

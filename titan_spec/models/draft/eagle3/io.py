@@ -24,8 +24,6 @@ directory restores the identity maps.
 from __future__ import annotations
 
 import json
-import math
-import os
 
 import torch
 from safetensors.torch import load_file
