@@ -68,6 +68,11 @@ class TTTHalo:
         dist.all_gather(parts, halo, group=self.group)
         return torch.cat([x_R, *parts])
 
+    def sources(self) -> list[torch.Tensor]:
+        """Per step j: src_R, row t+1+j's index into the extended rows (row t itself where
+        t+1+j leaves the document). Index math only: nothing is gathered."""
+        return list(self._src)
+
     def shifts(self, labels_E: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per step j: (src_R into the extended rows, valid_R), as ttt.ttt_shifts."""
         return [

@@ -227,10 +227,15 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         self._work = tempfile.mkdtemp(prefix="titan_spec_vllm_", dir=config.transport_dir or None)
         self._served_draft = None
         self.draft_kind = kind_of_directory(draft_path) if self.K else None
+        self._dflash_arch = None
+        """A DFlash draft's arch (its push names, its mask token), read once at start."""
         if self.draft_kind == "dflash":
             why = dflash_misfit(policy_path, draft_path)
             if why:
                 raise ValueError(why)
+            from titan_spec.models.draft import draft_kind
+
+            self._dflash_arch = draft_kind("dflash").read_arch(draft_path)
         elif self.K:
             check_draft_fits_policy(policy_path, draft_path)
         if self.K:
@@ -291,7 +296,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         if "mask_embedding" in pairs:
             # A DFlash mask embedding travels as the served directory's file, which vLLM's
             # load_weights reads (serving.py); the rest as any push.
-            write_mask_embedding(self._served_draft, pairs["mask_embedding"])
+            write_mask_embedding(self._served_draft, pairs["mask_embedding"], self._dflash_arch.mask_token_id)
             pairs = {n: t for n, t in pairs.items() if n != "mask_embedding"}
         if self._transport(client) == "ipc":
             info, keep = ipc_update_info(pairs, torch.device("cuda", torch.cuda.current_device()))
@@ -335,12 +340,11 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     def _draft_names(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
         """EAGLE-3: the SpecForge/SGLang export names; DFlash: its own export names
         (models/draft/dflash/io.py) and its mask embedding."""
-        if self.draft_kind != "dflash":
+        if self._dflash_arch is None:
             return draft_to_export_names(named_tensors)
-        from titan_spec.models.draft import draft_kind
         from titan_spec.models.draft.dflash.io import export_keys
 
-        arch = draft_kind("dflash").read_arch(self._served_draft)
+        arch = self._dflash_arch
         allowed = set(export_keys(arch)) | {"d2t", "t2d", "mask_embedding"}
         pairs = [(n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in named_tensor_items(named_tensors)]
         unknown = [n for n, _ in pairs if n not in allowed]

@@ -96,10 +96,8 @@ def dflash_misfit(policy_path: str, draft_path: str) -> str | None:
     return f"draft directory {draft_path} does not fit the policy {policy_path}: {'; '.join(bad)}" if bad else None
 
 
-def write_mask_embedding(served: str, embedding: torch.Tensor) -> None:
+def write_mask_embedding(served: str, embedding: torch.Tensor, mask_id: int) -> None:
     """Replace the served DFlash directory's mask embedding (atomic: vLLM may read it)."""
-    with open(os.path.join(served, "config.json")) as f:
-        mask_id = json.load(f)["dflash_config"]["mask_token_id"]
     tmp = os.path.join(served, f".{MASK_FILE}.tmp")
     torch.save({"mask_token_id": mask_id, "embedding": embedding.detach().float().cpu().reshape(-1).clone()}, tmp)
     os.replace(tmp, os.path.join(served, MASK_FILE))

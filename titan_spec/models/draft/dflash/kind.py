@@ -51,7 +51,7 @@ class _Blocks:
     def counts(self) -> torch.Tensor:
         return torch.stack([v.sum() for _, v in self.valid])
 
-    def target_logits(self, logits_TV, labels_BL, meta, block_size: int) -> list[torch.Tensor]:
+    def target_logits(self, logits_TV, meta, block_size: int) -> list[torch.Tensor]:
         """The target's logits at a + k - 1 for every block row k. Under context parallelism
         rows a+1 .. a+J-2 may live on the next chunk's rank: EAGLE-3's halo brings the first
         J-2 rows of every chunk (the only V-wide rows that cross)."""
@@ -62,8 +62,7 @@ class _Blocks:
             return [logits_TV[rows_A]]
         halo = TTTHalo(meta, block_size - 2, logits_TV.device)
         logits_E = halo.extend(logits_TV)
-        shifts = halo.shifts(halo.extend(labels_BL.reshape(-1)))
-        return [logits_TV[rows_A]] + [logits_E[src_R[rows_A]] for src_R, _ in shifts]
+        return [logits_TV[rows_A]] + [logits_E[src_R[rows_A]] for src_R in halo.sources()]
 
 
 class DFlashKind(DraftKind):
@@ -101,7 +100,7 @@ class DFlashKind(DraftKind):
              count_S, global_count) -> DraftLossResult:
         T = positions_BL.numel()
         blocks = _Blocks(positions_BL, labels_BL, meta, cfg)
-        logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), labels_BL, meta, cfg.block_size)
+        logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), meta, cfg.block_size)
         targets = block_targets(model, [(v, x) for (_, v), x in zip(blocks.valid, logits)])
         if count_S is None:
             count_S = global_count(blocks.counts())
