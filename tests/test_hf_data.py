@@ -20,7 +20,9 @@ from titan_spec.data import rewards
 from titan_spec.data.prompts import PromptFormat
 from titan_spec.data.problem import Problem
 from titan_spec.data.tasks import DatasetTask
-from titan_spec.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_source
+from titan_spec.data.tokenizer import CharTokenizer, HFTokenizer
+from titan_spec.preflight.inputs import check_reward
+from titan_spec.preflight.resolve import tokenizer_source
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers.hf_assets import gsm8k_records, write_jsonl, write_tiny_qwen3, write_tokenizer  # noqa: E402
@@ -235,11 +237,11 @@ def test_a_raising_reward_stops_the_run_with_one_line_naming_the_record(capsys):
 
 def test_reward_names_are_checked():
     with pytest.raises(ConfigError, match=r"task.reward = 'mathh' is not a reward \(did you mean 'math'\?\)"):
-        rewards.check_reward("mathh")
+        check_reward("mathh")
     with pytest.raises(ConfigError, match=r"module 'no_such_module_x' does not import \(ModuleNotFoundError"):
-        rewards.check_reward("no_such_module_x:fn")
+        check_reward("no_such_module_x:fn")
     with pytest.raises(ConfigError, match="module 'json' has no function 'nope'"):
-        rewards.check_reward("json:nope")
+        check_reward("json:nope")
 
 
 # --- dataset records --------------------------------------------------------------------------

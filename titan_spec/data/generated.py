@@ -4,18 +4,17 @@
 - ``TraceTask`` (the embedded default): a guessed answer in words or a step-by-step count,
   both checked on the final answer after '####';
 - ``LongRecordsTask`` ('records'): the long-context lookup over a prompt of 2K-16K+ tokens
-  whose answer needs two records far apart (``check_records_fit`` checks it fits the run).
+  whose answer needs two records far apart (preflight/lengths.py checks it fits the run).
 """
 
 from __future__ import annotations
 
 import random
 
-from titan_spec.config import ConfigError, TitanSpecConfig
 from titan_spec.data.problem import Problem
 from titan_spec.data.rewards import ANSWER_MARK
 
-__all__ = ["ArithmeticTask", "TraceTask", "LongRecordsTask", "check_records_fit", "max_records"]
+__all__ = ["ArithmeticTask", "TraceTask", "LongRecordsTask", "max_records"]
 
 
 class ArithmeticTask:
@@ -178,39 +177,3 @@ class LongRecordsTask:
         shown = max(total + rng.choice((-2, -1, 1, 2)), 0)
         work = f"{keys[a]:04d}={values[a]},{keys[b]:04d}={values[b]},"
         return Problem(prompt, f"{work}{total}", f"{work}{shown}" if noisy else "")
-
-
-def check_records_fit(cfg: TitanSpecConfig) -> None:
-    """A 'records' task fits the run: its prompts hold MIN_RECORDS..KEYS records, and a whole
-    document (<bos>, prompt, completion, <eos>) fits training.seq_len (the completion:
-    rl.max_new_tokens in RL, the longest answer otherwise). One ConfigError line, before any
-    process starts (train.check_inputs); the model's maximum length is checked against
-    training.seq_len by train.to_trainer_config."""
-    t = cfg.task
-    if t.name != "records":
-        return
-    n = max_records(t.prompt_len)
-    if n < MIN_RECORDS:
-        raise ConfigError(
-            f"task.prompt_len = {t.prompt_len} is not allowed; the 'records' task needs at least "
-            f"{QUESTION_LEN + RECORD_LEN * MIN_RECORDS} tokens ({MIN_RECORDS} records of {RECORD_LEN} and the question)",
-            key="task.prompt_len",
-        )
-    if n > KEYS:
-        raise ConfigError(
-            f"task.prompt_len = {t.prompt_len} is not allowed; {n} records cannot fit in {KEYS} distinct "
-            f"4-digit keys: it must be at most {QUESTION_LEN + RECORD_LEN * (KEYS + 1) - 1}",
-            key="task.prompt_len",
-        )
-    # An RL document is <bos> + prompt + up to rl.max_new_tokens generated ids (<eos> one of
-    # them); an SFT document is <bos> + prompt + answer + <eos>.
-    rl = cfg.mode.trains == "rl"
-    doc = 1 + t.prompt_len + (cfg.rl.max_new_tokens if rl else ANSWER_MAX_LEN + 1)
-    if doc > cfg.training.seq_len:
-        what = f"rl.max_new_tokens {cfg.rl.max_new_tokens}" if rl else f"the longest answer {ANSWER_MAX_LEN} + <eos>"
-        raise ConfigError(
-            f"task.prompt_len = {t.prompt_len} does not fit training.seq_len = {cfg.training.seq_len}: a document "
-            f"is <bos> + {t.prompt_len} prompt tokens + {what} = {doc} tokens; raise training.seq_len "
-            f"to at least {doc} or lower task.prompt_len",
-            key="task.prompt_len",
-        )

@@ -10,7 +10,7 @@ text is encoded with BOS, the embedded task's ids exactly as before.
 
 from __future__ import annotations
 
-from titan_spec.config import ConfigError, TaskConfig
+from titan_spec.config import TaskConfig
 
 __all__ = ["PromptFormat"]
 
@@ -19,14 +19,9 @@ class PromptFormat:
     """task.system_prompt / chat_template / chat_template_kwargs for one tokenizer."""
 
     def __init__(self, task: TaskConfig, tokenizer):
-        has = getattr(tokenizer, "chat_template", None) is not None
-        if task.chat_template == "on" and not has:
-            raise ConfigError("task.chat_template = 'on' but the tokenizer has no chat template "
-                              "(tokenizer_config.json chat_template or chat_template.jinja)", key="task.chat_template")
-        self.chat = has and task.chat_template != "off"
-        if task.system_prompt and not self.chat:
-            raise ConfigError("task.system_prompt needs a chat template, and the tokenizer has none",
-                              key="task.system_prompt")
+        # task.chat_template = 'on' and task.system_prompt need a template: checked before the
+        # start (preflight/inputs.py check_chat_template).
+        self.chat = getattr(tokenizer, "chat_template", None) is not None and task.chat_template != "off"
         self.system_prompt = task.system_prompt
         self.kwargs = dict(task.chat_template_kwargs)
         self.tokenizer = tokenizer

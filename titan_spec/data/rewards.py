@@ -16,8 +16,9 @@ returns a finite number (bool and int count as 0/1 and their value).
                   or a '#### x' line
     module:func   a user function of the signature above, imported by ``task.reward``
 
-``task.reward`` is checked before any run starts (``check_reward``: an unknown name with a
-"did you mean", a path that does not import, an attribute that is not callable). A reward
+``reward_fn`` resolves ``task.reward``; its ValueError (an unknown name with a "did you mean",
+a path that does not import, an attribute that is not callable) is a config error before any
+run starts (preflight/inputs.py ``check_reward``). A reward
 that raises or returns a non-finite value during a step is a ``RewardError`` naming the
 record: ``titan_spec.train`` prints it as one line and the run stops (no DONE).
 """
@@ -33,9 +34,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from titan_spec.config import ConfigError
-
-__all__ = ["REWARDS", "RewardError", "check_reward", "reward_fn", "score", "exact_match", "math_reward",
+__all__ = ["REWARDS", "RewardError", "reward_fn", "score", "exact_match", "math_reward",
            "format_reward", "last_boxed"]
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
@@ -100,33 +99,28 @@ REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_reward,
 def _import(path: str) -> RewardFn:
     module, _, name = path.partition(":")
     if not module or not name:
-        raise ConfigError(f"task.reward = {path!r}: a user reward is 'module:function'", key="task.reward")
+        raise ValueError(f"task.reward = {path!r}: a user reward is 'module:function'")
     try:
         mod = importlib.import_module(module)
     except Exception as e:  # ImportError, or whatever the module raises while importing
-        raise ConfigError(f"task.reward = {path!r}: module {module!r} does not import "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", key="task.reward") from None
+        raise ValueError(f"task.reward = {path!r}: module {module!r} does not import "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     fn = getattr(mod, name, None)
     if not callable(fn):
-        raise ConfigError(f"task.reward = {path!r}: module {module!r} has no function {name!r}", key="task.reward")
+        raise ValueError(f"task.reward = {path!r}: module {module!r} has no function {name!r}")
     return fn
 
 
 def reward_fn(name: str) -> RewardFn:
-    """``task.reward`` -> the function; ConfigError (one line) for an unknown name or a bad path."""
+    """``task.reward`` -> the function; ValueError (one line) for an unknown name or a bad path."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
         return _import(name)
     near = difflib.get_close_matches(name, list(REWARDS), n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
-    raise ConfigError(f"task.reward = {name!r} is not a reward{hint}; allowed: {', '.join(REWARDS)} "
-                      "or a user function 'module:function'", key="task.reward")
-
-
-def check_reward(name: str) -> None:
-    """``task.reward`` names a reward, before any run starts (ConfigError, key task.reward)."""
-    reward_fn(name)
+    raise ValueError(f"task.reward = {name!r} is not a reward{hint}; allowed: {', '.join(REWARDS)} "
+                     "or a user function 'module:function'")
 
 
 def score(fn: RewardFn, name: str, completions: list[str], problems: list) -> list[float]:

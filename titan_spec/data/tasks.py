@@ -21,13 +21,18 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from titan_spec.config import ConfigError, TaskConfig
+from titan_spec.config import TaskConfig
 from titan_spec.data.generated import ArithmeticTask, LongRecordsTask, TraceTask
 from titan_spec.data.problem import Problem
 from titan_spec.data.records import field_value, final_answer, read_records
 from titan_spec.data.rewards import exact_match
 
-__all__ = ["JsonlTask", "DatasetTask", "build_task", "check_task_file", "exact_match_reward"]
+__all__ = ["AnswerFormatError", "JsonlTask", "DatasetTask", "build_task", "exact_match_reward"]
+
+
+class AnswerFormatError(ValueError):
+    """No record of a file has a final answer in task.answer_format: the format is at fault,
+    not the file (the preflight names task.answer_format, not task.path)."""
 
 
 class JsonlTask:
@@ -143,10 +148,10 @@ def _answer_format_misfit(cfg: TaskConfig, misses: list[tuple[str, str, str]]) -
     fits = [f for f in ("gsm8k", "boxed", "auto") if f != cfg.answer_format and all(_reads(t, f) for _, t, _ in misses)]
     hint = f"; did you mean {fits[0]!r}? it reads every record" if fits else ""
     name, _, why = misses[0]
-    raise ConfigError(
+    raise AnswerFormatError(
         f"task.answer_format = {cfg.answer_format!r} finds no final answer in any of the {len(misses)} records of "
         f"{cfg.path} (first: {name}: {why}); allowed: 'auto' (each record's own), 'gsm8k' (after '####'), "
-        f"'boxed' (the last \\boxed{{}}), 'plain' (the whole field){hint}", key="task.answer_format")
+        f"'boxed' (the last \\boxed{{}}), 'plain' (the whole field){hint}")
 
 
 def _reads(text: str, fmt: str) -> bool:
@@ -179,21 +184,6 @@ def build_task(task_cfg):
     if task_cfg.name == "dataset":
         return DatasetTask(task_cfg)
     return JsonlTask(task_cfg.path, task_cfg.on_malformed)
-
-
-def check_task_file(task_cfg: TaskConfig) -> None:
-    """A [task] that reads a file (name = 'jsonl' or 'dataset') can read it: one ConfigError
-    line (key task.path) naming the file and its malformed records, or the configured field
-    no record has, before any run starts. Generated tasks read no file ('records' has its own
-    check, check_records_fit)."""
-    if task_cfg.name not in ("jsonl", "dataset"):
-        return
-    try:
-        build_task(task_cfg)
-    except ConfigError:
-        raise  # already names its key (task.answer_format)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"task.path: {e}", key="task.path") from None
 
 
 def exact_match_reward(completion: str, answer: str) -> float:

@@ -12,8 +12,9 @@ and ``save(folder)``. A saved tokenizer reloads as the same tokenizer (tests rel
 the character vocabulary is written as ``{"type": "char", "vocab": [...]}``, an HF
 tokenizer's files are copied as they are.
 
-Which one a run uses is decided ONCE, by ``tokenizer_source`` (the [tokenizer] section and
-model.hf_checkpoint); ``titan_spec.train`` builds it and hands the same config to torchtitan.
+Which one a run uses is decided ONCE, before the start, by ``titan_spec.preflight``
+(``resolve_tokenizer``: the [tokenizer] section and model.hf_checkpoint), which builds it
+through ``tokenizer_config`` and hands the same config to torchtitan.
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ from dataclasses import dataclass
 
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 
-from titan_spec.config import ConfigError
-
-__all__ = ["CharTokenizer", "HFTokenizer", "TOKENIZER_FILES", "saved_tokenizer_kind", "tokenizer_source",
-           "tokenizer_config", "build_tokenizer"]
+__all__ = ["CharTokenizer", "HFTokenizer", "TOKENIZER_FILES", "saved_tokenizer_kind", "tokenizer_config"]
 
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Printable ASCII minus the three whitespace controls nobody writes (\r \x0b \x0c).
@@ -183,42 +181,6 @@ class HFTokenizer(HuggingFaceTokenizer):
                 os.replace(tmp, os.path.join(folder, name))
 
 
-def tokenizer_source(kind: str, path: str, hf_checkpoint: str) -> tuple[str, str]:
-    """([tokenizer] kind, path; model.hf_checkpoint) -> (kind 'char' | 'hf', directory).
-
-    The directory is tokenizer.path, else model.hf_checkpoint. 'auto' is what the directory
-    holds: a saved character vocabulary ('char') or HF tokenizer files ('hf'); with neither
-    directory set, the embedded task's character tokenizer. A directory named without
-    tokenizer files is one ConfigError line (unless kind = 'char': the built-in vocabulary)."""
-    where = path or hf_checkpoint
-    key = "tokenizer.path" if path else "model.hf_checkpoint"
-    if kind == "char":
-        return "char", where if where and saved_tokenizer_kind(where) == "char" else ""
-    if not where:
-        if kind == "hf":
-            raise ConfigError("tokenizer.kind = 'hf' needs tokenizer.path or model.hf_checkpoint: the directory "
-                              "of its tokenizer.json", key="tokenizer.kind")
-        return "char", ""
-    found = saved_tokenizer_kind(where) if os.path.isdir(where) else None
-    if found is None:
-        raise ConfigError(
-            f"{key}: {where!r} has no tokenizer files (tokenizer.json, or vocab.json + merges.txt): set "
-            "tokenizer.path to the model's tokenizer directory, or tokenizer.kind = 'char' for the "
-            "embedded task's character tokenizer", key=key)
-    if kind == "hf" and found == "char":
-        raise ConfigError(f"tokenizer.kind = 'hf' but {where!r} holds a character vocabulary saved by titan_spec",
-                          key="tokenizer.kind")
-    return found, where
-
-
 def tokenizer_config(kind: str, path: str):
-    """The torchtitan tokenizer config of a resolved source (``tokenizer_source``)."""
+    """The torchtitan tokenizer config of a resolved source (kind 'char' | 'hf', directory)."""
     return HFTokenizer.Config(path=path) if kind == "hf" else CharTokenizer.Config(path=path)
-
-
-def build_tokenizer(kind: str, path: str):
-    """The tokenizer of a resolved source; a file that cannot be loaded is one ConfigError line."""
-    try:
-        return tokenizer_config(kind, path).build()
-    except ValueError as e:
-        raise ConfigError(str(e), key="tokenizer.path") from None

@@ -8,20 +8,21 @@ import os
 import random
 import tempfile
 
-from titan_spec.config import ConfigError, TitanSpecConfig, check_paths
-from titan_spec.data.generated import check_records_fit
-from titan_spec.data.rewards import RewardError, check_reward, reward_fn, score
-from titan_spec.data.tasks import build_task, check_task_file
+from titan_spec.config import ConfigError, TaskConfig, TitanSpecConfig, check_paths
+from titan_spec.data.rewards import RewardError, reward_fn, score
+from titan_spec.data.tasks import AnswerFormatError, build_task
 from titan_spec.preflight.engines import check_sglang_config, check_vllm_config
+from titan_spec.preflight.lengths import check_records_fit
 from titan_spec.preflight.resolve import Made
 
-__all__ = ["check_free_space", "check_inputs", "check_writable"]
+__all__ = ["check_chat_template", "check_free_space", "check_inputs", "check_reward", "check_writable"]
 
 
 def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> None:
     """The inputs a config names, before anything is built: its directories exist
-    (config.check_paths), its task file reads (data.tasks.check_task_file), a 'records' task's
-    prompts fit training.seq_len (data.generated.check_records_fit), the SGLang or vLLM
+    (config.check_paths), its task file reads (``check_task_file``), a 'records' task's
+    prompts fit training.seq_len (preflight/lengths.py ``check_records_fit``), the reward resolves
+    and scores (``check_reward``, ``check_reward_scores``), the SGLang or vLLM
     engine can start from them (preflight/engines.py). ``made``: directories
     an earlier run of the chain writes (not there yet; see ``Made``). Raises ConfigError,
     not yet located (``validate_run`` says where the value came from)."""
@@ -37,6 +38,29 @@ def check_inputs(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> N
     check_vllm_config(cfg, files=not written)
     if cfg.rollout.engine == "sglang" and not written:
         _check_sglang_tokenizer(cfg)
+
+
+def check_task_file(task_cfg: TaskConfig) -> None:
+    """A [task] that reads a file (name = 'jsonl' or 'dataset') can read it: one ConfigError
+    line (key task.path) naming the file and its malformed records, or the configured field
+    no record has, before any run starts. Generated tasks read no file ('records' has its own
+    check, check_records_fit)."""
+    if task_cfg.name not in ("jsonl", "dataset"):
+        return
+    try:
+        build_task(task_cfg)
+    except AnswerFormatError as e:  # the format is at fault, not the file
+        raise ConfigError(str(e), key="task.answer_format") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"task.path: {e}", key="task.path") from None
+
+
+def check_reward(name: str) -> None:
+    """``task.reward`` names a reward (data/rewards.py ``reward_fn``), before any run starts."""
+    try:
+        reward_fn(name)
+    except ValueError as e:
+        raise ConfigError(str(e), key="task.reward") from None
 
 
 REWARD_PROBES = 4
@@ -61,6 +85,18 @@ def check_reward_scores(cfg: TitanSpecConfig) -> None:
     except RewardError as e:
         raise ConfigError(f"task.reward = {cfg.task.reward!r} does not score the task before the start: {e}; allowed: "
                           "a function (completion, answer, record) -> a finite number", key="task.reward") from None
+
+
+def check_chat_template(task: TaskConfig, tokenizer) -> None:
+    """task.chat_template = 'on' and task.system_prompt need a tokenizer with a chat template
+    (data/prompts.py renders the prompt through it)."""
+    has = getattr(tokenizer, "chat_template", None) is not None
+    if task.chat_template == "on" and not has:
+        raise ConfigError("task.chat_template = 'on' but the tokenizer has no chat template "
+                          "(tokenizer_config.json chat_template or chat_template.jinja)", key="task.chat_template")
+    if task.system_prompt and not (has and task.chat_template != "off"):
+        raise ConfigError("task.system_prompt needs a chat template, and the tokenizer has none",
+                          key="task.system_prompt")
 
 
 def check_writable(dump: str) -> None:

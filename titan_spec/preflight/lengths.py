@@ -9,10 +9,11 @@ from __future__ import annotations
 import random
 
 from titan_spec.config import ConfigError, TitanSpecConfig, document_multiple
+from titan_spec.data.generated import ANSWER_MAX_LEN, KEYS, MIN_RECORDS, QUESTION_LEN, RECORD_LEN, max_records
 from titan_spec.data.loader import sft_document
 from titan_spec.data.tasks import build_task
 
-__all__ = ["check_documents_fit"]
+__all__ = ["check_documents_fit", "check_records_fit"]
 
 SAMPLED = 512
 """Problems drawn from a generated task (an unbounded set) for its longest prompt."""
@@ -24,7 +25,7 @@ def _padded(n: int, multiple: int) -> int:
 
 def _problems(cfg: TitanSpecConfig) -> tuple[list, bool]:
     """(the task's problems, whether that is all of them): every record of a file task; a
-    fixed sample of a generated one ('records' has its own check, data/generated.py)."""
+    fixed sample of a generated one ('records' has its own check, ``check_records_fit``)."""
     task = build_task(cfg.task)
     if hasattr(task, "problems"):
         return task.problems, True
@@ -83,3 +84,39 @@ def _check_sft(problems, tok, prompts, seq_len: int, multiple: int) -> None:
         f"{seq_len} tokens (prompt + demonstration + <eos>; never truncated); the longest: {p.source} "
         f"({n} tokens); allowed: records of at most {seq_len} tokens (raise training.seq_len, or drop them)",
         key="task.path")
+
+
+def check_records_fit(cfg: TitanSpecConfig) -> None:
+    """A 'records' task fits the run: its prompts hold MIN_RECORDS..KEYS records, and a whole
+    document (<bos>, prompt, completion, <eos>) fits training.seq_len (the completion:
+    rl.max_new_tokens in RL, the longest answer otherwise). One ConfigError line, before any
+    process starts (preflight/inputs.py check_inputs); the model's maximum length is checked
+    against training.seq_len by preflight/trainer_config.py."""
+    t = cfg.task
+    if t.name != "records":
+        return
+    n = max_records(t.prompt_len)
+    if n < MIN_RECORDS:
+        raise ConfigError(
+            f"task.prompt_len = {t.prompt_len} is not allowed; the 'records' task needs at least "
+            f"{QUESTION_LEN + RECORD_LEN * MIN_RECORDS} tokens ({MIN_RECORDS} records of {RECORD_LEN} and the question)",
+            key="task.prompt_len",
+        )
+    if n > KEYS:
+        raise ConfigError(
+            f"task.prompt_len = {t.prompt_len} is not allowed; {n} records cannot fit in {KEYS} distinct "
+            f"4-digit keys: it must be at most {QUESTION_LEN + RECORD_LEN * (KEYS + 1) - 1}",
+            key="task.prompt_len",
+        )
+    # An RL document is <bos> + prompt + up to rl.max_new_tokens generated ids (<eos> one of
+    # them); an SFT document is <bos> + prompt + answer + <eos>.
+    rl = cfg.mode.trains == "rl"
+    doc = 1 + t.prompt_len + (cfg.rl.max_new_tokens if rl else ANSWER_MAX_LEN + 1)
+    if doc > cfg.training.seq_len:
+        what = f"rl.max_new_tokens {cfg.rl.max_new_tokens}" if rl else f"the longest answer {ANSWER_MAX_LEN} + <eos>"
+        raise ConfigError(
+            f"task.prompt_len = {t.prompt_len} does not fit training.seq_len = {cfg.training.seq_len}: a document "
+            f"is <bos> + {t.prompt_len} prompt tokens + {what} = {doc} tokens; raise training.seq_len "
+            f"to at least {doc} or lower task.prompt_len",
+            key="task.prompt_len",
+        )

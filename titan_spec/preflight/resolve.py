@@ -12,12 +12,12 @@ from typing import Any
 
 from titan_spec.config import ConfigError, TitanSpecConfig
 from titan_spec.config.draft_kinds import tap_ids_problem
-from titan_spec.data.tokenizer import tokenizer_source
+from titan_spec.data.tokenizer import saved_tokenizer_kind
 from titan_spec.models.draft import DraftKind, draft_kind
 from titan_spec.models.hf_io import check_hf_weights, read_hf_arch
 from titan_spec.models.registry import flavor_arch, with_vocab
 
-__all__ = ["Made", "resolve_tokenizer", "resolve_arch", "tap_ids_for", "draft_arch_for"]
+__all__ = ["Made", "resolve_tokenizer", "tokenizer_source", "resolve_arch", "tap_ids_for", "draft_arch_for"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def _made(made: dict[str, Made] | None, path: str) -> Made | None:
 
 
 def resolve_tokenizer(cfg: TitanSpecConfig, made: dict[str, Made] | None = None) -> tuple[str, str]:
-    """(kind, directory) of the run's tokenizer (data/tokenizer.py ``tokenizer_source``); a
+    """(kind, directory) of the run's tokenizer (``tokenizer_source``); a
     directory an earlier run of the chain exports to holds that run's tokenizer (``Made``)."""
     t = cfg.tokenizer
     where = t.path or cfg.model.hf_checkpoint
@@ -55,6 +55,34 @@ def resolve_tokenizer(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     if promise is not None:
         return "char", ""
     return tokenizer_source(t.kind, t.path, cfg.model.hf_checkpoint)
+
+
+def tokenizer_source(kind: str, path: str, hf_checkpoint: str) -> tuple[str, str]:
+    """([tokenizer] kind, path; model.hf_checkpoint) -> (kind 'char' | 'hf', directory).
+
+    The directory is tokenizer.path, else model.hf_checkpoint. 'auto' is what the directory
+    holds: a saved character vocabulary ('char') or HF tokenizer files ('hf'); with neither
+    directory set, the embedded task's character tokenizer. A directory named without
+    tokenizer files is one ConfigError line (unless kind = 'char': the built-in vocabulary)."""
+    where = path or hf_checkpoint
+    key = "tokenizer.path" if path else "model.hf_checkpoint"
+    if kind == "char":
+        return "char", where if where and saved_tokenizer_kind(where) == "char" else ""
+    if not where:
+        if kind == "hf":
+            raise ConfigError("tokenizer.kind = 'hf' needs tokenizer.path or model.hf_checkpoint: the directory "
+                              "of its tokenizer.json", key="tokenizer.kind")
+        return "char", ""
+    found = saved_tokenizer_kind(where) if os.path.isdir(where) else None
+    if found is None:
+        raise ConfigError(
+            f"{key}: {where!r} has no tokenizer files (tokenizer.json, or vocab.json + merges.txt): set "
+            "tokenizer.path to the model's tokenizer directory, or tokenizer.kind = 'char' for the "
+            "embedded task's character tokenizer", key=key)
+    if kind == "hf" and found == "char":
+        raise ConfigError(f"tokenizer.kind = 'hf' but {where!r} holds a character vocabulary saved by titan_spec",
+                          key="tokenizer.kind")
+    return found, where
 
 
 def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | None = None):

@@ -19,11 +19,12 @@ from titan_spec import platform
 from titan_spec.config import ConfigError, TitanSpecConfig, document_multiple, quiet_torchtitan
 from titan_spec.data.loader import TaskDataLoader
 from titan_spec.data.prompts import PromptFormat
-from titan_spec.data.tokenizer import build_tokenizer, tokenizer_config
+from titan_spec.data.tokenizer import tokenizer_config
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import without_torch_cp
 from titan_spec.parallelisms.pipeline import TapPipeline
+from titan_spec.preflight.inputs import check_chat_template
 from titan_spec.preflight.lengths import check_documents_fit
 from titan_spec.preflight.parallelism import check_pipeline_config, check_tensor_parallel
 from titan_spec.preflight.resolve import Made, _made, draft_arch_for, resolve_arch, resolve_tokenizer
@@ -57,8 +58,12 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
             raise ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint") from None
     tok_kind, tok_path = resolve_tokenizer(cfg, made)
     # A promised directory's tokenizer is its source's (the same files, copied there later).
-    tok = build_tokenizer(tok_kind, tok_path)
-    prompts = PromptFormat(cfg.task, tok)  # the chat-template keys fit this tokenizer (ConfigError otherwise)
+    try:
+        tok = tokenizer_config(tok_kind, tok_path).build()
+    except ValueError as e:
+        raise ConfigError(str(e), key="tokenizer.path") from None
+    check_chat_template(cfg.task, tok)
+    prompts = PromptFormat(cfg.task, tok)
     check_documents_fit(cfg, tok, prompts)  # every record's document fits training.seq_len
     arch = resolve_arch(cfg, tok.get_vocab_size(), made)
     # Taps are read only when the draft trains from them; the LM step returns logits.
