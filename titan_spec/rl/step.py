@@ -88,7 +88,7 @@ class RLTrainer(SpecTrainer):
         spec = config.spec
         self.rl = spec.rl
         draft = None
-        if spec.mode.has_draft:
+        if self.mode.has_draft:
             # The draft as it was before RL: the rollout engines start from it and the
             # frozen-draft baseline keeps it (rebuilt identically on resume).
             counts = None
@@ -207,7 +207,7 @@ class RLTrainer(SpecTrainer):
             # only the last stage's ranks hold the draft: exchange both over the pp group.
             pp_mesh = pd.get_mesh("pp")
             policy_state = gather_over_stages(policy_state, pp_mesh, self.device)
-            if self.config.spec.mode.trains_draft:
+            if self.mode.trains_draft:
                 draft_state = broadcast_from_last_stage(draft_state, pp_mesh, self.device)
         return policy_state, draft_state
 
@@ -565,7 +565,7 @@ class RLTrainer(SpecTrainer):
         """torchtitan's step metrics, the draft's, and the RL step's (rl/step_metrics.py)."""
         out = super().step_metrics()
         if self.last_step is not None:
-            out.update(rl_step_metrics(self.last_step, self.config.spec, self.parallel_dims))
+            out.update(rl_step_metrics(self.last_step, self.config.spec, self.mode, self.parallel_dims))
         return out
 
     def train(self):

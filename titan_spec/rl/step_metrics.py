@@ -27,9 +27,10 @@ def _length_counts(rollouts, max_new_tokens: int) -> dict[str, float]:
     return counts
 
 
-def rl_step_metrics(record: StepRecord, spec, pd) -> dict[str, float]:
+def rl_step_metrics(record: StepRecord, spec, mode, pd) -> dict[str, float]:
     """The metrics of the RL step ``record`` (collective over ``pd``'s batch and loss meshes:
-    every rank calls it). ``spec``: the run's TitanSpecConfig; ``pd``: torchtitan's ParallelDims."""
+    every rank calls it). ``spec``: the run's TitanSpecConfig; ``mode``: its RunMode (the
+    trainer's, read once); ``pd``: torchtitan's ParallelDims."""
     rl = spec.rl
     out: dict[str, float] = {}
     K = spec.speculative.num_draft_tokens
@@ -102,7 +103,7 @@ def rl_step_metrics(record: StepRecord, spec, pd) -> dict[str, float]:
     if "wait" in maxes:
         out["time/rollout_wait_s"] = maxes["wait"]
         out["time/step_s"] = maxes["wait"] + maxes["train"]
-    if spec.mode.trains_draft:
+    if mode.trains_draft:
         drafted_by = min((r.draft_version for r in b.rollouts), default=record.policy_version)
         out["rl/draft_lag"] = (record.policy_version - drafted_by) / updates_per_step
     if spec.rollout.engine != "sglang":  # SGLang does not report its rounds' depths

@@ -105,9 +105,11 @@ class SpecTrainer(Trainer):
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         # The schedule's loss (parallelisms/pipeline.py PipelineLoss), kept by the pipelining_fn.
         self.pp_loss = config.model_spec.pipelining_fn.loss if self.parallel_dims.pp_enabled else None
+        self.mode = spec.mode
+        """What the run trains and serves (config/mode.py), read once."""
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
-        self.draft_training = self._build_draft_training() if spec.mode.trains_draft and on_draft_stage else None
-        self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=spec.mode.trains != "draft")
+        self.draft_training = self._build_draft_training() if self.mode.trains_draft and on_draft_stage else None
+        self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=self.mode.trains != "draft")
         if self.draft_training is not None and self.parallel_dims.pp_enabled:
             self.pp_loss.attach(self.co_loss)
         # The draft steps with the policy: optimizers.step() applies (or skips) the policy's
@@ -121,7 +123,7 @@ class SpecTrainer(Trainer):
 
     def _build_draft_training(self) -> DraftTraining:
         spec, pd = self.config.spec, self.parallel_dims
-        if spec.mode.trains == "draft":
+        if self.mode.trains == "draft":
             # Offline draft training: the policy is a frozen teacher.
             for part in self.model_parts:
                 part.requires_grad_(False)
