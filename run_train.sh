@@ -90,9 +90,9 @@ for i in "${!RUNS[@]}"; do
   # before it builds anything (titan_spec.train: the same checks), so a later run whose
   # inputs are not what was promised stops there with the same one line and exit 2, and no
   # separate checking process (a Python start with torch, seconds) runs between the runs.
-  # titan_spec.launch is torchrun without its multi-line report of a rank that already said
+  # titan_spec.train.launch is torchrun without its multi-line report of a rank that already said
   # in one line why it stopped.
-  child "$PY" -m titan_spec.launch --standalone --nproc_per_node="$NGPU" \
+  child "$PY" -m titan_spec.train.launch --standalone --nproc_per_node="$NGPU" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m titan_spec.train --config "$RUN" "${ARGS[@]}" || RC=$?
   stop_if_signalled

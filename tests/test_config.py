@@ -184,7 +184,7 @@ def test_tap_ids_out_of_range_is_a_config_error():
 def test_tp_not_dividing_the_heads_is_one_line_before_any_process(tp, why, monkeypatch, capsys):
     """torchtitan's TP plan shards q and k/v heads: `--check` (run_train.sh's pre-flight, no process
     group) refuses a degree that does not divide them, naming the allowed sizes."""
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     monkeypatch.setenv("WORLD_SIZE", str(tp))
     argv = ["--check", "--config", os.path.join(os.path.dirname(DEFAULT), "debug_cpu_sft.toml"),

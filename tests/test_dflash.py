@@ -447,7 +447,7 @@ def test_compiled_block_proposer_matches_eager(fitted):
 def test_dflash_taps_outside_the_target_are_one_line_before_the_start(capsys, monkeypatch):
     """The DFlash chain's plan (--plan, what run_train.sh runs first) with a tap past the
     8-layer target: exit 2 and one line naming the key and the allowed range."""
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("WORLD_SIZE", "1")

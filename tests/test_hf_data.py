@@ -206,7 +206,7 @@ def test_a_raising_reward_stops_the_run_with_one_line_naming_the_record(capsys):
     from types import SimpleNamespace
 
     from titan_spec.rl.step import RLTrainer
-    from titan_spec.train import train_and_close
+    from titan_spec.train.entry import train_and_close
 
     def boom(completion, answer, record):
         raise ZeroDivisionError("division by zero")
@@ -292,7 +292,7 @@ def test_malformed_records_are_named_or_skipped(tmp_path):
 # --- bad input: one line, exit 2, before anything trains ---------------------------------------
 
 def _check(capsys, *args):
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     capsys.readouterr()
     rc = main(["--check", "--config", os.path.join(ROOT, "train_configs", "debug_cpu_sft.toml"), *args])

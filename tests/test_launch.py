@@ -1,4 +1,4 @@
-"""titan_spec.launch, the torchrun run_train.sh starts: a rank that stopped with its one line
+"""titan_spec.train.launch, the torchrun run_train.sh starts: a rank that stopped with its one line
 adds nothing to it (torchrun's own ChildFailedError report is ~50 lines, a traceback of a
 stop that was handled); a rank that crashed adds one line naming the rank, its exit code and
 its error; a rank killed by a signal the same, with 128 + the signal as exit status."""
@@ -16,7 +16,7 @@ def _launch(tmp_path, body: str, nproc: int = 2) -> subprocess.CompletedProcess:
     script.write_text("from torch.distributed.elastic.multiprocessing.errors import record\n"
                       "import os, signal, sys\n@record\ndef main():\n" + body + "\nmain()\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "titan_spec.launch", "--standalone", f"--nproc_per_node={nproc}",
+    return subprocess.run([sys.executable, "-m", "titan_spec.train.launch", "--standalone", f"--nproc_per_node={nproc}",
                            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", str(script)],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
 
@@ -56,7 +56,7 @@ def test_a_config_error_found_by_the_ranks_is_their_one_line(tmp_path):
     error is the one line of rank 0, exit 2, before anything is written."""
     dump = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")  # as run_train.sh sets it (else torchrun's banner)
-    out = subprocess.run([sys.executable, "-m", "titan_spec.launch", "--standalone", "--nproc_per_node=2",
+    out = subprocess.run([sys.executable, "-m", "titan_spec.train.launch", "--standalone", "--nproc_per_node=2",
                           "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
                           "-m", "titan_spec.train", "--config", "train_configs/debug_cpu_sft.toml",
                           "--job.dump_folder", str(dump), "--training.steps", "x"],

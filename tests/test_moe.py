@@ -169,7 +169,7 @@ def test_rl_step_on_a_moe_policy_with_the_draft_co_trained_and_bias_balancing(tm
      "so job.export_hf = 'hf' would route tokens differently"),
 ])
 def test_moe_config_errors_are_one_line(tmp_path, capsys, monkeypatch, config, world, args, needle):
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = os.path.join(ROOT, "train_configs", config)
@@ -202,7 +202,7 @@ def test_qwen3_30b_a3b_recipe_checks_against_the_real_config_without_weights(tmp
     from titan_spec.models.draft.eagle3.io import draft_config_json
     from titan_spec.models.draft.eagle3.model import DraftArch
     from titan_spec.models.registry import arch_from_hf_config
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     policy, draft = tmp_path / "Qwen3-30B-A3B", tmp_path / "Qwen3-30B-A3B-eagle3"
     policy.mkdir()

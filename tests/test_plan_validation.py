@@ -4,7 +4,7 @@ exit 2, before anything trains and with nothing written (docs/RELIABILITY.md, Va
 Setup: a tmp copy of the repository's train_configs whose ./outputs/ paths point into tmp_path
 and no outputs at all, i.e. a fresh checkout: the RL run (debug_cpu.toml) requires the offline
 draft run, which requires the SFT run; the RL run's model.hf_checkpoint and draft.init_from
-are what those runs will export. Most cases go through ``titan_spec.train.main(["--plan",
+are what those runs will export. Most cases go through ``titan_spec.train.entry.main(["--plan",
 ...])`` in-process (the function the ``--plan`` command calls; stderr captured); a few go
 through the real ``python -m titan_spec.train --plan`` and run_train.sh subprocesses.
 
@@ -24,7 +24,7 @@ import time
 import pytest
 
 import titan_spec  # noqa: F401
-from titan_spec.train import main
+from titan_spec.train.entry import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL, DRAFT, SFT = "debug_cpu.toml", "debug_cpu_draft.toml", "debug_cpu_sft.toml"

@@ -99,7 +99,7 @@ def test_every_header_command_is_one_run_train_accepts(name, monkeypatch, tmp_pa
     (``--config`` is refused): every command a header shows runs in ``--plan`` form (what
     run_train.sh runs first) with its NGPU as the world size. A command on a user's model
     (/models/..., /data/...) is planned on the real structure by the test below."""
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     for env, args in header_commands(os.path.join(ROOT, "train_configs", name)):
         assert "--config" not in args, (name, args)
@@ -126,7 +126,7 @@ def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_file
     from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
     from titan_spec.models.hf_io import read_hf_arch
     from titan_spec.models.registry import parameter_count
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     fields, shards, total, non_embedding = MODELS[size]
     cfg = {**_COMMON, **fields}

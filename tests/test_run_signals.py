@@ -118,7 +118,7 @@ def test_sigterm_to_run_train_stops_every_rank_and_a_rerun_resumes(tmp_path):
             time.sleep(0.2)
         _remember(seen, script.pid)
         ranks = [p for p in seen if _alive(p) and "-m titan_spec.train --config" in _cmdline(p)
-                 and "titan_spec.launch" not in _cmdline(p)]
+                 and "titan_spec.train.launch" not in _cmdline(p)]
         assert len(ranks) == 2, [(p, _cmdline(p)) for p in seen]  # the signal meets a running run
         os.kill(script.pid, signal.SIGTERM)  # the script's process only, not its group
         rc = script.wait(timeout=120)

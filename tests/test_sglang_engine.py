@@ -487,7 +487,7 @@ def test_missing_sglang_and_start_failures_are_one_line(dirs, tmp_path):
 
 
 def test_gpu_recipe_checks(dirs, capsys, monkeypatch, tmp_path):
-    from titan_spec.train import main
+    from titan_spec.train.entry import main
 
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text('{"question": "What is 2+2?", "answer": "It is 4. #### 4"}\n')

@@ -25,7 +25,7 @@ from torchtitan.tools.logging import init_logger
 from titan_spec import platform
 from titan_spec.config import load_config
 from titan_spec.preflight import to_trainer_config
-from titan_spec.train import train_and_close
+from titan_spec.train.entry import train_and_close
 
 
 class _NoEndSleep:

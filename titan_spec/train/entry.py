@@ -1,4 +1,4 @@
-"""Entry point: ``python -m titan_spec.train --config FILE [--section.key value ...]``.
+"""The entry point of ``python -m titan_spec.train --config FILE [--section.key value ...]``.
 
 Everything checkable before a run starts is checked by ``titan_spec.preflight`` (for every
 run of a ``job.requires`` chain with ``--plan``, before torchrun starts any rank), which also
@@ -18,7 +18,6 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.tools.logging import init_logger
 
-from titan_spec import platform
 from titan_spec.config import ConfigError, load_config
 
 # The preflight, the models and the trainer are imported once the config has loaded (in
@@ -29,7 +28,7 @@ from titan_spec.config import ConfigError, load_config
 __all__ = ["main", "train_and_close"]
 
 
-@record  # under torchrun, an exception is written to its error file (titan_spec/launch.py reads it)
+@record  # under torchrun, an exception is written to its error file (titan_spec/train/launch.py reads it)
 def main(argv: list[str] | None = None) -> int:
     """``--check``: validate the config (and the HF/draft directories it names) and exit;
     ``--check --no-weights``: the same without reading weight files (``weightless_inputs``:
@@ -93,7 +92,7 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
         sys.stderr.write(f"titan_spec: {e}\n")
         sys.stderr.flush()
         # torchtitan's train() (@record) wrote this exception to torchrun's error file on its
-        # way here; handled, it is no crash to report (titan_spec/launch.py).
+        # way here; handled, it is no crash to report (titan_spec/train/launch.py).
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             with contextlib.suppress(OSError):
                 os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
@@ -102,7 +101,3 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
         if trainer is not None:
             trainer.close()
     return 0
-
-
-if __name__ == "__main__":
-    platform.exit_process(main())

@@ -1,11 +1,11 @@
 """torchrun, as run_train.sh starts it, with titan_spec's one-line failures kept one line.
 
-    python -m titan_spec.launch [torchrun arguments] -m titan_spec.train --config FILE ...
+    python -m titan_spec.train.launch [torchrun arguments] -m titan_spec.train --config FILE ...
 
 ``torch.distributed.run.main`` (what ``python -m torch.distributed.run`` runs) reports a
 failed rank with a ~50-line ChildFailedError report: the launcher's traceback, the rank's
 recorded error file and traceback. Where the rank already said what stopped it in one line
-(titan_spec.train ``train_and_close``: a finiteness stop, a checkpoint it cannot read or
+(titan_spec/train/entry.py ``train_and_close``: a finiteness stop, a checkpoint it cannot read or
 write, a reward that raised; it removes the error file it handled) that report is noise, so
 this runs the same ``run`` without it: such a failure prints nothing more; any other failure
 (a crash) prints one line naming the rank, its exit code and its error, whose traceback the
