@@ -1,7 +1,8 @@
 """titan_spec.train.launch, the torchrun run_train.sh starts: a rank that stopped with its one line
-adds nothing to it (torchrun's own ChildFailedError report is ~50 lines, a traceback of a
-stop that was handled); a rank that crashed adds one line naming the rank, its exit code and
-its error; a rank killed by a signal the same, with 128 + the signal as exit status."""
+(titan_spec.train.entry.say_and_stop) has that line printed once by the launcher, whichever rank
+stopped first, and nothing more (torchrun's own ChildFailedError report is ~50 lines, a
+traceback of a stop that was handled); a rank that crashed adds one line naming the rank, its
+exit code and its error; a rank killed by a signal the same, with 128 + the signal as exit status."""
 
 import os
 import signal
@@ -39,6 +40,18 @@ def test_a_rank_killed_by_a_signal_is_one_line_and_128_plus_it(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("titan_spec: rank 0 exited with code -9: Signal 9 (SIGKILL)"), out.stderr
 
 
+def test_the_line_of_a_rank_that_stopped_first_is_printed_once(tmp_path):
+    """Rank 1 stops at once; rank 0, slower, is stopped by torchrun before it could print its own
+    line (what a loaded machine did to a config error): the launcher prints rank 1's."""
+    out = _launch(tmp_path, "    from titan_spec.train.entry import say_and_stop\n"
+                            "    import time\n"
+                            "    if os.environ['RANK'] == '0':\n        time.sleep(60)\n"
+                            "    say_and_stop('titan_spec: stopped on purpose')\n    sys.exit(3)")
+    assert out.returncode == 3, out.stderr
+    assert _ours(out.stderr) == ["titan_spec: stopped on purpose"], out.stderr
+    assert "ChildFailedError" not in out.stderr and "Root Cause" not in out.stderr
+
+
 def test_a_stop_the_rank_handled_adds_nothing(tmp_path):
     """The finiteness guard's stop, through run_train.sh on the SFT config: its one line is all."""
     env = dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_sft.toml",
@@ -47,13 +60,13 @@ def test_a_stop_the_rank_handled_adds_nothing(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert out.returncode == 1, out.stderr[-3000:]
     noise = [ln for ln in out.stderr.splitlines() if "Warning" not in ln and "_rng_tracker" not in ln and ln.strip()]
-    assert len(noise) == 1 and noise[0].startswith("[rank0]:titan_spec: stopped at step 4:"), out.stderr[-3000:]
+    assert len(noise) == 1 and noise[0].startswith("titan_spec: stopped at step 4:"), out.stderr[-3000:]
 
 
 def test_a_config_error_found_by_the_ranks_is_their_one_line(tmp_path):
     """run_train.sh runs a chain's later runs without a separate `--check` process: each rank
     checks its config first (titan_spec.train main: load_config, validate_run) and a config
-    error is the one line of rank 0, exit 2, before anything is written."""
+    error is one line, exit 2, before anything is written."""
     dump = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")  # as run_train.sh sets it (else torchrun's banner)
     out = subprocess.run([sys.executable, "-m", "titan_spec.train.launch", "--standalone", "--nproc_per_node=2",
@@ -63,6 +76,6 @@ def test_a_config_error_found_by_the_ranks_is_their_one_line(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
-    assert lines == ["[rank0]:titan_spec: config error: command line --training.steps: training.steps = 'x' "
+    assert lines == ["titan_spec: config error: command line --training.steps: training.steps = 'x' "
                      "has the wrong type; it must be an integer"], out.stderr[-3000:]
     assert not dump.exists()

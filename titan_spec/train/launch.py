@@ -5,34 +5,42 @@
 ``torch.distributed.run.main`` (what ``python -m torch.distributed.run`` runs) reports a
 failed rank with a ~50-line ChildFailedError report: the launcher's traceback, the rank's
 recorded error file and traceback. Where the rank already said what stopped it in one line
-(titan_spec/train/entry.py ``train_and_close``: a finiteness stop, a checkpoint it cannot read or
-write, a reward that raised; it removes the error file it handled) that report is noise, so
-this runs the same ``run`` without it: such a failure prints nothing more; any other failure
-(a crash) prints one line naming the rank, its exit code and its error, whose traceback the
-rank printed (LOG_RANK picks whose output is shown). A signal that stops torchrun (run_train.sh
+(a config error, a finiteness stop, a checkpoint it cannot read or write, a reward that raised:
+titan_spec/train/entry.py ``say_and_stop`` writes that line to the rank's error file) that
+report is noise, so this runs the same ``run`` without it and prints that line, once; any
+other failure (a crash) prints one line naming the rank, its exit code and its error, whose
+traceback the rank printed (LOG_RANK picks whose output is shown). A signal that stops torchrun (run_train.sh
 forwards SIGTERM) ends it with 128 + the signal's number, quietly: the script says why.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-__all__ = ["main"]
+__all__ = ["LAUNCHED", "main"]
+
+# Set for the ranks this starts (they inherit it): titan_spec/train/entry.py ``say_and_stop``
+# then hands their one line back here instead of printing it.
+LAUNCHED = "TITAN_SPEC_LAUNCHED"
 
 
 def main(argv: list[str] | None = None) -> int:
     # The elastic agent logs every failed rank at ERROR before raising: the same report again.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ[LAUNCHED] = "1"  # the ranks inherit it: their one line comes back here
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        if failure.error_file != "<N/A>" or failure.exitcode < 0:  # a crash, or killed by a signal
+        if failure.error_file_data.get("titan_spec_line"):
+            print(failure.message, file=sys.stderr)
+        elif failure.error_file != "<N/A>" or failure.exitcode < 0:  # a crash, or killed by a signal
             what = failure.message  # a str, or the error file's {"message": "Type: text", "extraInfo": ...}
             what = str(what.get("message", what) if isinstance(what, dict) else what).strip()
             what = what.splitlines()[-1] if what else "no error recorded"
