@@ -15,7 +15,11 @@
 #               SpecForge style)
 #   dense_sdpa  F.scaled_dot_product_attention with the boolean [S, S*(j+1)] mask
 #   causal_x_T  the inherent cost: T plain causal attentions over the trunk (SDPA with
-#               is_causal, FlashAttention on CUDA in bf16), no branch keys at all
+#               is_causal, whichever kernel SDPA picks: cuDNN's on an H200 in bf16), no
+#               branch keys at all
+#   causal_fa2_x_T  the same on SDPA's FlashAttention-2 backend only: the kernel the
+#               ttt trunk runs on CUDA without the flash_attn package, so ttt / this is
+#               the branch and merge's cost at equal trunk kernel
 #
 # --device cuda --dtype bfloat16 runs the same unroll on the GPU (scripts/gpu_check.sh):
 # times are synchronized wall times and peak memory is torch.cuda.max_memory_allocated
@@ -40,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 VARIANTS = ("ttt", "dense", "dense_sdpa")
 REFERENCE = "causal_x_T"
+REFERENCE_FA2 = "causal_fa2_x_T"
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -53,7 +58,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc-len", type=int, default=0, help="0 = one document per batch")
     p.add_argument("--iters", type=int, default=2, help="timed iterations")
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0 = default")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"also: {REFERENCE} (the reference)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"also: {REFERENCE}, {REFERENCE_FA2} (the references)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--mem-limit-gib", type=float, default=8.0)
@@ -103,6 +108,7 @@ def _cpu_seconds() -> float:
 def _worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from titan_spec.models.attention import DocMetadata
     from titan_spec.models.branch_attention import ttt_attention
@@ -166,7 +172,12 @@ def _worker(args: argparse.Namespace) -> dict:
         out_1NSH = F.scaled_dot_product_attention(q_1NSH, k_1KSH, v_1KSH, is_causal=True, scale=scale, enable_gqa=True)
         return out_1NSH[0].transpose(0, 1)
 
-    step = {"ttt": step_ttt, "dense": step_dense, "dense_sdpa": step_sdpa, REFERENCE: step_causal}[args.variant]
+    def step_causal_fa2(j: int) -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return step_causal(j)
+
+    step = {"ttt": step_ttt, "dense": step_dense, "dense_sdpa": step_sdpa, REFERENCE: step_causal,
+            REFERENCE_FA2: step_causal_fa2}[args.variant]
     params = q_SNH + k_SKH + v_SKH
 
     def unroll() -> None:
@@ -258,7 +269,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         "(torch CPU tensors live outside tracemalloc; the cold unroll sets the peak)."
     )
     header = (
-        f"{'S':>6}  {'variant':<11}  {'wall s/unroll':>13}  {'cpu s/unroll':>12}  "
+        f"{'S':>6}  {'variant':<14}  {'wall s/unroll':>13}  {'cpu s/unroll':>12}  "
         f"{'peak mem GiB':>12}  note"
     )
     print(header)
@@ -270,7 +281,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         else:
             t, c, m = "-", "-", "-"
         print(
-            f"{r['seqlen']:>6}  {r['variant']:<11}  {t:>13}  {c:>12}  {m:>12}  "
+            f"{r['seqlen']:>6}  {r['variant']:<14}  {t:>13}  {c:>12}  {m:>12}  "
             f"{r.get('note', '')}"
         )
 

@@ -30,8 +30,10 @@ def test_gpu_check_steps_pass_arguments_their_clis_accept():
     gc = _module("scripts/gpu_check.py")
     assert list(gc.STEPS) == ["gpu_tests", "ttt_attention", "cotrain_32k", "compile_train_step", "engine_cuda", "sglang_smoke",
                              "vllm_cuda"]
-    ttt = _module("bench/ttt_attention.py")._parse_args(gc.TTT_ARGS)
-    assert (ttt.device, ttt.dtype, ttt.variants) == ("cuda", "bfloat16", "ttt,causal_x_T")
+    bench = _module("bench/ttt_attention.py")
+    ttt = bench._parse_args(gc.TTT_ARGS)
+    assert (ttt.device, ttt.dtype, ttt.variants) == ("cuda", "bfloat16", "ttt,causal_x_T,causal_fa2_x_T")
+    assert {"ttt", bench.REFERENCE, bench.REFERENCE_FA2} == set(ttt.variants.split(","))
     assert _module("bench/rollout.py")._parse_args(gc.ROLLOUT_ARGS).device == "cuda"
     assert _module("bench/sglang_smoke.py")._parse_args(gc.SMOKE_ARGS).distill_steps == 100
     path = os.path.join(ROOT, "train_configs", gc.TRAIN_CONFIG)
