@@ -28,7 +28,7 @@
 # Each (variant, S) runs in a fresh subprocess so the RSS high-water mark
 # (getrusage ru_maxrss) belongs to that configuration alone.
 #
-# Usage: PYTHONPATH=. python bench/ttt_attention.py [--quick] [--out PATH]
+# Usage: PYTHONPATH=. python bench/ttt_attention.py [--quick] [--compile] [--out PATH]
 
 import argparse
 import json
@@ -62,6 +62,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--mem-limit-gib", type=float, default=8.0)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each step's attention (as the trainer under compile.enable); "
+                        "the cold unroll holds the compile, the timed ones not")
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/ttt_attention.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="ttt", help=argparse.SUPPRESS)
@@ -178,6 +181,8 @@ def _worker(args: argparse.Namespace) -> dict:
 
     step = {"ttt": step_ttt, "dense": step_dense, "dense_sdpa": step_sdpa, REFERENCE: step_causal,
             REFERENCE_FA2: step_causal_fa2}[args.variant]
+    if args.compile:
+        step = torch.compile(step)
     params = q_SNH + k_SKH + v_SKH
 
     def unroll() -> None:
@@ -236,6 +241,7 @@ def _run_config(variant: str, S: int, args: argparse.Namespace) -> dict:
         "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
         "--doc-len", str(args.doc_len), "--iters", str(args.iters),
         "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
+        *(["--compile"] if args.compile else []),
     ]
     return run_worker(cmd, row)
 
@@ -260,7 +266,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         f"(j = 0..{args.steps - 1}), "
         f"N={args.heads} K={args.kv_heads} H={args.head_dim}, {args.dtype}, {args.device}, "
         f"doc_len={'S' if not args.doc_len else args.doc_len}, "
-        f"threads={args.threads or 'default'}"
+        f"threads={args.threads or 'default'}{', compiled' if args.compile else ''}"
     )
     print(
         "time: fastest of --iters warm unrolls, wall and process CPU (user+sys) "
