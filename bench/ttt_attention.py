@@ -127,7 +127,7 @@ def _worker(args: argparse.Namespace) -> dict:
     doc_len = args.doc_len or S
     cu_host = tuple(range(0, S, doc_len)) + (S,)
     cu = torch.tensor(cu_host, dtype=torch.int32)
-    meta = DocMetadata(cu, cu.cpu())  # the host copy stays on the CPU (DocMetadata)
+    meta = DocMetadata(cu, cu.to("cpu", copy=True))  # a distinct host copy, as models/attention.py makes it
     leaf = lambda *shape: torch.randn(*shape, dtype=dt).requires_grad_()
     q_SNH = [leaf(S, N, H) for _ in range(T)]
     k_SKH = [leaf(S, K, H) for _ in range(T)]
