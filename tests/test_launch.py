@@ -1,5 +1,5 @@
 """titan_spec.train.launch, the torchrun run_train.sh starts: a rank that stopped with its one line
-(titan_spec.train.entry.say_and_stop) has that line printed once by the launcher, whichever rank
+(titan_spec.train.launch.report_stop) has that line printed once by the launcher, whichever rank
 stopped first, and nothing more (torchrun's own ChildFailedError report is ~50 lines, a
 traceback of a stop that was handled); a rank that crashed adds one line naming the rank, its
 exit code and its error; a rank killed by a signal the same, with 128 + the signal as exit status."""
@@ -43,10 +43,10 @@ def test_a_rank_killed_by_a_signal_is_one_line_and_128_plus_it(tmp_path):
 def test_the_line_of_a_rank_that_stopped_first_is_printed_once(tmp_path):
     """Rank 1 stops at once; rank 0, slower, is stopped by torchrun before it could print its own
     line (what a loaded machine did to a config error): the launcher prints rank 1's."""
-    out = _launch(tmp_path, "    from titan_spec.train.entry import say_and_stop\n"
+    out = _launch(tmp_path, "    from titan_spec.train.launch import report_stop\n"
                             "    import time\n"
                             "    if os.environ['RANK'] == '0':\n        time.sleep(60)\n"
-                            "    say_and_stop('titan_spec: stopped on purpose')\n    sys.exit(3)")
+                            "    report_stop('titan_spec: stopped on purpose')\n    sys.exit(3)")
     assert out.returncode == 3, out.stderr
     assert _ours(out.stderr) == ["titan_spec: stopped on purpose"], out.stderr
     assert "ChildFailedError" not in out.stderr and "Root Cause" not in out.stderr

@@ -9,10 +9,7 @@ turns the config into torchtitan's ``Trainer.Config``; then the trainer
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
@@ -20,14 +17,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.tools.logging import init_logger
 
 from titan_spec.config import ConfigError, load_config
-from titan_spec.train.launch import LAUNCHED
+from titan_spec.train.launch import report_stop
 
 # The preflight, the models and the trainer are imported once the config has loaded (in
 # main and train_and_close): they are most of titan_spec's import time (3-4 s of a ~7 s
 # start here), which a typo in a key or value should not wait for. Their errors and stops
 # are still raised and reported here.
 
-__all__ = ["main", "say_and_stop", "train_and_close"]
+__all__ = ["main", "train_and_close"]
 
 
 @record  # under torchrun, an exception is written to its error file (titan_spec/train/launch.py reads it)
@@ -59,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer_config = validate_run(cfg, weightless_inputs(cfg) if no_weights else None, disk=not no_weights)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        say_and_stop(f"titan_spec: config error: {e}")
+        report_stop(f"titan_spec: config error: {e}")
         return 2
     if check_only:
         if no_weights:
@@ -90,25 +87,10 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
         trainer = trainer_config.build()
         trainer.train()
     except (NonFiniteStop, CheckpointCorrupt, CheckpointWriteFailed, RewardError) as e:
-        say_and_stop(f"titan_spec: {e}")
+        report_stop(f"titan_spec: {e}")
         return 1
     finally:
         if trainer is not None:
             trainer.close()
     return 0
 
-
-def say_and_stop(line: str) -> None:
-    """The one line of a rank that stops on purpose (a config error, a finiteness stop, ...).
-
-    Started by titan_spec.train.launch, the line goes to this rank's torchrun error file
-    (marked ``titan_spec_line``; it replaces the traceback torchtitan's ``@record`` wrote
-    there) and the launcher prints it once: printed here, it could be lost, since torchrun
-    stops the other ranks as soon as one exits, before they print. Otherwise it is printed."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if os.environ.get(LAUNCHED) and error_file:
-        with open(error_file, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time()), "titan_spec_line": True}, f)
-        return
-    sys.stderr.write(line + "\n")  # one write: each rank's line stays whole
-    sys.stderr.flush()
