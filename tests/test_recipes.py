@@ -1,6 +1,6 @@
-"""The GPU recipes (train_configs/qwen3_{0.6b,1.7b,8b}_sglang.toml) pass ``--check`` against
-directories with the real models' structure and absent weights, and the target they build
-has the published size.
+"""The GPU recipes (train_configs/qwen3_{0.6b,1.7b,8b}_sglang.toml, qwen3_{0.6b,8b}_vllm.toml)
+pass ``--check`` against directories with the real models' structure and absent weights, and
+the target they build has the published size.
 
 Each fixture directory holds the config.json Qwen publishes for the model, Qwen3's tokenizer
 layout (a byte-level BPE of 151643 entries, the added tokens at 151643..151668, Qwen's
@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import sys
+import tomllib
 
 import pytest
 import torch
@@ -115,8 +116,18 @@ def test_every_header_command_is_one_run_train_accepts(name, monkeypatch, tmp_pa
         assert rc == 0, (name, env, args, capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("size", sorted(MODELS))
-def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_files, capsys, monkeypatch):
+# Every GPU recipe qwen3_<size>_<engine>.toml of a size in MODELS, for each rollout engine it exists for.
+RECIPES = sorted(f for f in os.listdir(os.path.join(ROOT, "train_configs"))
+                 if f.startswith("qwen3_") and f.endswith(".toml") and f.split("_")[1] in MODELS)
+
+
+def test_the_recipes_cover_both_server_engines():
+    assert {"qwen3_0.6b_sglang.toml", "qwen3_1.7b_sglang.toml", "qwen3_8b_sglang.toml",
+            "qwen3_0.6b_vllm.toml", "qwen3_8b_vllm.toml"} <= set(RECIPES), RECIPES
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_checks_against_the_real_structure(recipe, tmp_path, tokenizer_files, capsys, monkeypatch):
     import titan_spec.preflight.plan as plan
     from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, draft_config_json
 
@@ -128,6 +139,7 @@ def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_file
     from titan_spec.models.registry import parameter_count
     from titan_spec.train.entry import main
 
+    size, engine = recipe[len("qwen3_"):-len(".toml")].split("_")
     fields, shards, total, non_embedding = MODELS[size]
     cfg = {**_COMMON, **fields}
     model_dir = tmp_path / f"Qwen3-{size}"
@@ -148,13 +160,15 @@ def test_recipe_checks_against_the_real_structure(size, tmp_path, tokenizer_file
     data = write_jsonl(tmp_path / "train.jsonl", gsm8k_records(4))
 
     capsys.readouterr()
-    rc = main(["--check", "--config", os.path.join(ROOT, "train_configs", f"qwen3_{size}_sglang.toml"),
+    path = os.path.join(ROOT, "train_configs", recipe)
+    with open(path, "rb") as f:
+        assert tomllib.load(f)["rollout"]["engine"] == engine  # the file's name says its rollout engine
+    rc = main(["--check", "--config", path,
                "--model.hf_checkpoint", str(model_dir), "--draft.init_from", str(draft_dir), "--task.path", data])
     assert rc == 0, capsys.readouterr().err
     # The header's command for the draft this recipe needs, as written, in --plan form: on
     # this model directory and data file (the header's /models and /data paths).
-    (env, args), = [c for c in header_commands(os.path.join(ROOT, "train_configs", f"qwen3_{size}_sglang.toml"))
-                    if c[0].get("CONFIG_FILE") != f"train_configs/qwen3_{size}_sglang.toml"]
+    (env, args), = [c for c in header_commands(path) if c[0].get("CONFIG_FILE") != f"train_configs/{recipe}"]
     args = [str(model_dir) if a.startswith("/models/") else data if a.startswith("/data/") else a for a in args]
     rc = main(["--plan", "--config", os.path.join(ROOT, env["CONFIG_FILE"]), *args,
                "--job.dump_folder", str(tmp_path / "draft_run")])
