@@ -2,7 +2,14 @@
 # Launches titan_spec training with torchrun, like torchtitan's run_train.sh.
 #   NGPU        processes per node (GPUs on a GPU machine, CPU processes otherwise); default 1
 #   CONFIG_FILE TOML config; default train_configs/debug_cpu.toml (the embedded default)
-#   LOG_RANK    ranks whose output is shown; default 0
+#   LOG_RANK    ranks whose output is shown (local ranks, on every node); default 0
+# More than one machine: run this on every node with the same settings and
+#   NNODES        nodes in the job; default 1
+#   NODE_RANK     this node's index, 0 .. NNODES-1 (node 0 hosts the rendezvous); default 0
+#   RDZV_ENDPOINT host:port of node 0 for torchrun's c10d rendezvous; required when NNODES > 1
+#   RDZV_ID       the job's rendezvous id, the same on every node; default titan_spec
+# (scripts/multinode_trainer.slurm does this under SLURM). The dump folder must be on a
+# filesystem every node sees.
 # Extra arguments are config overrides: --section.key value
 # Sets up .venv on first use.
 set -euo pipefail
@@ -10,10 +17,43 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 NGPU=${NGPU:-1}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_cpu.toml}
 LOG_RANK=${LOG_RANK:-0}
-# Checked before anything starts (no Python import): torchrun would fail on it with a traceback.
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
+RDZV_ID=${RDZV_ID:-titan_spec}
+# Checked before anything starts (no Python import): torchrun would fail on them with a
+# traceback, or wait for nodes that never come.
 if [[ ! "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
   echo "run_train.sh: NGPU = '$NGPU' is not allowed; it must be a positive integer (processes per node)" >&2
   exit 2
+fi
+if [[ ! "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_train.sh: NNODES = '$NNODES' is not allowed; it must be a positive integer (nodes in the job)" >&2
+  exit 2
+fi
+if [[ ! "$NODE_RANK" =~ ^(0|[1-9][0-9]*)$ ]] || (( NODE_RANK >= NNODES )); then
+  echo "run_train.sh: NODE_RANK = '$NODE_RANK' is not allowed; it must be an integer from 0 to NNODES-1 = $(( NNODES - 1 )) (this node's index)" >&2
+  exit 2
+fi
+if (( NNODES > 1 )) && { [[ ! "$RDZV_ENDPOINT" =~ ^([A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):[1-9][0-9]{0,4}$ ]] || (( ${RDZV_ENDPOINT##*:} > 65535 )); }; then
+  echo "run_train.sh: RDZV_ENDPOINT = '$RDZV_ENDPOINT' is not allowed; with NNODES = $NNODES it must be host:port, node 0's address and a port free there (e.g. 10.0.0.1:29500), the same on every node" >&2
+  exit 2
+fi
+if [[ ! "$RDZV_ID" =~ ^[A-Za-z0-9._-]+$ ]]; then
+  echo "run_train.sh: RDZV_ID = '$RDZV_ID' is not allowed; it must be letters, digits, '.', '_' or '-', the same on every node" >&2
+  exit 2
+fi
+# One node: a private rendezvous on a free port. More: torchrun's c10d rendezvous, as
+# torchtitan's multinode_trainer.slurm starts it. c10d numbers the nodes itself (torchrun
+# ignores --node_rank there, with a warning), so NODE_RANK names the node that hosts the
+# rendezvous store instead; left to torchrun, every node whose address matches the endpoint
+# tries to (on one machine, all of them). Each run of a job.requires chain gets its own id: a
+# node still closing the previous run's rendezvous cannot close the next one's.
+if (( NNODES == 1 )); then
+  RDZV=(--standalone)
+else
+  RDZV=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT"
+        --rdzv_conf "is_host=$(( NODE_RANK == 0 ))")
 fi
 # SIGTERM / SIGINT (a scheduler, Ctrl-C, kill PID) are forwarded to the command running now
 # and this script waits for it to exit, then stops: a bash script running a command in the
@@ -67,7 +107,7 @@ export HF_HUB_OFFLINE=1
 PLAN=$(mktemp)
 trap 'rm -f "$PLAN"' EXIT
 PLAN_RC=0
-WORLD_SIZE=$NGPU child "$PY" -m titan_spec.train --plan --config "$CONFIG_FILE" "$@" > "$PLAN" || PLAN_RC=$?
+WORLD_SIZE=$(( NGPU * NNODES )) child "$PY" -m titan_spec.train --plan --config "$CONFIG_FILE" "$@" > "$PLAN" || PLAN_RC=$?
 stop_if_signalled
 (( PLAN_RC == 0 )) || exit 2
 mapfile -t RUNS < "$PLAN"
@@ -92,7 +132,9 @@ for i in "${!RUNS[@]}"; do
   # separate checking process (a Python start with torch, seconds) runs between the runs.
   # titan_spec.train.launch is torchrun without its multi-line report of a rank that already said
   # in one line why it stopped.
-  child "$PY" -m titan_spec.train.launch --standalone --nproc_per_node="$NGPU" \
+  ID=()
+  (( NNODES > 1 )) && ID=(--rdzv_id "$RDZV_ID-$i")
+  child "$PY" -m titan_spec.train.launch "${RDZV[@]}" "${ID[@]}" --nproc_per_node="$NGPU" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m titan_spec.train --config "$RUN" "${ARGS[@]}" || RC=$?
   stop_if_signalled
