@@ -6,7 +6,8 @@ places; each is handled here, once, with the reason on its line. On a machine wi
 a GPU nothing in this file changes torchtitan's behaviour. One more, (6), is about
 torch's process groups at process exit, on either device.
 
-Import this module before anything from torchtitan (titan_spec/__init__.py does).
+Import this module before anything from torchtitan (titan_spec/__init__.py does). It also
+applies torch_compat.py's backfills for torch < 2.14 (the lent GPU image's 2.11), on any device.
 
 The one shim for a process of another environment lives beside the code it runs in:
 vLLM's CPU build (the .venv-vllm server) gets its expand-kernel fix from
@@ -23,6 +24,12 @@ from typing import NoReturn
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_spec.torch_compat import apply_backfills
+
+# Before anything imports torchtitan, on either device: torchtitan 0.3.0 imports torch 2.14
+# symbols at module level (torch_compat.py; nothing changes on torch >= 2.14).
+apply_backfills()
 
 __all__ = ["DEVICE_TYPE", "on_cpu", "apply_cpu_shims", "force_sum_reduction", "exit_process"]
 

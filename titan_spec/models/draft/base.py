@@ -37,10 +37,12 @@ import torch
 import torch.nn as nn
 
 from titan_spec.config import DraftConfig
+from titan_spec.torch_compat import fsdp_output
 
 __all__ = ["BlockProposer", "CachedProposer", "DraftKind", "DraftLossResult"]
 
 
+@fsdp_output  # the draft's forward returns it through FSDP
 @dataclass
 class DraftLossResult:
     """One (micro)batch's draft loss and what the metrics sum over the step (per loss step j)."""
