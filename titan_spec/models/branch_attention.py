@@ -174,6 +174,10 @@ class _TTTAttention(torch.autograd.Function):
         out_TNH, lse_NT = merge_partials(
             [out for out, _ in partials], [lse for _, lse in partials]
         )
+        # The merge leaves out in (N, T, H) memory order. Returned so, torch 2.11's
+        # dynamo hands this backward a zero dout (every gradient 0 when compiled);
+        # the o-projection's reshape would copy it to this layout anyway.
+        out_TNH = out_TNH.contiguous()
         ctx.save_for_backward(
             q_TNH, k0_TKH, v0_TKH, kb_JTKH, vb_JTKH, cu_seqlens, cu_host, out_TNH, lse_NT
         )
