@@ -4,10 +4,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from titan_spec.config import ConfigError, load_config, locate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pythonpath() -> str:
+    """The repository first, then what this process was given (scripts/gpu_check.sh's
+    .gpu_site on a machine whose image lacks packages)."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def run_train(
@@ -22,7 +29,7 @@ def run_train(
         "--training.seq_len", "128", "--training.local_batch_size", "4",
         "--lr_scheduler.warmup_steps", "2", *overrides,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath())
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise AssertionError(f"training failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
@@ -54,7 +61,7 @@ def train_many(
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps(argvs),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath())
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise AssertionError(f"training failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
@@ -78,6 +85,18 @@ def many():
 def pytest_configure(config):
     # scripts/gpu_check.sh runs `pytest -m gpu`: the tests that need a CUDA GPU.
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh runs them)")
+    config.addinivalue_line(
+        "markers", "needs_torch_2_14(what): runs what the preflight refuses on torch < 2.14 "
+        "(titan_spec/preflight/torch_support.py); skipped there, as scripts/compat_check.sh counts them")
+
+
+def pytest_runtest_setup(item):
+    mark = item.get_closest_marker("needs_torch_2_14")
+    if mark is not None:
+        from titan_spec.torch_compat import TORCH_VERSION
+
+        if TORCH_VERSION < (2, 14):
+            pytest.skip(f"refused on torch {torch.__version__} by the preflight: {mark.args[0]}")
 
 
 def load_checked(path, overrides=None, world_size=None):

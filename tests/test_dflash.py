@@ -390,6 +390,7 @@ def test_config_errors_of_the_kind_are_one_line(args, key):
 # --- co-training under parallelism: pp = 2 (and FSDP dp = 2) equal pp = 1 ----------------------
 
 
+@pytest.mark.needs_torch_2_14("pipeline parallelism (pp = 2)")
 def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
     """The DFlash kind under each parallelism, against one process on the same 4-row batches:
     FSDP dp = 2 (2 rows a rank, the draft sharded, its normalizer summed over the ranks),

@@ -99,6 +99,7 @@ def test_parameter_counts_are_the_published_ones(tmp_path):
     assert parameter_count(read_hf_arch(str(tmp_path))) == sum(p.numel() for p in hf.parameters())
 
 
+@pytest.mark.needs_torch_2_14("expert parallelism (ep = 2)")
 def test_fsdp_dp2_and_expert_parallel_ep2_match_dp1(tmp_path, train, many):
     """SFT of the tiny_moe flavor with the draft co-trained through the real entry point:
     dp=2 (FSDP) and dp=2 x ep=2 (torchtitan's expert parallelism: each rank holds 4 of the 8
@@ -192,6 +193,7 @@ QWEN3_30B_A3B = {
 }
 
 
+@pytest.mark.needs_torch_2_14("the spmd_types backend over 8 processes (the recipe's dp = 8)")
 def test_qwen3_30b_a3b_recipe_checks_against_the_real_config_without_weights(tmp_path, capsys, monkeypatch):
     """train_configs/qwen3_30b_a3b_sglang.toml on 8 ranks against a directory holding the
     published config.json and no weights (and an EAGLE-3 draft directory of the shape the

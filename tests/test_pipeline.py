@@ -46,6 +46,7 @@ def _assert_same_training(ref, rows, ref_dump, dump, label):
     assert_same_draft_export(got, want, DRAFT_LR, STEPS, f"{label}: draft")
 
 
+@pytest.mark.needs_torch_2_14("pipeline parallelism (pp = 2)")
 def test_pp2_matches_pp1_for_each_schedule(tmp_path, many):
     """One 2-process launch: pp = 1 (FSDP over the 2 ranks, 2 rows each; test_train shows this
     equals one process) and pp = 2 with 4 microbatches of 1 row for each schedule, on the same
@@ -65,6 +66,7 @@ def test_pp2_matches_pp1_for_each_schedule(tmp_path, many):
         assert [r["pp/taps_delivered"] for r in rows] == [4 * 4] * 3, s
 
 
+@pytest.mark.needs_torch_2_14("pipeline parallelism (pp = 2)")
 def test_pp2_x_dp2_and_pp2_x_cp2_match_pp1(tmp_path, many):
     """4 processes, one launch, 8-row global batches of documents padded to multiples of 4
     tokens (what pp x cp = 2 packs automatically): pp = 2 x FSDP dp = 2 (draft FSDP'd over the

@@ -5,6 +5,7 @@ rank) and every run's own start go through ``validate_run`` (``plan_runs`` for a
 job.requires chain): a config error is one line naming the key and where its value came
 from, and nothing starts.
 
+    torch_support.py   what the torch this process runs cannot (pp, ep, the spmd backends on torch < 2.14)
     resolve.py         tokenizer, target and draft architectures, tap ids, promised inputs (Made)
     parallelism.py     tensor / pipeline parallelism fit the target and the features used
     engines.py         the rollout engine can start from the inputs

@@ -14,6 +14,7 @@ from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.registry import arch_from_hf_config, arch_to_hf_config, parameter_count
 from titan_spec.preflight.inputs import check_free_space, check_inputs
 from titan_spec.preflight.resolve import Made, resolve_tokenizer
+from titan_spec.preflight.torch_support import check_torch_support
 from titan_spec.preflight.trainer_config import to_trainer_config
 from titan_spec.training.draft import under_dump_folder
 
@@ -31,6 +32,8 @@ def validate_run(cfg: TitanSpecConfig, made: dict[str, Made] | None = None, disk
     try:
         check_inputs(cfg, made)
         config = to_trainer_config(cfg, made)
+        # After the config's own errors (another torch fixes none of them), before any start.
+        check_torch_support(cfg)
         if disk:
             check_free_space(cfg, *_parameters(cfg, config))
         return config
