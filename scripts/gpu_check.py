@@ -1,12 +1,12 @@
 """The prepared GPU check (scripts/gpu_check.sh runs this; issue 18): every path of titan_spec
-that only runs on a CUDA GPU, in one go, within a fixed time budget (default 470 s), then ONE
+that only runs on a CUDA GPU, in one go, within a fixed time budget (default 440 s), then ONE
 JSON of results and a table. Each step is an existing entry point (pytest, titan_spec.train
 under torchrun, bench/*.py) with its own CLI; this file only runs them, bounds their time,
 and reads the numbers they print or write. The steps, and what each measures, are listed in
 docs/PERFORMANCE.md ("The GPU check").
 
 Usage (from the repository root, on a CUDA machine):
-    scripts/gpu_check.sh [--out-dir DIR] [--budget-s 470] [--only step,step]
+    scripts/gpu_check.sh [--out-dir DIR] [--budget-s 440] [--only step,step]
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ def _fmt(metrics: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default=str(ROOT / "bench/results/gpu_check"))
-    p.add_argument("--budget-s", type=float, default=470.0, help="all steps together (the check must end within 8 min)")
+    p.add_argument("--budget-s", type=float, default=440.0,
+                   help="all steps together (with the installs and starts, the check must end within 8 min)")
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(STEPS)}")
     args = p.parse_args(argv)
     import torch
@@ -283,8 +284,15 @@ def main(argv=None) -> int:
         "seconds": round(time.monotonic() - t_all, 1), "budget_s": args.budget_s,
         "steps": [r.__dict__ for r in results],
     }
+    site = ROOT / ".gpu_site" / "site.json"  # what scripts/gpu_site.py installed for this run
+    if site.is_file() and str(site.parent) in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        report["site"] = json.loads(site.read_text())
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    print(f"GPU check on {report['device']}, {report['seconds']:.0f}s of {args.budget_s:.0f}s")
+    print(f"GPU check on {report['device']} (torch {report['torch']}), {report['seconds']:.0f}s of {args.budget_s:.0f}s")
+    if "site" in report:
+        s = report["site"]
+        print(f"installed from .gpu_wheels: {len(s['installed'])} wheels ({len(s['present'])} already on the image)"
+              + (f"; placeholders: {', '.join(s['placeholders'])}" if s["placeholders"] else ""))
     print(f"{'step':<14} {'status':<8} {'s':>5}  numbers / note")
     for r in results:
         print(f"{r.name:<14} {r.status:<8} {r.seconds:>5.0f}  {_fmt(r.metrics)} {r.note}".rstrip())
