@@ -374,4 +374,4 @@ def test_the_loader_module_imports_without_the_rollout_package():
     env = {**os.environ, "PYTHONPATH": ROOT, "TITAN_SPEC_DEVICE": "cuda"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == str(["titan_spec", "titan_spec.platform", "titan_spec.rollout", "titan_spec.rollout.sglang",
-                                      "titan_spec.rollout.sglang.loaders"])
+                                      "titan_spec.rollout.sglang.loaders", "titan_spec.torch_compat"])
