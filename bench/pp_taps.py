@@ -112,7 +112,7 @@ def _worker(args) -> None:
             "--model.name", "llama3", "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(n),
             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
             "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.pipeline_parallel_schedule", "1F1B",
-            "--draft.enable", "true", "--draft.ttt_steps", "7", "--draft.draft_vocab_size", "0",
+            "--draft.enable", "true", "--draft.eagle3.ttt_steps", "7", "--draft.draft_vocab_size", "0",
             "--checkpoint.enable", "false",
             "--metrics.log_freq", "1000000", "--metrics.enable_tensorboard", "false",
             "--job.dump_folder", f"/tmp/titan_spec_bench_pp_taps/{n}",

@@ -100,8 +100,8 @@ def _reset_peak() -> None:
 def _overrides(args, S: int, cp: int, pp: int = 1, n_micro: int = 0) -> list[str]:
     out = [
         "--model.hf_checkpoint", "", "--model.flavor", args.flavor, "--draft.init_from", "",
-        "--draft.draft_vocab_size", "32", "--draft.ttt_steps", str(args.ttt_steps), "--draft.vocab_count_batches", "1",
-        "--task.prompt_len", str(S - COMPLETION), "--training.seq_len", str(S),
+        "--draft.draft_vocab_size", "32", "--draft.eagle3.ttt_steps", str(args.ttt_steps), "--draft.vocab_count_batches", "1",
+        "--task.generated.prompt_len", str(S - COMPLETION), "--training.seq_len", str(S),
         "--rl.prompts_per_step", "1", "--rl.group_size", "2", "--rl.minibatches", "2", "--rl.baseline_interval", "0",
         "--rl.max_new_tokens", str(COMPLETION - 1),
         "--parallelism.context_parallel_degree", str(cp), "--parallelism.data_parallel_shard_degree", "1",
@@ -113,7 +113,7 @@ def _overrides(args, S: int, cp: int, pp: int = 1, n_micro: int = 0) -> list[str
         out += [
             "--model.name", "llama3", "--model.flavor", "tiny", "--parallelism.pipeline_parallel_degree", str(pp),
             "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.pipeline_parallel_schedule", "1F1B",
-            "--rl.group_size", str(n_micro), "--rl.minibatches", "1", "--draft.ttt_steps", "7",
+            "--rl.group_size", str(n_micro), "--rl.minibatches", "1", "--draft.eagle3.ttt_steps", "7",
             # One completion per row, one row per microbatch: n_micro microbatches per update.
             "--training.local_batch_size", str(n_micro),
         ]

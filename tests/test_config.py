@@ -27,11 +27,90 @@ def test_engine_config_from_sections():
     assert e.depth == "adaptive"  # the default (docs/rollout_engine.md, "Adaptive depth")
     cfg = load_config(DEFAULT, ["--speculative.enabled", "false"])
     assert TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative).num_draft_tokens == 0
-    # SGLang runs its fixed chain: the default resolves to "fixed" there (an explicit
-    # "adaptive" is an error, MALFORMED); an explicit "fixed" stays.
-    assert load_config(DEFAULT, ["--rollout.engine", "sglang"]).speculative.depth == "fixed"
+    # The servers run their fixed chain: the default's effective depth is "fixed" there (an
+    # explicit "adaptive" is an error, MALFORMED), while the config keeps what was set.
+    for engine in ("sglang", "vllm"):
+        spec = load_config(DEFAULT, ["--rollout.engine", engine], check_paths=False).speculative
+        assert (spec.depth, spec.effective_depth(engine)) == ("adaptive", "fixed")
     cfg = load_config(DEFAULT, ["--speculative.depth", "fixed"])
     assert TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative).depth == "fixed"
+
+
+def test_validate_changes_nothing():
+    """The checks read the config: every value after validate() is the one loaded, also the
+    keys a server engine resolves differently (speculative.depth under vLLM / SGLang)."""
+    import copy
+
+    from titan_spec.config import validate
+
+    for engine in ("torch", "sglang", "vllm"):
+        cfg = load_config("train_configs/debug_cpu.toml", ["--rollout.engine", engine], check_paths=False)
+        before = copy.deepcopy(cfg)
+        validate(cfg, world_size=1)
+        assert cfg == before, engine
+        assert cfg.speculative.depth == "adaptive"
+        assert cfg.speculative.effective_depth(engine) == ("adaptive" if engine == "torch" else "fixed")
+
+
+def test_every_moved_key_is_refused_in_one_line_naming_its_new_key(tmp_path):
+    from titan_spec.config.loader import MOVED
+
+    assert len(MOVED) == 17
+    for old, new in MOVED.items():
+        section, leaf = old.split(".")
+        table = new.rsplit(".", 1)[0]
+        # In a file: the file, the old key, the new table and key.
+        path = _write(tmp_path, f"[{section}]\n{leaf} = 1\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert str(info.value) == f"{path}: {old} moved to [{table}] {leaf} ({new})"
+        # On the command line: the override as given, and the one to give.
+        with pytest.raises(ConfigError) as info:
+            load_config(DEFAULT, [f"--{old}", "1"])
+        assert str(info.value) == f"command line --{old}: {old} moved to [{table}] {leaf} (--{new})"
+        # The new key is accepted where it now lives.
+        raw, want = NEW_VALUES.get(leaf, ("2", 2))
+        node = load_config(DEFAULT, ["--rl.loss", "dapo", f"--{new}", raw], check_paths=False)
+        for part in new.split("."):
+            node = getattr(node, part)
+        assert node == want, new
+
+
+NEW_VALUES = {"operators": ("'+'", "+"), "overlong_filter": ("true", True), "show_work": ("true", True),
+              "trace_fraction": ("0.25", 0.25), "wrong_answer_rate": ("0.25", 0.25), "max_count": ("20", 20)}
+"""A value each moved key's own checks take (the rest: 2), for the config the tests load."""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--draft.blok_size", "4"], "unknown key 'draft.blok_size' (did you mean 'draft.dflash.block_size'?)"),
+    (["--draft.dflash.blok_size", "4"], "unknown key 'draft.dflash.blok_size' (did you mean 'block_size'?)"),
+    (["--task.max_operandd", "4"], "(did you mean 'task.generated.max_operand'?)"),
+    (["--rl.dapo.overlong_bufer", "4"], "(did you mean 'overlong_buffer'?)"),
+])
+def test_unknown_keys_still_get_did_you_mean(args, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(DEFAULT, args)
+    assert needle in str(info.value) and "\n" not in str(info.value), info.value
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("key,value,allowed", [
+    ("port", 70000, "0 (free port) or a port number"), ("start_timeout_s", 0.0, "> 0"),
+    ("request_timeout_s", -1.0, "> 0"), ("max_restarts", -1, ">= 0"),
+])
+def test_server_engines_share_their_base_and_its_checks(engine, key, value, allowed):
+    """[rollout.sglang] and [rollout.vllm] take the shared keys of ServerEngineConfig, each
+    checked once and named under the engine's own table."""
+    from titan_spec.config import SGLangConfig, ServerEngineConfig, VLLMConfig
+
+    cls = {"sglang": SGLangConfig, "vllm": VLLMConfig}[engine]
+    assert issubclass(cls, ServerEngineConfig)
+    # The engines' own defaults where they differ.
+    assert (SGLangConfig().start_timeout_s, VLLMConfig().start_timeout_s) == (900.0, 600.0)
+    with pytest.raises(ConfigError) as info:
+        load_config(DEFAULT, [f"--rollout.{engine}.{key}", str(value)])
+    assert str(info.value) == (f"command line --rollout.{engine}.{key}: rollout.{engine}.{key} = {value!r} "
+                               f"is not allowed; it must be {allowed}")
 
 
 def test_parse_overrides_types():
@@ -57,7 +136,7 @@ MALFORMED = [
     ("[optimizer]\nbeta2 = 1.5\n", [], 1, ["optimizer.beta2", "[0, 1)"]),
     ("[parallelism]\ndata_parallel_shard_degree = 2\n", [], 1, ["do not multiply to the world size", "1 processes"]),
     ("[parallelism]\ndata_parallel_shard_degree = 2\n", [], 4, ["= 2, but 4 processes"]),
-    ("[task]\noperators = '+/'\n", [], 1, ["task.operators", "subset of '+-*'"]),
+    ("[task.generated]\noperators = '+/'\n", [], 1, ["task.generated.operators", "subset of '+-*'"]),
     ("[task]\nname = 'jsonl'\n", [], 1, ["task.path is empty"]),
     ("steps = 3\n", [], 1, ["top-level key 'steps' must be inside a [section]"]),
     ("[training\nsteps = 3\n", [], 1, ["not valid TOML"]),
@@ -97,9 +176,9 @@ MALFORMED = [
     ("[rl]\nkl_estimator = 'k4'\n", [], 1, ["rl.kl_estimator", "'k1', 'k2', 'k3'"]),
     ("[rl]\ndynamic_sampling = true\ngroup_size = 1\n", [], 1, ["rl.group_size = 1", ">= 2"]),
     ("[rl]\ndynamic_sampling_rounds = 0\n", [], 1, ["rl.dynamic_sampling_rounds = 0", ">= 1"]),
-    ("[rl]\noverlong_filter = true\n", [], 1, ["rl.overlong_filter = True is DAPO's: it needs rl.loss = 'dapo'"]),
-    ("[rl]\nloss = 'dapo'\nmax_new_tokens = 8\noverlong_buffer = 8\n", [], 1,
-     ["rl.overlong_buffer = 8", "< rl.max_new_tokens = 8"]),
+    ("[rl.dapo]\noverlong_filter = true\n", [], 1, ["rl.dapo.overlong_filter = True is DAPO's: it needs rl.loss = 'dapo'"]),
+    ("[rl]\nloss = 'dapo'\nmax_new_tokens = 8\n[rl.dapo]\noverlong_buffer = 8\n", [], 1,
+     ["rl.dapo.overlong_buffer = 8", "< rl.max_new_tokens = 8"]),
     ("[parallelism]\nexpert_parallel_degree = 2\n[rl]\nenable = true\n", [], 2,
      ["expert_parallel_degree = 2 with rl.enable is not supported"]),
     ("[model]\nmoe_load_balance_coeff = -1.0\n", [], 1, ["model.moe_load_balance_coeff = -1.0", ">= 0"]),

@@ -13,7 +13,7 @@ from numerics import assert_same_draft_accuracy, assert_same_draft_export
 
 DRAFT_LR, STEPS = 3e-3, 2  # [draft] lr default; training.steps in COMMON
 COMMON = ("--training.steps", "2", "--lr_scheduler.total_steps", "2", "--checkpoint.enable", "false",
-          "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3")
+          "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3")
 
 
 def _assert_same_run(a_rows, b_rows, what, same_dp=True):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
-from titan_spec.config import ConfigError, DraftConfig, load_config
+from titan_spec.config import ConfigError, DFlashConfig, DraftConfig, load_config
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft import draft_kind
 from titan_spec.models.draft.dflash.io import MASK_FILE, export_keys
@@ -47,7 +47,7 @@ def make_target(seed: int):
 
 
 def make_draft(arch, seed: int, block_size: int = 4, draft_vocab: int = V, n_layers: int = 1, anchors: int = 0):
-    cfg = DraftConfig(kind="dflash", block_size=block_size, num_layers=n_layers, anchors_per_doc=anchors,
+    cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=block_size, num_layers=n_layers, anchors_per_doc=anchors),
                       draft_vocab_size=draft_vocab)
     da = KIND.arch_from_target(arch, TAPS, draft_vocab, cfg)
     counts = torch.rand(V, generator=torch.Generator().manual_seed(seed)) if draft_vocab < V else None
@@ -377,9 +377,9 @@ def test_a_directory_of_the_other_kind_is_one_line_naming_the_kind(tmp_path):
 
 
 @pytest.mark.parametrize("args,key", [
-    (["--draft.block_size", "40", "--rl.max_new_tokens", "32"], "draft.block_size"),
-    (["--draft.block_size", "4", "--speculative.num_draft_tokens", "4"], "speculative.num_draft_tokens"),
-    (["--draft.tap_layer_ids", "[]", "--draft.block_size", "1"], "draft.block_size"),
+    (["--draft.dflash.block_size", "40", "--rl.max_new_tokens", "32"], "draft.dflash.block_size"),
+    (["--draft.dflash.block_size", "4", "--speculative.num_draft_tokens", "4"], "speculative.num_draft_tokens"),
+    (["--draft.tap_layer_ids", "[]", "--draft.dflash.block_size", "1"], "draft.dflash.block_size"),
 ])
 def test_config_errors_of_the_kind_are_one_line(args, key):
     with pytest.raises(ConfigError) as e:
@@ -405,8 +405,8 @@ def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
 
     common = ("--model.name", "llama3",
               "--training.seq_len", "64", "--training.steps", "3", "--draft.enable", "true", "--draft.kind", "dflash",
-              "--draft.block_size", "4", "--draft.anchors_per_doc", "6", "--draft.draft_vocab_size", "24",
-              "--draft.num_layers", "2", "--checkpoint.enable", "false", "--lr_scheduler.total_steps", "3",
+              "--draft.dflash.block_size", "4", "--draft.dflash.anchors_per_doc", "6", "--draft.draft_vocab_size", "24",
+              "--draft.dflash.num_layers", "2", "--checkpoint.enable", "false", "--lr_scheduler.total_steps", "3",
               "--speculative.num_draft_tokens", "3")
     pp1 = (*common, "--training.local_batch_size", "2", "--parallelism.pipeline_parallel_degree", "1",
            "--parallelism.data_parallel_shard_degree", "2")

@@ -38,7 +38,7 @@ def _args(tmp, dump, steps):
         "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", str(NPROC),
         "--task.name", "jsonl", "--task.path", task, "--lr_scheduler.warmup_steps", "0",
         "--lr_scheduler.decay_ratio", "0", "--draft.enable", "true", "--draft.draft_vocab_size", "24",
-        "--draft.ttt_steps", "3", "--draft.vocab_count_batches", "1", "--checkpoint.interval", "1",
+        "--draft.eagle3.ttt_steps", "3", "--draft.vocab_count_batches", "1", "--checkpoint.interval", "1",
         "--training.steps", str(steps),
         "--job.dump_folder", dump,
     ]

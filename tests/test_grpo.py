@@ -11,7 +11,7 @@ import torch
 
 import titan_spec  # noqa: F401
 from helpers.rl_loop_stub import rollout_step
-from titan_spec.config import DraftConfig, RLConfig, load_config
+from titan_spec.config import DraftConfig, Eagle3Config, RLConfig, load_config
 from titan_spec.training.draft import DraftTraining
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
@@ -239,7 +239,7 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
     mask = b.labels_BL != IGNORE
     N = mask.sum()
     extra = {"positions": b.positions_BL, "attention_masks": model.get_attention_masks(b.positions_BL)}
-    dcfg = DraftConfig(enable=True, ttt_steps=2)
+    dcfg = DraftConfig(enable=True, eagle3=Eagle3Config(ttt_steps=2))
     dt = DraftTraining(dcfg, DraftArch.from_target(arch, taps, arch.vocab_size), device=torch.device("cpu"),
                        dp_mesh=None, lr_scheduler_cfg=load_config(None).lr_scheduler, training_steps=10,
                        token_counts_V=None, seed=0)

@@ -51,7 +51,7 @@ def test_user_chain_with_hf_tokenizer_dataset_and_math_reward(tmp_path):
         (rl, ("--config", "debug_cpu.toml", "--model.hf_checkpoint", os.path.join(sft, "hf"),
               "--draft.init_from", os.path.join(draft, "draft"), *task, "--task.reward", "math", *SMALL,
               "--training.steps", "2", "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--rl.max_new_tokens", "8",
-              "--rl.baseline_interval", "0", "--rollout.progress", "false", "--draft.ttt_steps", "2",
+              "--rl.baseline_interval", "0", "--rollout.progress", "false", "--draft.eagle3.ttt_steps", "2",
               "--job.export_hf", "hf")),
     ], config="debug_cpu_sft.toml", timeout=900)
     assert [len(r) for r in rows] == [6, 3, 2]

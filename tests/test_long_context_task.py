@@ -1,5 +1,5 @@
 """The long-context lookup task ('records', data/tasks.py LongRecordsTask) and its config
-checks: deterministic prompts of exactly task.prompt_len tokens, answers checked by an
+checks: deterministic prompts of exactly task.generated.prompt_len tokens, answers checked by an
 independent parser, the two records asked about far apart (and on different CP ranks at
 cp = 2), bad lengths one config line before anything starts."""
 
@@ -13,7 +13,7 @@ import pytest
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, load_config
-from titan_spec.config.schema import TaskConfig
+from titan_spec.config.schema import GeneratedTaskConfig, TaskConfig
 from titan_spec.data.loader import sft_document
 from titan_spec.data.generated import LongRecordsTask
 from titan_spec.data.tasks import build_task, exact_match_reward
@@ -62,7 +62,7 @@ def test_records_prompts_have_the_length_asked_and_the_right_answer(prompt_len):
 
 
 def test_records_task_is_deterministic_in_the_seed_and_uses_the_whole_range():
-    task = build_task(TaskConfig(name="records", prompt_len=4096))
+    task = build_task(TaskConfig(name="records", generated=GeneratedTaskConfig(prompt_len=4096)))
     a = [task.sample(random.Random(3)) for _ in range(2)]
     assert a[0] == a[1]
     b = task.sample(random.Random(4))
@@ -87,12 +87,12 @@ def test_records_noisy_demonstrations_keep_the_true_answer():
 
 
 @pytest.mark.parametrize("overrides,needles", [
-    (["--task.prompt_len", "40"], ["task.prompt_len = 40 is not allowed", "at least 67 tokens"]),
-    (["--task.prompt_len", "80000", "--training.seq_len", "80020"],
-     ["task.prompt_len = 80000 is not allowed", "cannot fit", "at most 70017"]),
+    (["--task.generated.prompt_len", "40"], ["task.generated.prompt_len = 40 is not allowed", "at least 67 tokens"]),
+    (["--task.generated.prompt_len", "80000", "--training.seq_len", "80020"],
+     ["task.generated.prompt_len = 80000 is not allowed", "cannot fit", "at most 70017"]),
     # SFT: <bos> + 8190 + the longest answer (16) + <eos> = 8208 > 8192
-    (["--task.prompt_len", "8190", "--training.seq_len", "8192"],
-     ["task.prompt_len = 8190 does not fit training.seq_len = 8192", "= 8208 tokens", "at least 8208"]),
+    (["--task.generated.prompt_len", "8190", "--training.seq_len", "8192"],
+     ["task.generated.prompt_len = 8190 does not fit training.seq_len = 8192", "= 8208 tokens", "at least 8208"]),
     (["--training.seq_len", "70000"], ["training.seq_len = 70000 exceeds the model's maximum of 65536"]),
 ])
 def test_records_bad_lengths_are_one_config_line(overrides, needles):
@@ -111,14 +111,14 @@ def test_records_rl_prompt_that_does_not_fit_stops_the_chain_before_it_starts(tm
     """`--plan` of the long-context chain (what run_train.sh runs first): an RL prompt whose
     document (<bos> + 8200 + rl.max_new_tokens 24 = 8225) does not fit training.seq_len 8224 is
     one line, exit 2, with no run started (the SFT run it requires included)."""
-    cmd = [sys.executable, "-m", "titan_spec.train", "--plan", "--config", LONG, "--task.prompt_len", "8200",
+    cmd = [sys.executable, "-m", "titan_spec.train", "--plan", "--config", LONG, "--task.generated.prompt_len", "8200",
            "--job.dump_folder", str(tmp_path / "never")]
     env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "register_constant" not in line]
     assert len(lines) == 1, out.stderr
-    for needle in ["command line --task.prompt_len", "task.prompt_len = 8200 does not fit training.seq_len = 8224",
+    for needle in ["command line --task.generated.prompt_len", "task.generated.prompt_len = 8200 does not fit training.seq_len = 8224",
                    "rl.max_new_tokens 24", "= 8225 tokens"]:
         assert needle in lines[0], lines[0]
     assert not (tmp_path / "never").exists() and out.stdout == ""

@@ -107,7 +107,7 @@ def test_fsdp_dp2_and_expert_parallel_ep2_match_dp1(tmp_path, train, many):
     draft losses and gradient norms on the same global batch."""
     common = ["--model.flavor", "tiny_moe", "--checkpoint.enable", "false", "--job.export_hf", "",
               "--training.steps", "2", "--lr_scheduler.total_steps", "2", "--draft.enable", "true",
-              "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "2"]
+              "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "2"]
     one = train(str(tmp_path / "dp1"), 1, (*common, "--training.local_batch_size", "4"))
     two = ("--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2")
     dp2, ep2 = many(2, [(str(tmp_path / "dp2"), (*common, *two)),

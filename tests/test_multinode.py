@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # by the text's CRC32, so groups have reward spread and the policy's gradients cross the nodes.
 RL = (
     "--job.requires", "[]", "--model.hf_checkpoint", "", "--draft.init_from", "", "--draft.export_dir", "",
-    "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3", "--task.reward", "rl_dynamic:coin", "--task.seed", "5",
+    "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3", "--task.reward", "rl_dynamic:coin", "--task.seed", "5",
     "--training.steps", "3", "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "1",
     "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12", "--rl.baseline_interval", "0",
     "--speculative.depth", "fixed",  # adaptive depth calibrates on the machine's timing

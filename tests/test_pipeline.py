@@ -18,7 +18,7 @@ from numerics import assert_same_draft_accuracy, assert_same_draft_export
 # 4-7 (tap 4 used in place). Interleaved1F1B, 4 virtual stages: stage 0 (rank 0) sends the embeddings
 # and tap 1; stage 1 (layers 2-4) is on the last stage's rank, its taps 3 and 4 are used in place.
 COMMON = ("--model.name", "llama3", "--training.seq_len", "64", "--training.steps", "3",
-          "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3",
+          "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3",
           "--checkpoint.enable", "false", "--lr_scheduler.total_steps", "3")
 PP1 = ("--parallelism.pipeline_parallel_degree", "1")
 KEYS = ["loss", "grad_norm", "draft/loss", "draft/grad_norm"]

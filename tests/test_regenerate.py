@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from titan_spec.config import ConfigError, TaskConfig, load_config
+from titan_spec.config import ConfigError, GeneratedTaskConfig, TaskConfig, load_config
 from titan_spec.data.loader import TaskDataLoader
 from titan_spec.data.tokenizer import CharTokenizer
 from titan_spec.training.regenerate import Regenerator
@@ -32,7 +32,8 @@ def policy(tmp_path_factory):
 
 
 def _loader(tok, regenerate=None):
-    task = TaskConfig(name="trace", max_operand=20, min_count=2, max_count=6, trace_fraction=0.3, seed=5)
+    task = TaskConfig(name="trace", generated=GeneratedTaskConfig(max_operand=20, min_count=2, max_count=6, trace_fraction=0.3),
+                      seed=5)
     loader = TaskDataLoader(TaskDataLoader.Config(task=task), dp_world_size=1, dp_rank=0, tokenizer=tok,
                             seq_len=ROW, local_batch_size=4)
     loader.use_regenerator(regenerate)

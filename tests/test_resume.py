@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 N, K = 4, 2  # uninterrupted steps; the interrupted run stops at the step-K checkpoint
 COMMON = ("--model.name", "llama3", "--training.seq_len", "64", "--lr_scheduler.total_steps", str(N),
           "--lr_scheduler.warmup_steps", "2", "--draft.enable", "true", "--draft.draft_vocab_size", "24",
-          "--draft.ttt_steps", "3", "--checkpoint.interval", str(K))
+          "--draft.eagle3.ttt_steps", "3", "--checkpoint.interval", str(K))
 LAYOUTS = {
     "dp2": ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2",
             "--training.local_batch_size", "2"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import titan_spec  # noqa: F401
-from titan_spec.config import ConfigError, DraftConfig, RLConfig, load_config
+from titan_spec.config import ConfigError, DraftConfig, Eagle3Config, RLConfig, load_config
 from titan_spec.training.draft import DraftTraining
 from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft.eagle3.model import DraftArch
@@ -92,7 +92,7 @@ def test_documents_padded_to_a_multiple_keep_their_real_tokens_logits_and_labels
 
 def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss():
     model, arch = _tiny()
-    draft_cfg = DraftConfig(enable=True, ttt_steps=3)
+    draft_cfg = DraftConfig(enable=True, eagle3=Eagle3Config(ttt_steps=3))
     dt = DraftTraining(
         draft_cfg, DraftArch.from_target(arch, (1, 3, 4), arch.vocab_size), device=torch.device("cpu"),
         dp_mesh=None, lr_scheduler_cfg=load_config(None).lr_scheduler, training_steps=10, token_counts_V=None, seed=0,

@@ -23,8 +23,8 @@ import sys
 
 import pytest
 
-TASK = ("--task.name", "arithmetic", "--task.max_operand", "12", "--task.num_operands", "2", "--task.show_work", "true",
-        "--task.wrong_answer_rate", "0.5", "--task.seed", "5")
+TASK = ("--task.name", "arithmetic", "--task.generated.max_operand", "12", "--task.generated.num_operands", "2", "--task.generated.show_work", "true",
+        "--task.generated.wrong_answer_rate", "0.5", "--task.seed", "5")
 """The test-size task: 2-operand arithmetic with short completions (the embedded default's
 trace task needs ~100-token completions, too slow here). Half the SFT demonstrations state a
 wrong result, so the warm start knows the right one and GRPO has something to sharpen: with
@@ -168,7 +168,7 @@ def rl_updates(warm_start, tmp_path, *extra, helper: str = "rl_updates") -> list
 
 
 @pytest.mark.parametrize("loss", [
-    ("--rl.loss", "dapo", "--rl.clip_high", "0.28", "--rl.overlong_filter", "true", "--rl.overlong_buffer", "4"),
+    ("--rl.loss", "dapo", "--rl.clip_high", "0.28", "--rl.dapo.overlong_filter", "true", "--rl.dapo.overlong_buffer", "4"),
     ("--rl.loss", "gspo", "--rl.clip_low", "3e-4", "--rl.clip_high", "4e-4"),
 ], ids=["dapo", "gspo"])
 def test_dapo_and_gspo_run_real_rl_steps(warm_start, tmp_path, loss):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import titan_spec  # noqa: F401
-from titan_spec.config import RLConfig
+from titan_spec.config import DAPOConfig, RLConfig
 from titan_spec.data.packing import Document, pack_documents
 from helpers.policy_loss import gspo_loss, ppo_clip_loss
 from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
@@ -59,7 +59,7 @@ def test_dapo_clip_higher_and_overlong_filter_by_hand():
 
     # The same through DAPOPolicyLoss from logits (one row of 7 tokens): the filtered tokens
     # and the normalizer are its own; the label ids pick the log-probs.
-    rl = RLConfig(enable=True, loss="dapo", overlong_filter=True, clip_low=0.2, clip_high=0.28, temperature=1.0)
+    rl = RLConfig(enable=True, loss="dapo", dapo=DAPOConfig(overlong_filter=True), clip_low=0.2, clip_high=0.28, temperature=1.0)
     V = 5
     logits = torch.randn(1, 7, V, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
     labels = torch.tensor([[-100, 1, 2, 3, 4, 0, 2]])
@@ -213,14 +213,15 @@ def test_pack_policy_loss_and_reward_shaping_wire_each_variant():
         return RLTrainer.policy_loss(fake, values, counts, None)
 
     assert isinstance(policy_loss(), PPOPolicyLoss)
-    fake.rl = RLConfig(enable=True, loss="dapo", overlong_filter=True, group_size=2, max_new_tokens=4)
+    fake.rl = RLConfig(enable=True, loss="dapo", dapo=DAPOConfig(overlong_filter=True), group_size=2, max_new_tokens=4)
     dapo = policy_loss()
     assert isinstance(dapo, DAPOPolicyLoss) and int(dapo.totals["tokens"]) == 3  # the truncated 4 are out
     assert int(dapo.totals["sequences"]) == 1
     fake.rl = RLConfig(enable=True, loss="gspo", group_size=2)
     gspo = policy_loss()
     assert isinstance(gspo, GSPOPolicyLoss) and int(gspo.totals["sequences"]) == 2
-    fake.rl = RLConfig(enable=True, loss="dapo", group_size=2, max_new_tokens=4, overlong_buffer=2, overlong_penalty=1.0)
+    fake.rl = RLConfig(enable=True, loss="dapo", group_size=2, max_new_tokens=4,
+                       dapo=DAPOConfig(overlong_buffer=2, overlong_penalty=1.0))
     torch.testing.assert_close(RLTrainer.reward_shaping(fake, batch), torch.tensor([[-0.5, -1.0], [0.0, 0.0]]))
     fake.rl = rl
     assert not RLTrainer.reward_shaping(fake, batch).any()  # grpo: nothing added

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL = (
     "--config", os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
     "--model.name", "llama3", "--model.hf_checkpoint", "", "--draft.init_from", "", "--draft.draft_vocab_size", "24",
-    "--draft.ttt_steps", "3", "--training.steps", "2",
+    "--draft.eagle3.ttt_steps", "3", "--training.steps", "2",
     "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "false",
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--rollout.progress", "false",
     "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
@@ -134,7 +134,7 @@ def test_dp2_cp2_step_equals_one_process_and_the_reference_forward_runs_on_the_s
     assert_same_step(reference, got, "dp=2 x cp=2")
 
 
-EASY = ("--task.name", "arithmetic", "--task.max_operand", "3", "--task.operators", "+", "--task.show_work", "false",
+EASY = ("--task.name", "arithmetic", "--task.generated.max_operand", "3", "--task.generated.operators", "+", "--task.generated.show_work", "false",
         "--task.seed", "5",
         "--checkpoint.enable", "false")
 """A task a 40-step SFT gets partly right (one-digit answers), so rewards differ within groups."""
@@ -171,7 +171,7 @@ def test_cp2_and_pp2_rl_runs_through_the_entry_point_equal_the_same_run_without_
 
     sft, dp2, cp2, pp2 = (str(tmp_path / name) for name in ("sft", "dp2", "cp2", "pp2"))
     llama = ("--model.name", "llama3")  # untied: pipeline parallelism needs it
-    rl = (*llama, "--model.hf_checkpoint", os.path.join(sft, "hf"), "--draft.init_from", "", "--draft.ttt_steps", "3",
+    rl = (*llama, "--model.hf_checkpoint", os.path.join(sft, "hf"), "--draft.init_from", "", "--draft.eagle3.ttt_steps", "3",
           "--draft.draft_vocab_size", "24", *EASY, "--training.steps", "2", "--lr_scheduler.warmup_steps", "0",
           "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "8",
           "--rl.baseline_interval", "2", "--rollout.progress", "false",
@@ -180,7 +180,7 @@ def test_cp2_and_pp2_rl_runs_through_the_entry_point_equal_the_same_run_without_
     # the data-parallel ranks' rows together: 2 x 2 rows = 1 x 4.
     a, *others = train_many(2, [
         (sft, ("--config", "debug_cpu_sft.toml", *llama, *EASY, "--training.steps", "40", "--job.export_hf", "hf",
-               "--task.wrong_answer_rate", "0")),
+               "--task.generated.wrong_answer_rate", "0")),
         (dp2, (*rl, "--training.local_batch_size", "2")),
         (cp2, (*rl, *CP2, "--parallelism.data_parallel_shard_degree", "1")),
         (pp2, (*rl, *PP2)),

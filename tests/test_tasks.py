@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from titan_spec.config import ConfigError, TaskConfig, load_config
+from titan_spec.config import ConfigError, GeneratedTaskConfig, TaskConfig, load_config
 from titan_spec.data.generated import TraceTask
 from titan_spec.data.tasks import build_task, exact_match_reward
 from titan_spec.data.tokenizer import CharTokenizer
@@ -74,14 +74,14 @@ def test_lengths_are_reasoning_trace_like():
 
 
 def test_config_builds_it_and_rejects_bad_values(tmp_path):
-    cfg = TaskConfig(name="trace", max_operand=20, min_count=2, max_count=5, trace_fraction=1.0)
+    cfg = TaskConfig(name="trace", generated=GeneratedTaskConfig(max_operand=20, min_count=2, max_count=5, trace_fraction=1.0))
     task = build_task(cfg)
     assert isinstance(task, TraceTask) and task.counts == [2, 3, 4, 5]
     path = tmp_path / "x.toml"
     path.write_text('[task]\nname = "trace"\nmin_count = 2\n')
-    for bad, msg in ((["--task.max_count", "1"], "task.max_count = 1 is not allowed; it must be >= task.min_count (2)"),
-                     (["--task.trace_fraction", "1.5"], "task.trace_fraction = 1.5"),
-                     (["--task.operators", "*"], "task.operators = '*'")):
+    for bad, msg in ((["--task.generated.max_count", "1"], "task.generated.max_count = 1 is not allowed; it must be >= task.generated.min_count (2)"),
+                     (["--task.generated.trace_fraction", "1.5"], "task.generated.trace_fraction = 1.5"),
+                     (["--task.generated.operators", "*"], "task.generated.operators = '*'")):
         with pytest.raises(ConfigError, match=re.escape(msg)) as info:
             load_config(str(path), bad, check_paths=False)
         assert "\n" not in str(info.value)

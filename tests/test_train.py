@@ -13,7 +13,7 @@ def test_fsdp_dp2_matches_dp1(tmp_path, train):
     and draft losses equal the single-process run on the same global batch. (Resume, at
     dp = 2, pp = 2 and cp = 2, is tests/test_resume.py.)"""
     common = ["--checkpoint.enable", "false", "--lr_scheduler.total_steps", "6", "--draft.enable", "true",
-              "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3"]
+              "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3"]
     steps = ["--training.steps", "6", *common]
     one = train(str(tmp_path / "dp1"), 1, (*steps, "--training.local_batch_size", "4"))
     # dp=2 with 2 rows each sees the same 4-row global batch as dp=1 with 4 rows.
@@ -38,7 +38,7 @@ def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, many):
     policy = str(tmp_path / "policy")
     hf = os.path.join(policy, "hf")
     offline = ("--model.hf_checkpoint", hf, "--draft.enable", "true", "--draft.offline", "true",
-               "--draft.draft_vocab_size", "24", "--draft.ttt_steps", "3", "--checkpoint.enable", "false",
+               "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3", "--checkpoint.enable", "false",
                "--job.export_hf", "hf_after")
     dump = str(tmp_path / "offline")
     _, rows, again = many(1, [
@@ -95,7 +95,7 @@ def _first_batch_draft_loss(hf: str, draft_dir: str, overrides: tuple[str, ...])
     load_hf_into(target, hf, arch)
     positions_BL = batch["positions"]
     meta = target.get_attention_masks(positions_BL)
-    T, steps = positions_BL.numel(), cfg.draft.ttt_steps
+    T, steps = positions_BL.numel(), cfg.draft.eagle3.ttt_steps
     pos_T, labels_T = positions_BL.reshape(T), labels_BL.reshape(T)
     with torch.no_grad():
         logits_BLV, taps = target(batch["input"], positions_BL, meta)

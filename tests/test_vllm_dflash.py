@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import titan_spec  # noqa: F401
-from titan_spec.config import DraftConfig
+from titan_spec.config import DFlashConfig, DraftConfig
 from titan_spec.config.schema import VLLMConfig
 from titan_spec.models.draft import draft_kind
 from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
@@ -53,7 +53,7 @@ def served(tmp_path_factory):
     # A larger init than the default: varied greedy chains (not one repeated token).
     policy = write_tiny_qwen3(str(root / "policy"), vocab_size=V, seed=0, initializer_range=0.125, **QWEN)
     target, arch = load_target(policy, taps=TAPS)
-    cfg = DraftConfig(kind="dflash", block_size=K + 1, anchors_per_doc=0)
+    cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=K + 1, anchors_per_doc=0))
     rand = KIND.initial(KIND.arch_from_target(arch, TAPS, V, cfg), None, seed=3)
     plain = TorchRolloutEngine(target, None, TorchEngineConfig(num_draft_tokens=0))
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(_prompts(48, 11), SamplingParams(0.0, max_new_tokens=24))]
@@ -131,13 +131,13 @@ def test_rl_steps_through_vllm_with_a_co_trained_dflash_draft(tmp_path):
 
     policy = write_hd32_policy(tmp_path)
     _, arch = load_target(str(policy), taps=())
-    cfg = DraftConfig(kind="dflash", block_size=5)
+    cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=5))
     taps = KIND.default_tap_layer_ids(arch.n_layers)
     KIND.save(KIND.initial(KIND.arch_from_target(arch, taps, arch.vocab_size, cfg), None, seed=0), str(tmp_path / "draft"))
     data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_records(32))
     args = (
         "--model.hf_checkpoint", str(policy), "--draft.init_from", str(tmp_path / "draft"), "--draft.kind", "dflash",
-        "--draft.block_size", "5", "--speculative.num_draft_tokens", "4",
+        "--draft.dflash.block_size", "5", "--speculative.num_draft_tokens", "4",
         "--task.name", "dataset", "--task.path", data, "--task.chat_template_kwargs", "{enable_thinking = false}",
         "--training.steps", "3", "--rl.baseline_interval", "1", "--rl.max_new_tokens", "16",
         "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--checkpoint.enable", "false",

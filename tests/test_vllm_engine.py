@@ -397,7 +397,9 @@ def test_config_checks_before_any_process_starts(tmp_path):
 
     pol, draft, _ = _tiny_dirs(tmp_path)
     cfg = _vllm_cfg(tmp_path, pol, draft)
-    assert cfg.rollout.engine == "vllm" and cfg.speculative.depth == "fixed"  # adaptive is the built-in engine's
+    # adaptive is the built-in engine's: vLLM runs the fixed chain, the config keeps its default
+    assert cfg.rollout.engine == "vllm" and cfg.speculative.effective_depth("vllm") == "fixed"
+    assert cfg.speculative.depth == "adaptive"
     with pytest.raises(ConfigError, match="speculative.depth = 'adaptive' is not allowed with rollout.engine = 'vllm'"):
         _vllm_cfg(tmp_path, pol, draft, "--speculative.depth", "adaptive")
     pol16, draft16, _ = _tiny_dirs(tmp_path / "h16", head_dim=16)

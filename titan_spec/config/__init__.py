@@ -3,9 +3,9 @@
 
     schema.py    the sections as plain dataclasses, one docstring per key
     loader.py    reading TOML and ``--section.key value`` overrides, type coercion, origins
-                 (``locate``), ``load_config``
-    validate.py  each section's checks and those that span sections (``validate``,
-                 ``check_paths``)
+                 (``locate``), the moved keys (``MOVED``), ``load_config``
+    validate.py  each section's checks and those that span sections (``validate`` runs
+                 ``CHECKS`` in order and changes nothing; ``check_paths``)
     mode.py      the run's mode (``cfg.mode``), decided once from the keys that select it
     errors.py    ``ConfigError``
 
@@ -18,8 +18,9 @@ from titan_spec.config.errors import ConfigError
 from titan_spec.config.loader import load_config, locate, parse_overrides, quiet_torchtitan
 from titan_spec.config.mode import RunMode, run_mode
 from titan_spec.config.schema import (
-    ActivationCheckpointConfig, DraftConfig, JobConfig, ModelConfig, OptimizerConfig, RLConfig, RolloutConfig,
-    SGLangConfig, SpeculativeConfig, TaskConfig, TitanSpecConfig, TokenizerConfig, TrainingConfig, VLLMConfig,
+    ActivationCheckpointConfig, DAPOConfig, DFlashConfig, DraftConfig, Eagle3Config, GeneratedTaskConfig, JobConfig,
+    ModelConfig, OptimizerConfig, RLConfig, RolloutConfig, ServerEngineConfig, SGLangConfig, SpeculativeConfig,
+    TaskConfig, TitanSpecConfig, TokenizerConfig, TrainingConfig, VLLMConfig,
 )
 from titan_spec.config.validate import check_paths, document_multiple, validate
 
@@ -28,4 +29,5 @@ __all__ = [
     "RunMode", "run_mode", "validate", "check_paths", "document_multiple",
     "ActivationCheckpointConfig", "DraftConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "RLConfig",
     "RolloutConfig", "SGLangConfig", "SpeculativeConfig", "TaskConfig", "TokenizerConfig", "TrainingConfig", "VLLMConfig",
+    "DAPOConfig", "DFlashConfig", "Eagle3Config", "GeneratedTaskConfig", "ServerEngineConfig",
 ]

@@ -32,10 +32,30 @@ from titan_spec.config.schema import TitanSpecConfig
 from titan_spec.config.validate import check_paths as _check_paths
 from titan_spec.config.validate import validate
 
-__all__ = ["load_config", "parse_overrides", "locate", "quiet_torchtitan"]
+__all__ = ["load_config", "parse_overrides", "locate", "quiet_torchtitan", "MOVED"]
 
 _CLI = "command line"
 _DOTTED = re.compile(r"\b[a-z_]+(?:\.[a-z_]+)+\b")
+
+MOVED: dict[str, str] = {
+    **{f"draft.{k}": f"draft.dflash.{k}" for k in ("block_size", "num_layers", "anchors_per_doc", "mask_token_id")},
+    "draft.ttt_steps": "draft.eagle3.ttt_steps",
+    **{f"rl.{k}": f"rl.dapo.{k}" for k in ("overlong_filter", "overlong_buffer", "overlong_penalty")},
+    **{f"task.{k}": f"task.generated.{k}" for k in (
+        "max_operand", "num_operands", "min_count", "max_count", "trace_fraction", "operators", "show_work",
+        "wrong_answer_rate", "prompt_len")},
+}
+"""Keys that moved into a variant's own table: old dotted key -> new dotted key. The loader
+refuses the old spelling (file or command line) in one line that names the new one."""
+
+
+def _moved(where: str, dotted: str) -> ConfigError:
+    """The one line for a key of MOVED: where it was set, and its new table and key."""
+    new = MOVED[dotted]
+    table, leaf = new.rsplit(".", 1)
+    if where == _CLI:
+        return ConfigError(f"{_CLI} --{dotted}: {dotted} moved to [{table}] {leaf} (--{new})", key=new)
+    return ConfigError(f"{where}: {dotted} moved to [{table}] {leaf} ({new})", key=new)
 
 
 def _non_finite(value: Any) -> bool:
@@ -139,10 +159,14 @@ def _assign(obj: Any, table: dict, where: str, path: str, origins: dict[str, str
     for key, value in table.items():
         dotted = f"{path}.{key}" if path else key
         here = f"{where} --{dotted}" if where == _CLI else where
+        if key not in fields and dotted in MOVED:
+            raise _moved(where, dotted)
         if key not in fields:
             valid = sorted(fields)
-            near = difflib.get_close_matches(key, valid, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            # A near miss of a moved key is suggested under its new name.
+            moved = {old.rsplit(".", 1)[1]: new for old, new in MOVED.items() if old.rsplit(".", 1)[0] == path}
+            near = difflib.get_close_matches(key, valid + sorted(moved), n=1)
+            hint = f" (did you mean {moved.get(near[0], near[0])!r}?)" if near else ""
             kind = "key" if path else "section"
             raise ConfigError(
                 f"{where}: unknown {kind} {dotted!r}{hint}; valid {kind}s"

@@ -1,6 +1,8 @@
 """The config's own checks: each section's ranges (``SECTION_CHECKS``), then the checks that
-span sections (``validate``: the run mode, parallel degrees against the world size, RL's
-batch split), and that the directories it names exist (``check_paths``).
+span sections (``CHECKS``, run in order by ``validate``: the run mode, parallel degrees
+against the world size, RL's batch split), and that the directories it names exist
+(``check_paths``). No check changes the config: what a key resolves to for a given engine
+is derived where it is used (e.g. ``SpeculativeConfig.effective_depth``).
 
 Every error is one ``ConfigError`` line naming the key and what is allowed; ``load_config``
 (loader.py) prefixes where the value came from. Checks that need another part of
@@ -21,11 +23,11 @@ from typing import Any
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.config.errors import ConfigError
 from titan_spec.config.schema import (
-    DraftConfig, JobConfig, OptimizerConfig, RLConfig, RolloutConfig, SGLangConfig, SpeculativeConfig, TaskConfig,
-    TitanSpecConfig, VLLMConfig,
+    DraftConfig, JobConfig, OptimizerConfig, RLConfig, RolloutConfig, ServerEngineConfig, SGLangConfig,
+    SpeculativeConfig, TaskConfig, TitanSpecConfig, VLLMConfig,
 )
 
-__all__ = ["check", "validate", "check_paths", "document_multiple", "SECTION_CHECKS"]
+__all__ = ["check", "validate", "check_paths", "document_multiple", "SECTION_CHECKS", "CHECKS"]
 
 
 def check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -54,18 +56,20 @@ def _optimizer(c: OptimizerConfig) -> None:
 
 def _task(c: TaskConfig) -> None:
     check(c.document_multiple >= 0, "task.document_multiple", c.document_multiple, ">= 0")
-    check(c.max_operand >= 1, "task.max_operand", c.max_operand, ">= 1")
-    check(c.num_operands >= 2, "task.num_operands", c.num_operands, ">= 2")
+    g = c.generated
+    check(g.max_operand >= 1, "task.generated.max_operand", g.max_operand, ">= 1")
+    check(g.num_operands >= 2, "task.generated.num_operands", g.num_operands, ">= 2")
     check(
-        bool(c.operators) and set(c.operators) <= set("+-*"),
-        "task.operators", c.operators, "a non-empty subset of '+-*'",
+        bool(g.operators) and set(g.operators) <= set("+-*"),
+        "task.generated.operators", g.operators, "a non-empty subset of '+-*'",
     )
-    check(0 <= c.wrong_answer_rate < 1, "task.wrong_answer_rate", c.wrong_answer_rate, "in [0, 1)")
+    check(0 <= g.wrong_answer_rate < 1, "task.generated.wrong_answer_rate", g.wrong_answer_rate, "in [0, 1)")
     if c.name == "trace":
-        check(c.min_count >= 1, "task.min_count", c.min_count, ">= 1")
-        check(c.max_count >= c.min_count, "task.max_count", c.max_count, f">= task.min_count ({c.min_count})")
-        check(set(c.operators) <= set("+-"), "task.operators", c.operators, "'+', '-' or '+-' for task 'trace'")
-        check(0 <= c.trace_fraction <= 1, "task.trace_fraction", c.trace_fraction, "in [0, 1]")
+        check(g.min_count >= 1, "task.generated.min_count", g.min_count, ">= 1")
+        check(g.max_count >= g.min_count, "task.generated.max_count", g.max_count,
+              f">= task.generated.min_count ({g.min_count})")
+        check(set(g.operators) <= set("+-"), "task.generated.operators", g.operators, "'+', '-' or '+-' for task 'trace'")
+        check(0 <= g.trace_fraction <= 1, "task.generated.trace_fraction", g.trace_fraction, "in [0, 1]")
     if c.name in ("jsonl", "dataset") and not c.path.strip():
         raise ConfigError(f"task.path is empty but task.name = {c.name!r} needs a "
                           f"{'JSONL' if c.name == 'jsonl' else 'JSONL or Parquet'} file", key="task.path")
@@ -77,7 +81,7 @@ def _task(c: TaskConfig) -> None:
 
 
 def _draft(c: DraftConfig) -> None:
-    check(c.ttt_steps >= 1, "draft.ttt_steps", c.ttt_steps, ">= 1")
+    check(c.eagle3.ttt_steps >= 1, "draft.eagle3.ttt_steps", c.eagle3.ttt_steps, ">= 1")
     check(0 < c.loss_decay <= 1, "draft.loss_decay", c.loss_decay, "in (0, 1]")
     check(c.loss_weight > 0, "draft.loss_weight", c.loss_weight, "> 0")
     check(c.lr > 0, "draft.lr", c.lr, "a positive number")
@@ -88,31 +92,32 @@ def _draft(c: DraftConfig) -> None:
     why = c.tap_layer_ids and tap_ids_problem(c.tap_layer_ids, count=DRAFT_KINDS[c.kind])
     if why:
         raise ConfigError(why)
-    check(c.block_size >= 2, "draft.block_size", c.block_size, ">= 2 (a known token and at least one to predict)")
-    check(c.num_layers >= 1, "draft.num_layers", c.num_layers, ">= 1")
-    check(c.anchors_per_doc >= 0, "draft.anchors_per_doc", c.anchors_per_doc, ">= 0 (0 = every position)")
-    check(c.mask_token_id >= -1, "draft.mask_token_id", c.mask_token_id, "a token id, or -1 (the last id)")
+    f = c.dflash
+    check(f.block_size >= 2, "draft.dflash.block_size", f.block_size, ">= 2 (a known token and at least one to predict)")
+    check(f.num_layers >= 1, "draft.dflash.num_layers", f.num_layers, ">= 1")
+    check(f.anchors_per_doc >= 0, "draft.dflash.anchors_per_doc", f.anchors_per_doc, ">= 0 (0 = every position)")
+    check(f.mask_token_id >= -1, "draft.dflash.mask_token_id", f.mask_token_id, "a token id, or -1 (the last id)")
 
 
-def _draft_block(cfg: TitanSpecConfig) -> None:
-    """A DFlash draft proposes draft.block_size - 1 tokens per forward: the engine cannot verify
-    more, and a block longer than the completion budget would train positions no rollout has.
-    SGLang serves EAGLE-3 drafts only."""
-    d = cfg.draft
+def _draft_block(cfg: TitanSpecConfig, world_size: int) -> None:
+    """A DFlash draft proposes draft.dflash.block_size - 1 tokens per forward: the engine cannot
+    verify more, and a block longer than the completion budget would train positions no rollout
+    has. SGLang serves EAGLE-3 drafts only."""
+    d, block = cfg.draft, cfg.draft.dflash.block_size
     if d.kind != "dflash" or not (d.enable or cfg.rl.enable):
         return
     if cfg.rl.enable and cfg.rollout.engine == "sglang" and cfg.speculative.enabled:
         raise ConfigError("draft.kind = 'dflash' is not served by rollout.engine = 'sglang' (titan_spec drives "
                           "SGLang's EAGLE-3 only); allowed: rollout.engine = 'torch' or 'vllm'", key="rollout.engine")
-    if cfg.speculative.enabled and cfg.speculative.num_draft_tokens > d.block_size - 1:
+    if cfg.speculative.enabled and cfg.speculative.num_draft_tokens > block - 1:
         raise ConfigError(f"speculative.num_draft_tokens = {cfg.speculative.num_draft_tokens} is not allowed with "
-                          f"draft.kind = 'dflash' and draft.block_size = {d.block_size}; it must be <= "
-                          f"{d.block_size - 1} (one block proposes block_size - 1 tokens)",
+                          f"draft.kind = 'dflash' and draft.dflash.block_size = {block}; it must be <= "
+                          f"{block - 1} (one block proposes block_size - 1 tokens)",
                           key="speculative.num_draft_tokens")
-    if cfg.rl.enable and d.block_size - 1 > cfg.rl.max_new_tokens:
-        raise ConfigError(f"draft.block_size = {d.block_size} is larger than the completion budget: it must be <= "
+    if cfg.rl.enable and block - 1 > cfg.rl.max_new_tokens:
+        raise ConfigError(f"draft.dflash.block_size = {block} is larger than the completion budget: it must be <= "
                           f"rl.max_new_tokens + 1 = {cfg.rl.max_new_tokens + 1} (a block predicts block_size - 1 "
-                          "tokens of one completion)", key="draft.block_size")
+                          "tokens of one completion)", key="draft.dflash.block_size")
 
 
 def _speculative(c: SpeculativeConfig) -> None:
@@ -120,49 +125,47 @@ def _speculative(c: SpeculativeConfig) -> None:
           ">= 1 (turn speculation off with speculative.enabled = false)")
 
 
-def _speculative_depth(cfg: TitanSpecConfig) -> None:
-    """Adaptive depth is the built-in engine's. Left at its default it resolves to "fixed"
-    under SGLang (which runs the fixed chain it is given); set explicitly, it is an error."""
-    if cfg.rollout.engine == "vllm" and cfg.speculative.depth == "adaptive":
-        if "speculative.depth" in cfg.origins:
-            raise ConfigError("speculative.depth = 'adaptive' is not allowed with rollout.engine = 'vllm'; it must be "
-                              "'fixed' there (adaptive depth is the built-in engine's; vLLM runs the fixed chain "
-                              "num_speculative_tokens = speculative.num_draft_tokens)", key="speculative.depth")
-        cfg.speculative.depth = "fixed"
+def _speculative_depth(cfg: TitanSpecConfig, world_size: int) -> None:
+    """Adaptive depth is the built-in engine's. Left at its default, a server engine runs the
+    fixed chain (``SpeculativeConfig.effective_depth``); set explicitly, it is an error."""
+    if cfg.speculative.depth != "adaptive" or "speculative.depth" not in cfg.origins:
         return
-    if cfg.rollout.engine != "sglang" or cfg.speculative.depth != "adaptive":
-        return
-    if "speculative.depth" in cfg.origins:
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError("speculative.depth = 'adaptive' is not allowed with rollout.engine = 'vllm'; it must be "
+                          "'fixed' there (adaptive depth is the built-in engine's; vLLM runs the fixed chain "
+                          "num_speculative_tokens = speculative.num_draft_tokens)", key="speculative.depth")
+    if cfg.rollout.engine == "sglang":
         raise ConfigError(
             "speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'; it must be 'fixed' "
             "there (adaptive depth is the built-in engine's; SGLang 0.5.23's own speculative_adaptive, an EMA "
             "of accepted length over per-batch-size candidate steps, is not wired up)",
             key="speculative.depth",
         )
-    cfg.speculative.depth = "fixed"
+
+
+def _server_engine(c: ServerEngineConfig, table: str) -> None:
+    """The keys every server engine shares, named under its table (rollout.sglang, rollout.vllm)."""
+    check(0 <= c.port < 65536, f"{table}.port", c.port, "0 (free port) or a port number")
+    check(c.start_timeout_s > 0, f"{table}.start_timeout_s", c.start_timeout_s, "> 0")
+    check(c.request_timeout_s > 0, f"{table}.request_timeout_s", c.request_timeout_s, "> 0")
+    check(c.max_restarts >= 0, f"{table}.max_restarts", c.max_restarts, ">= 0")
 
 
 def _sglang(c: SGLangConfig) -> None:
-    check(0 <= c.port < 65536, "rollout.sglang.port", c.port, "0 (free port) or a port number")
+    _server_engine(c, "rollout.sglang")
     check(c.tp_size >= 1, "rollout.sglang.tp_size", c.tp_size, ">= 1")
     check(0 < c.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static", c.mem_fraction_static, "in (0, 1)")
     check(c.eagle_topk >= 1, "rollout.sglang.eagle_topk", c.eagle_topk, ">= 1")
     check(c.num_verify_tokens >= 0, "rollout.sglang.num_verify_tokens", c.num_verify_tokens, ">= 0 (0 = num_draft_tokens + 1)")
-    check(c.start_timeout_s > 0, "rollout.sglang.start_timeout_s", c.start_timeout_s, "> 0")
-    check(c.request_timeout_s > 0, "rollout.sglang.request_timeout_s", c.request_timeout_s, "> 0")
-    check(c.max_restarts >= 0, "rollout.sglang.max_restarts", c.max_restarts, ">= 0")
     check(c.max_running_requests >= 0, "rollout.sglang.max_running_requests", c.max_running_requests,
           ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
 
 
 def _vllm(c: VLLMConfig) -> None:
-    check(0 <= c.port < 65536, "rollout.vllm.port", c.port, "0 (free port) or a port number")
+    _server_engine(c, "rollout.vllm")
     check(c.max_model_len >= 0, "rollout.vllm.max_model_len", c.max_model_len, ">= 0 (0 = the policy's)")
     check(c.max_num_seqs >= 0, "rollout.vllm.max_num_seqs", c.max_num_seqs, ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
     check(c.kv_cache_gb >= 1, "rollout.vllm.kv_cache_gb", c.kv_cache_gb, ">= 1")
-    check(c.start_timeout_s > 0, "rollout.vllm.start_timeout_s", c.start_timeout_s, "> 0")
-    check(c.request_timeout_s > 0, "rollout.vllm.request_timeout_s", c.request_timeout_s, "> 0")
-    check(c.max_restarts >= 0, "rollout.vllm.max_restarts", c.max_restarts, ">= 0")
     check(not c.cpus or re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", c.cpus) is not None, "rollout.vllm.cpus", c.cpus,
           "'' or a CPU list as taskset -c takes it ('0', '0-3', '0,2')")
 
@@ -217,14 +220,15 @@ def _rl(c: RLConfig) -> None:
     check(0 <= c.clip_low < 1, "rl.clip_low", c.clip_low, "in [0, 1)")
     check(c.clip_high >= 0, "rl.clip_high", c.clip_high, ">= 0")
     check(c.kl_beta >= 0, "rl.kl_beta", c.kl_beta, ">= 0")
-    check(0 <= c.overlong_buffer < c.max_new_tokens, "rl.overlong_buffer", c.overlong_buffer,
+    d = c.dapo
+    check(0 <= d.overlong_buffer < c.max_new_tokens, "rl.dapo.overlong_buffer", d.overlong_buffer,
           f">= 0 and < rl.max_new_tokens = {c.max_new_tokens} (0 = off)")
-    check(c.overlong_penalty >= 0, "rl.overlong_penalty", c.overlong_penalty, ">= 0")
+    check(d.overlong_penalty >= 0, "rl.dapo.overlong_penalty", d.overlong_penalty, ">= 0")
     if c.loss != "dapo":
-        for key, value, off in (("overlong_filter", c.overlong_filter, False), ("overlong_buffer", c.overlong_buffer, 0)):
+        for key, value, off in (("overlong_filter", d.overlong_filter, False), ("overlong_buffer", d.overlong_buffer, 0)):
             if value != off:
-                raise ConfigError(f"rl.{key} = {value!r} is DAPO's: it needs rl.loss = 'dapo' (rl.loss is {c.loss!r})",
-                                  key=f"rl.{key}")
+                raise ConfigError(f"rl.dapo.{key} = {value!r} is DAPO's: it needs rl.loss = 'dapo' (rl.loss is {c.loss!r})",
+                                  key=f"rl.dapo.{key}")
     check(c.baseline_interval >= 0, "rl.baseline_interval", c.baseline_interval, ">= 0 (0 = never)")
     check(c.rollout_retries >= 0, "rl.rollout_retries", c.rollout_retries, ">= 0")
     check(c.ppo_epochs >= 1, "rl.ppo_epochs", c.ppo_epochs, ">= 1")
@@ -268,15 +272,25 @@ runs them in the order of TitanSpecConfig's fields."""
 
 
 def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
-    """Every section's checks, then the checks that span sections. world_size None: read
-    WORLD_SIZE (default 1)."""
+    """Every section's checks, then the checks that span sections (``CHECKS``, in order). It
+    reads the config and never changes it. world_size None: read WORLD_SIZE (default 1)."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    for run_check in CHECKS:
+        run_check(cfg, world_size)
+
+
+def _sections(cfg: TitanSpecConfig, world_size: int) -> None:
+    """Each section's own checks (SECTION_CHECKS), in the order of TitanSpecConfig's fields."""
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if type(section) in SECTION_CHECKS:
             SECTION_CHECKS[type(section)](section)
-    t, p = cfg.training, cfg.parallelism
-    _moe_balance(cfg)
-    _draft_block(cfg)
+
+
+def _training(cfg: TitanSpecConfig, world_size: int) -> None:
+    """The keys of torchtitan's sections that titan_spec relies on."""
+    t = cfg.training
     check(t.steps >= 1, "training.steps", t.steps, ">= 1")
     check(t.seq_len >= 8, "training.seq_len", t.seq_len, ">= 8")
     check(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, ">= 1")
@@ -287,6 +301,16 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
     if cfg.checkpoint.enable:
         check(bool(cfg.checkpoint.folder.strip()), "checkpoint.folder", cfg.checkpoint.folder,
               "a non-empty path (relative to job.dump_folder)")
+
+
+def _others(p) -> int:
+    """The product of the parallel degrees other than dp_shard."""
+    return p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
+
+
+def _degrees(cfg: TitanSpecConfig, world_size: int) -> None:
+    """Every parallel degree is >= 1 (dp_shard: or -1) and together they fit the world size."""
+    p = cfg.parallelism
     for name in (
         "data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
         "context_parallel_degree", "expert_parallel_degree",
@@ -294,12 +318,7 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
         check(getattr(p, name) >= 1, f"parallelism.{name}", getattr(p, name), ">= 1")
     shard = p.data_parallel_shard_degree
     check(shard == -1 or shard >= 1, "parallelism.data_parallel_shard_degree", shard, "-1 (fill) or >= 1")
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    others = (
-        p.data_parallel_replicate_degree * p.tensor_parallel_degree
-        * p.pipeline_parallel_degree * p.context_parallel_degree
-    )
+    others = _others(p)
     if shard == -1:
         if world_size % others:
             raise ConfigError(
@@ -313,6 +332,10 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
             f" x cp {p.context_parallel_degree} = {others * shard}, but {world_size} processes run"
             " (set NGPU, or the degrees, so they multiply to it)"
         )
+
+
+def _context_parallel(cfg: TitanSpecConfig, world_size: int) -> None:
+    t, p = cfg.training, cfg.parallelism
     cp = p.context_parallel_degree
     if cp > 1:
         # Every document is padded to a multiple of 2*cp; a budget that is one keeps
@@ -325,6 +348,10 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
                 f"must be a multiple of 2 * context_parallel_degree = {2 * cp} (or 0 = automatic), so every "
                 "CP shard of a microbatch has the pipeline's static length"
             )
+
+
+def _async_parallelism(cfg: TitanSpecConfig, world_size: int) -> None:
+    p = cfg.parallelism
     if cfg.rl.enable and cfg.rl.async_steps:
         # Data and context parallelism are run and tested with it (tests/test_rl_e2e.py); under
         # TP and PP the generation is shared the same way, but no run has checked it yet.
@@ -334,28 +361,43 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"rl.async_steps = {cfg.rl.async_steps} runs with data and context parallelism; "
                               f"{untested[0]} is not allowed with it yet (set it to 1, or rl.async_steps = 0)",
                               key="rl.async_steps")
+
+
+def _document_multiple(cfg: TitanSpecConfig, world_size: int) -> None:
     m = document_multiple(cfg)
-    check(t.seq_len % m == 0, "training.seq_len", t.seq_len, f"a multiple of the document multiple {m}")
-    if p.tensor_parallel_degree > 1:
+    check(cfg.training.seq_len % m == 0, "training.seq_len", cfg.training.seq_len,
+          f"a multiple of the document multiple {m}")
+
+
+def _tensor_parallel(cfg: TitanSpecConfig, world_size: int) -> None:
+    if cfg.parallelism.tensor_parallel_degree > 1:
         _validate_tp(cfg)
+
+
+def _expert_parallel(cfg: TitanSpecConfig, world_size: int) -> None:
+    p = cfg.parallelism
     ep = p.expert_parallel_degree
     if ep > 1:
         # torchtitan's EP (all-to-all token dispatch) runs on gloo and NCCL; titan_spec runs it
         # for MoE SFT / offline-draft steps over the FSDP ranks only (the RL weight push, CP and
         # PP with EP are untested here, so they are errors rather than guesses).
         unsupported = [k for k, v in (("rl.enable", cfg.rl.enable), ("parallelism.pipeline_parallel_degree > 1",
-                  p.pipeline_parallel_degree > 1), ("parallelism.context_parallel_degree > 1", cp > 1)) if v]
+                  p.pipeline_parallel_degree > 1), ("parallelism.context_parallel_degree > 1",
+                  p.context_parallel_degree > 1)) if v]
         if unsupported:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree = {ep} with {', '.join(unsupported)} is not supported; expert "
                 "parallelism runs SFT / offline-draft steps of a MoE target over the FSDP ranks only", key="parallelism.expert_parallel_degree")
-        dp_shard = shard if shard != -1 else world_size // max(others, 1)
+        shard = p.data_parallel_shard_degree
+        dp_shard = shard if shard != -1 else world_size // max(_others(p), 1)
         if dp_shard % ep:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree = {ep} must divide the {dp_shard} FSDP ranks "
                 "(parallelism.data_parallel_shard_degree): the experts are split over a subset of them",
                 key="parallelism.expert_parallel_degree")
-    _speculative_depth(cfg)
+
+
+def _draft_data(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.draft.data == "regenerated":
         # The policy's own completions: offline draft training of a warm start (regenerate.py).
         if cfg.mode.trains != "draft":
@@ -365,14 +407,20 @@ def validate(cfg: TitanSpecConfig, world_size: int | None = None) -> None:
         if not cfg.model.hf_checkpoint:
             raise ConfigError("draft.data = 'regenerated' needs model.hf_checkpoint: the warm start whose "
                               "completions the draft learns", key="draft.data")
+
+
+def _vllm_run(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.rollout.engine == "vllm" and cfg.rl.enable:
         _validate_vllm(cfg)
+
+
+def _rl_run(cfg: TitanSpecConfig, world_size: int) -> None:
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
         _validate_rl(cfg, world_size)
 
 
-def _moe_balance(cfg: TitanSpecConfig) -> None:
+def _moe_balance(cfg: TitanSpecConfig, world_size: int) -> None:
     """model.moe_load_balance_coeff > 0 trains a routing bias that neither an HF Qwen3-MoE
     checkpoint nor SGLang's Qwen3-MoE can hold (models/moe.py)."""
     coeff = cfg.model.moe_load_balance_coeff
@@ -399,7 +447,7 @@ def _validate_tp(cfg: TitanSpecConfig) -> None:
             f"parallelism.tensor_parallel_degree = {tp} needs parallelism.spmd_backend = 'partial_dtensor' "
             f"(DTensor on the tp mesh only), not {p.spmd_backend!r}", key="parallelism.spmd_backend")
     if p.pipeline_parallel_degree > 1:
-        # Measured: a later stage's input arrives as a plain tensor and torchtitan 0.3.0's norm
+        # A later stage's input arrives as a plain tensor and torchtitan 0.3.0's norm
         # plan names it "input" where torch's RMSNorm.forward takes "x", so it is never made a
         # DTensor and the first block mixes it with its DTensor weights.
         raise ConfigError(
@@ -453,6 +501,14 @@ def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
             f"rl.max_new_tokens = {rl.max_new_tokens} does not fit a packed row of training.seq_len = "
             f"{cfg.training.seq_len} tokens (prompt + completion); allowed: at most {cfg.training.seq_len - 2} "
             "less the longest prompt, or raise training.seq_len", key="rl.max_new_tokens")
+
+
+CHECKS: tuple[Callable[[TitanSpecConfig, int], None], ...] = (
+    _sections, _moe_balance, _draft_block, _training, _degrees, _context_parallel, _async_parallelism,
+    _document_multiple, _tensor_parallel, _expert_parallel, _speculative_depth, _draft_data, _vllm_run, _rl_run,
+)
+"""The checks ``validate`` runs, in this order: each takes (cfg, world_size), raises the first
+ConfigError it finds and changes nothing."""
 
 
 def document_multiple(cfg: TitanSpecConfig) -> int:

@@ -171,16 +171,13 @@ def _has(row: Any, dotted: str) -> bool:
 
 
 def build_task(task_cfg):
+    g = task_cfg.generated
     if task_cfg.name == "trace":
-        return TraceTask(task_cfg.max_operand, task_cfg.min_count, task_cfg.max_count, task_cfg.trace_fraction,
-                         task_cfg.wrong_answer_rate, task_cfg.operators)
+        return TraceTask(g.max_operand, g.min_count, g.max_count, g.trace_fraction, g.wrong_answer_rate, g.operators)
     if task_cfg.name == "records":
-        return LongRecordsTask(task_cfg.prompt_len, task_cfg.wrong_answer_rate)
+        return LongRecordsTask(g.prompt_len, g.wrong_answer_rate)
     if task_cfg.name == "arithmetic":
-        return ArithmeticTask(
-            task_cfg.max_operand, task_cfg.num_operands, task_cfg.operators, task_cfg.show_work,
-            task_cfg.wrong_answer_rate,
-        )
+        return ArithmeticTask(g.max_operand, g.num_operands, g.operators, g.show_work, g.wrong_answer_rate)
     if task_cfg.name == "dataset":
         return DatasetTask(task_cfg)
     return JsonlTask(task_cfg.path, task_cfg.on_malformed)

@@ -92,21 +92,21 @@ def check_records_fit(cfg: TitanSpecConfig) -> None:
     rl.max_new_tokens in RL, the longest answer otherwise). One ConfigError line, before any
     process starts (preflight/inputs.py check_inputs); the model's maximum length is checked
     against training.seq_len by preflight/trainer_config.py."""
-    t = cfg.task
-    if t.name != "records":
+    if cfg.task.name != "records":
         return
+    t = cfg.task.generated
     n = max_records(t.prompt_len)
     if n < MIN_RECORDS:
         raise ConfigError(
-            f"task.prompt_len = {t.prompt_len} is not allowed; the 'records' task needs at least "
+            f"task.generated.prompt_len = {t.prompt_len} is not allowed; the 'records' task needs at least "
             f"{QUESTION_LEN + RECORD_LEN * MIN_RECORDS} tokens ({MIN_RECORDS} records of {RECORD_LEN} and the question)",
-            key="task.prompt_len",
+            key="task.generated.prompt_len",
         )
     if n > KEYS:
         raise ConfigError(
-            f"task.prompt_len = {t.prompt_len} is not allowed; {n} records cannot fit in {KEYS} distinct "
+            f"task.generated.prompt_len = {t.prompt_len} is not allowed; {n} records cannot fit in {KEYS} distinct "
             f"4-digit keys: it must be at most {QUESTION_LEN + RECORD_LEN * (KEYS + 1) - 1}",
-            key="task.prompt_len",
+            key="task.generated.prompt_len",
         )
     # An RL document is <bos> + prompt + up to rl.max_new_tokens generated ids (<eos> one of
     # them); an SFT document is <bos> + prompt + answer + <eos>.
@@ -115,8 +115,8 @@ def check_records_fit(cfg: TitanSpecConfig) -> None:
     if doc > cfg.training.seq_len:
         what = f"rl.max_new_tokens {cfg.rl.max_new_tokens}" if rl else f"the longest answer {ANSWER_MAX_LEN} + <eos>"
         raise ConfigError(
-            f"task.prompt_len = {t.prompt_len} does not fit training.seq_len = {cfg.training.seq_len}: a document "
+            f"task.generated.prompt_len = {t.prompt_len} does not fit training.seq_len = {cfg.training.seq_len}: a document "
             f"is <bos> + {t.prompt_len} prompt tokens + {what} = {doc} tokens; raise training.seq_len "
-            f"to at least {doc} or lower task.prompt_len",
-            key="task.prompt_len",
+            f"to at least {doc} or lower task.generated.prompt_len",
+            key="task.generated.prompt_len",
         )

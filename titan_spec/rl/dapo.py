@@ -13,14 +13,14 @@ What DAPO changes against the GRPO paper, and where each piece is here:
   their count, so a long completion weighs by its tokens (the GRPO paper averages each
   sequence first). titan_spec's ``grpo`` ALREADY aggregates this way by default
   (rl.loss_agg = "token-mean", as torchtitan normalizes its LM loss); ``dapo`` keeps it.
-- **Overlong filtering** (``rl.overlong_filter``): completions cut at ``rl.max_new_tokens``
+- **Overlong filtering** (``rl.dapo.overlong_filter``): completions cut at ``rl.max_new_tokens``
   (finish_reason "length") take no part in the policy loss, neither its sum nor its
   token count: a truncated answer is not punished for being unfinished. The draft still
   trains on their tokens (the policy's distribution there is still a valid target).
-- **Soft overlong punishment** (``rl.overlong_buffer`` > 0): before the advantages, a
+- **Soft overlong punishment** (``rl.dapo.overlong_buffer`` > 0): before the advantages, a
   completion of |y| tokens gets the length reward of the paper's eq. (13) added,
-  ``min(0, ((L_max - L_cache) - |y|) / L_cache) * rl.overlong_penalty`` with
-  L_max = rl.max_new_tokens and L_cache = rl.overlong_buffer: 0 up to L_max - L_cache,
+  ``min(0, ((L_max - L_cache) - |y|) / L_cache) * rl.dapo.overlong_penalty`` with
+  L_max = rl.max_new_tokens and L_cache = rl.dapo.overlong_buffer: 0 up to L_max - L_cache,
   then falling linearly to -penalty at L_max (a completion never exceeds L_max here).
   The logged ``rl/reward`` stays the task's reward.
 
@@ -51,8 +51,8 @@ class DAPOPolicyLoss(ClippedPolicyLoss):
 
     @staticmethod
     def keep(values_BL: dict[str, torch.Tensor], rl) -> torch.Tensor:
-        """1 on the tokens that take part: all, or (rl.overlong_filter) those of completions
+        """1 on the tokens that take part: all, or (rl.dapo.overlong_filter) those of completions
         not cut at the budget."""
-        if rl.overlong_filter:
+        if rl.dapo.overlong_filter:
             return 1.0 - values_BL["truncated"]
         return torch.ones_like(values_BL["advantages"])

@@ -17,7 +17,7 @@ its share of the update. Dynamic sampling over-samples instead:
              packing and the update see the shape they always do), and that is logged
 
 The rule reads the task's rewards (DAPO's accuracy), not the reward shaping added before
-the advantages (rl.overlong_buffer): a group is kept for what its answers scored.
+the advantages (rl.dapo.overlong_buffer): a group is kept for what its answers scored.
 
 ``select_groups`` is the rule on a reward tensor; ``dynamic_sample`` runs the rounds
 through the caller's ``generate`` and ``score`` (the trainer's one generation path, so

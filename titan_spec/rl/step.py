@@ -172,7 +172,7 @@ class RLTrainer(SpecTrainer):
         advantages_PG = group_advantages(rewards_PG + shaping_PG, rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
         mismatch = self.recompute_behaviour(minibatches) if rl.behaviour_logprobs == "recompute" else None
-        record = StepRecord(batch, rewards_PG, shaping_PG if rl.overlong_buffer > 0 else None,
+        record = StepRecord(batch, rewards_PG, shaping_PG if rl.dapo.overlong_buffer > 0 else None,
                             rollout_done=time.perf_counter(), mismatch=mismatch, wait_s=wait_s,
                             policy_version=self._policy_version())
         # torchtitan's throughput account: the rollouts are this step's data loading.
@@ -514,10 +514,10 @@ class RLTrainer(SpecTrainer):
 
     def reward_shaping(self, batch: RolloutBatch) -> torch.Tensor:
         """What is added to the rewards before the advantages (not to the logged reward):
-        DAPO's soft overlong punishment with rl.overlong_buffer > 0 (rl/dapo.py), else 0."""
+        DAPO's soft overlong punishment with rl.dapo.overlong_buffer > 0 (rl/dapo.py), else 0."""
         rl = self.rl
         lengths_PG = torch.tensor([len(r.output_ids) for r in batch.rollouts]).view(len(batch.problems), rl.group_size)
-        return overlong_penalty(lengths_PG, rl.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+        return overlong_penalty(lengths_PG, rl.max_new_tokens, rl.dapo.overlong_buffer, rl.dapo.overlong_penalty)
 
     def _warn_if_degenerate(self, rewards_PG: torch.Tensor) -> None:
         """A logged warning when no group on any rank has two different rewards for

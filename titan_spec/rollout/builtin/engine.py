@@ -84,7 +84,7 @@ class TorchEngineConfig:
         (K = 0 when speculative.enabled is off)."""
         return cls(
             num_draft_tokens=speculative.num_draft_tokens if speculative.enabled else 0,
-            depth=speculative.depth,
+            depth=speculative.effective_depth(rollout.engine),
             max_batch_size=rollout.max_batch_size,
             compile=rollout.compile,
             progress=rollout.progress,

@@ -119,8 +119,8 @@ def dflash_mismatches(found: DFlashArch, want: DFlashArch) -> list[str]:
     """Why a directory of architecture ``found`` cannot initialize the draft ``want`` ([] = it fits)."""
     checks = ["target_hidden", "hidden", "vocab_size", "draft_vocab_size", "n_heads", "n_kv_heads", "head_dim",
               "intermediate", "n_layers", "block_size", "mask_token_id"]
-    names = {"n_layers": "layers (draft.num_layers)", "block_size": "block_size (draft.block_size)",
-             "mask_token_id": "mask_token_id (draft.mask_token_id)"}
+    names = {"n_layers": "layers (draft.dflash.num_layers)", "block_size": "block_size (draft.dflash.block_size)",
+             "mask_token_id": "mask_token_id (draft.dflash.mask_token_id)"}
     bad = [f"{names.get(k, k)}: directory {getattr(found, k)} vs target/config {getattr(want, k)}"
            for k in checks if getattr(found, k) != getattr(want, k)]
     if tuple(found.tap_layer_ids) != tuple(want.tap_layer_ids):

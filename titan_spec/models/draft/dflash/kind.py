@@ -41,12 +41,12 @@ class _Blocks:
         self.stream = CPStream(meta, labels_T.device) if _is_cp_shard(meta) else None
         if self.stream is None:
             self.labels_S, self.positions_S = labels_T, positions_BL.reshape(-1)
-            self.plan = block_plan(doc_bounds_of(positions_BL), self.labels_S, cfg.anchors_per_doc)
+            self.plan = block_plan(doc_bounds_of(positions_BL), self.labels_S, cfg.dflash.anchors_per_doc)
         else:
             st = self.stream
             self.labels_S, self.positions_S = st.gather_labels(labels_T), st.positions_G.to(labels_T.device)
-            self.plan = block_plan(st.doc_bounds, self.labels_S, cfg.anchors_per_doc, st.owner_G == st.rank, st.local_G)
-        self.valid = block_valid(self.plan, self.labels_S, cfg.block_size)
+            self.plan = block_plan(st.doc_bounds, self.labels_S, cfg.dflash.anchors_per_doc, st.owner_G == st.rank, st.local_G)
+        self.valid = block_valid(self.plan, self.labels_S, cfg.dflash.block_size)
 
     def counts(self) -> torch.Tensor:
         return torch.stack([v.sum() for _, v in self.valid])
@@ -72,8 +72,8 @@ class DFlashKind(DraftKind):
         return default_dflash_tap_ids(n_layers)
 
     def arch_from_target(self, target_arch, tap_layer_ids, draft_vocab_size: int, cfg: DraftConfig) -> DFlashArch:
-        d = DFlashArch.from_target(target_arch, tap_layer_ids, draft_vocab_size, cfg.block_size, cfg.num_layers,
-                                   cfg.mask_token_id)
+        d = DFlashArch.from_target(target_arch, tap_layer_ids, draft_vocab_size, cfg.dflash.block_size,
+                                   cfg.dflash.num_layers, cfg.dflash.mask_token_id)
         d.validate()
         return d
 
@@ -100,7 +100,7 @@ class DFlashKind(DraftKind):
              count_S, global_count) -> DraftLossResult:
         T = positions_BL.numel()
         blocks = _Blocks(positions_BL, labels_BL, meta, cfg)
-        logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), meta, cfg.block_size)
+        logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), meta, cfg.dflash.block_size)
         targets = block_targets(model, [(v, x) for (_, v), x in zip(blocks.valid, logits)])
         if count_S is None:
             count_S = global_count(blocks.counts())

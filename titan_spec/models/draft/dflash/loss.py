@@ -2,7 +2,7 @@
 
 Shape legend: T = packed tokens (rows of the flat stream), S = rows of the context stream (T in
 one process; the global stream under context parallelism), A = blocks (anchors), J = block rows
-(draft.block_size), H = hidden, N / K / Hd = heads / kv heads / head dim, Vd = draft vocab,
+(draft.dflash.block_size), H = hidden, N / K / Hd = heads / kv heads / head dim, Vd = draft vocab,
 V = target vocab, S = J - 1 loss positions.
 
 Mirrors inference (proposer.py): a block anchored at row a

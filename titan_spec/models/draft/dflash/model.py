@@ -92,11 +92,11 @@ class DFlashArch:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"draft heads {self.n_heads} must be a multiple of kv heads {self.n_kv_heads}")
         if self.block_size < 2:
-            raise ValueError(f"draft.block_size = {self.block_size} must be >= 2")
+            raise ValueError(f"draft.dflash.block_size = {self.block_size} must be >= 2")
         if self.n_layers < 1:
-            raise ValueError(f"draft.num_layers = {self.n_layers} must be >= 1")
+            raise ValueError(f"draft.dflash.num_layers = {self.n_layers} must be >= 1")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"draft.mask_token_id = {self.mask_token_id} must be a target id in 0..{self.vocab_size - 1}")
+            raise ValueError(f"draft.dflash.mask_token_id = {self.mask_token_id} must be a target id in 0..{self.vocab_size - 1}")
 
     def misfits(self, target_vocab: int, target_dim: int) -> list[str]:
         """Why this draft cannot serve a target of this vocabulary and width ([] = it fits)."""

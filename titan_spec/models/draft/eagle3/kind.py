@@ -67,9 +67,9 @@ class Eagle3Kind(DraftKind):
     def normalizer_counts(self, positions_BL, labels_BL, meta, cfg: DraftConfig) -> torch.Tensor:
         """Under context parallelism the rank's shard is counted with its cross-shard rows (TTTHalo)."""
         if _is_cp_shard(meta):
-            halo = TTTHalo(meta, cfg.ttt_steps, labels_BL.device)
+            halo = TTTHalo(meta, cfg.eagle3.ttt_steps, labels_BL.device)
             return _count_S(halo.shifts(halo.extend(labels_BL.reshape(-1))))
-        return _count_S(ttt_shifts(positions_BL.reshape(-1), labels_BL.reshape(-1), cfg.ttt_steps))
+        return _count_S(ttt_shifts(positions_BL.reshape(-1), labels_BL.reshape(-1), cfg.eagle3.ttt_steps))
 
     def loss(self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig,
              count_S, global_count) -> DraftLossResult:
@@ -80,13 +80,13 @@ class Eagle3Kind(DraftKind):
         shifts = None
         if _is_cp_shard(meta):
             # Rows t+1+j may live on another CP rank: index [local; halo] rows instead.
-            halo = TTTHalo(meta, cfg.ttt_steps, logits_TV.device)
+            halo = TTTHalo(meta, cfg.eagle3.ttt_steps, logits_TV.device)
             logits_TV, labels_T, embeds_TH = (halo.extend(x) for x in (logits_TV, labels_T, embeds_TH))
             shifts = halo.shifts(labels_T)
-        targets = ttt_targets(model, positions_T, labels_T, logits_TV, cfg.ttt_steps, shifts)
+        targets = ttt_targets(model, positions_T, labels_T, logits_TV, cfg.eagle3.ttt_steps, shifts)
         if count_S is None:  # this batch alone (the shifts of the CP halo are already built)
             count_S = global_count(_count_S(
-                shifts if shifts is not None else ttt_shifts(positions_T, labels_T, cfg.ttt_steps)
+                shifts if shifts is not None else ttt_shifts(positions_T, labels_T, cfg.eagle3.ttt_steps)
             ))
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         # Through forward (not ttt_unroll directly): FSDP's hooks gather the parameters.
