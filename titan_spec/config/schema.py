@@ -433,7 +433,7 @@ class RolloutConfig:
     """Requests the built-in engine decodes together (larger calls are split); 0 = all at once."""
 
     compile: bool = False
-    """torch.compile the built-in engine's target and draft steps (minutes of compile on CPU)."""
+    """torch.compile the built-in engine's target and draft steps (slow to compile on CPU)."""
 
     progress: bool = True
     """A progress bar with tokens/s and the running acceptance length during generation."""
