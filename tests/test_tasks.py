@@ -78,7 +78,7 @@ def test_config_builds_it_and_rejects_bad_values(tmp_path):
     task = build_task(cfg)
     assert isinstance(task, TraceTask) and task.counts == [2, 3, 4, 5]
     path = tmp_path / "x.toml"
-    path.write_text('[task]\nname = "trace"\nmin_count = 2\n')
+    path.write_text('[task]\nname = "trace"\n[task.generated]\nmin_count = 2\n')
     for bad, msg in ((["--task.generated.max_count", "1"], "task.generated.max_count = 1 is not allowed; it must be >= task.generated.min_count (2)"),
                      (["--task.generated.trace_fraction", "1.5"], "task.generated.trace_fraction = 1.5"),
                      (["--task.generated.operators", "*"], "task.generated.operators = '*'")):
