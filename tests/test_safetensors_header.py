@@ -86,6 +86,8 @@ def test_a_dtype_load_file_cannot_load_is_one_line(tmp_path):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header + b"\0\0")
     assert read_safetensors_header(path) == {"scale": ("F8_E8M0", (2,))}
-    with pytest.raises(HFCheckpointError, match=r"tensor 'scale' has safetensors dtype F8_E8M0, .*allowed: BOOL, U8") as e:
+    with pytest.raises(
+        HFCheckpointError, match=r"tensor 'scale' has safetensors dtype F8_E8M0, .*allowed: BOOL, U8"
+    ) as e:
         tensor_table([path])
     assert "\n" not in str(e.value)
