@@ -47,14 +47,13 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file
 
-from titan_spec.config import TitanSpecConfig
 from titan_spec.models.safetensors_header import tensor_table
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.sglang.client import EngineDied, InProcessClient, SGLangError, launch_server
 from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER
 from titan_spec.rollout.weight_names import (
-    check_draft_fits_policy, draft_to_export_names, sglang_tap_misfit,
+    check_draft_fits_policy, draft_to_export_names,
 )
 
 __all__ = [
