@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtual environment in .venv and prints its python.
 # Reused while pyproject.toml is unchanged (its hash is stored in .venv/.pins).
-# One environment serves training and tests (the test extra is small: pytest, transformers).
+# One environment serves training and tests (the test extra is small: pytest, transformers, ruff).
 # Usage: PY=$(scripts/ensure_env.sh)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -6,7 +6,6 @@
 #   H = head dim, J = TTT branch steps
 
 import math
-import os
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ composed with FSDP; config errors come before any process starts."""
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from titan_spec.config import ConfigError, load_config

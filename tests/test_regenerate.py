@@ -6,7 +6,6 @@ completion only; the batches are deterministic in (seed, batch index); the confi
 the setting where no frozen warm start exists."""
 
 import os
-import random
 import re
 import sys
 

@@ -11,12 +11,10 @@ import torch
 
 import titan_spec  # noqa: F401
 from titan_spec.config import DAPOConfig, RLConfig
-from titan_spec.data.packing import Document, pack_documents
 from helpers.policy_loss import gspo_loss, ppo_clip_loss
 from titan_spec.rl.dapo import DAPOPolicyLoss, overlong_penalty
 from titan_spec.rl.grpo import PPOPolicyLoss
 from titan_spec.rl.gspo import GSPOPolicyLoss
-from titan_spec.rl.step_records import Minibatch
 from titan_spec.rl.step import RLTrainer
 
 F64 = torch.float64

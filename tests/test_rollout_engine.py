@@ -8,7 +8,6 @@ few samples); a "good" draft is fitted to the target in a few dozen TTT steps.
 import dataclasses
 import json
 import math
-import os
 
 import pytest
 import torch

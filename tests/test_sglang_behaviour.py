@@ -28,7 +28,7 @@ from titan_spec.models.draft.eagle3.io import read_draft_arch, save_draft
 from titan_spec.models.target import default_tap_layer_ids
 from titan_spec.rollout import SamplingParams
 from titan_spec.rollout.sglang.client import EngineDied, HttpClient
-from titan_spec.rollout.sglang.engine import SEED_MIX, SEEDS_IGNORED, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang
+from titan_spec.rollout.sglang.engine import SEED_MIX, SEEDS_IGNORED, SGLangRolloutEngine, rollout_from_result
 from titan_spec.rollout.weight_names import check_draft_fits_policy, policy_to_hf_names, served_tap_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,8 +13,6 @@ Timing guarantees the test relies on (none of them a wall-clock race):
   world group (an all-gather) before it lowers ``timeout_s`` for that wait.
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist

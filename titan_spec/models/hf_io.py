@@ -15,26 +15,22 @@ import tempfile
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from titan_spec.platform import load_full_state_dict
 from titan_spec.models.moe import expert_biases
 from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_config, build_target_config
+from titan_spec.models.safetensors_header import HFCheckpointError, read_safetensors_header
 
 __all__ = [
     "read_hf_arch", "read_hf_state_dict", "load_hf_into", "save_hf",
-    "write_safetensors_dir", "HFCheckpointError", "read_safetensors_header", "check_hf_weights",
+    "write_safetensors_dir", "HFCheckpointError", "check_hf_weights",
     "expected_hf_shapes", "check_no_routing_bias",
 ]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
-
-
-class HFCheckpointError(ValueError):
-    """A checkpoint directory that cannot be used, phrased for the user."""
 
 
 def read_hf_arch(path: str) -> Arch:
@@ -67,21 +63,6 @@ def _weight_files(path: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     raise HFCheckpointError(f"{path}: no {_SINGLE} and no {_INDEX}; only safetensors checkpoints are read")
-
-
-def read_safetensors_header(file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) from a safetensors file's header, without reading the data.
-
-    safetensors' own reader (``safe_open``, memory-mapped) checks the header: its length,
-    its JSON, and that the tensors' byte ranges tile the data exactly, so a truncated file,
-    one with bytes after the last tensor, or a corrupt header is one HFCheckpointError naming
-    the file and safetensors' reason: what ``load_file`` would fail on later, with a traceback."""
-    try:
-        with safe_open(file, framework="pt") as f:
-            return {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        reason = str(e).removeprefix("Error while deserializing header: ")
-        raise HFCheckpointError(f"{file}: not a complete safetensors file: {reason}") from None
 
 
 def expected_hf_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:

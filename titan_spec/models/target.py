@@ -36,7 +36,7 @@ from torchtitan.models.llama3 import Llama3Model
 from torchtitan.models.qwen3 import Qwen3Model
 
 from titan_spec.config.draft_kinds import tap_ids_problem
-from titan_spec.models.attention import DocCausalAttention, DocMetadata, doc_metadata_from_positions
+from titan_spec.models.attention import DocCausalAttention, doc_metadata_from_positions
 
 __all__ = [
     "EMBEDS_TAP",

@@ -5,6 +5,7 @@ directories' config files alone (``weightless_inputs``, ``--check --no-weights``
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from titan_spec.preflight.resolve import Made, resolve_tokenizer
 from titan_spec.preflight.torch_support import check_torch_support
 from titan_spec.preflight.trainer_config import to_trainer_config
 from titan_spec.training.draft import under_dump_folder
+
+if TYPE_CHECKING:
+    from titan_spec.training.trainer import SpecTrainer
 
 __all__ = ["validate_run", "plan_runs", "weightless_inputs"]
 

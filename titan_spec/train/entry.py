@@ -10,6 +10,7 @@ turns the config into torchtitan's ``Trainer.Config``; then the trainer
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 import torch
@@ -18,6 +19,9 @@ from torchtitan.tools.logging import init_logger
 
 from titan_spec.config import ConfigError, load_config
 from titan_spec.train.launch import report_stop
+
+if TYPE_CHECKING:
+    from titan_spec.training.trainer import SpecTrainer
 
 # The preflight, the models and the trainer are imported once the config has loaded (in
 # main and train_and_close): they are most of titan_spec's import time (3-4 s of a ~7 s

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from titan_spec.models.safetensors_header import read_tensor
+
 __all__ = ["KIND_OF_ARCHITECTURE", "check_vocab_maps", "config_field", "is_int", "kind_of_directory", "read_config_json",
            "weights_file"]
 
@@ -90,10 +92,7 @@ def check_vocab_maps(file: str, arch) -> None:
     """d2t maps each draft id i to the target id i + d2t[i]: those ids must be distinct ids of
     the target vocabulary (the engines index the target's logits with them; the built-in
     engine refuses such a draft only when it starts). Only d2t is read (a few KB)."""
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        d2t = f.get_tensor("d2t")
+    d2t = read_tensor(file, "d2t")
     if d2t.is_floating_point() or d2t.dtype == torch.bool:
         raise ValueError(f"{file}: d2t has dtype {d2t.dtype}; it must hold integer id offsets")
     ids = torch.arange(d2t.numel()) + d2t.to(torch.long)

@@ -45,16 +45,15 @@ import tempfile
 from collections.abc import Callable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
-from titan_spec.config import TitanSpecConfig
+from titan_spec.models.safetensors_header import tensor_table
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.sglang.client import EngineDied, InProcessClient, SGLangError, launch_server
 from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER
 from titan_spec.rollout.weight_names import (
-    check_draft_fits_policy, draft_to_export_names, sglang_tap_misfit,
+    check_draft_fits_policy, draft_to_export_names,
 )
 
 __all__ = [
@@ -237,24 +236,6 @@ def rollout_from_result(prompt: list[int], result: dict, spec: bool, versions: t
     )
 
 
-_FILE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool}
-
-
-def served_tensors(files: list[str], skip=lambda name: False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor in these safetensors files, from their headers
-    (no tensor is read): what SGLang's model holds for each name it loads at start."""
-    out = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                if not skip(name):
-                    sl = st.get_slice(name)
-                    out[name] = (tuple(sl.get_shape()), _FILE_DTYPES.get(sl.get_dtype(), torch.float32))
-    return out
-
-
 class SGLangRolloutEngine(ServerRolloutEngine):
     """Engine protocol (rollout/base.py) over an SGLang server with an EAGLE-3 draft.
 
@@ -286,7 +267,7 @@ class SGLangRolloutEngine(ServerRolloutEngine):
                 raise ValueError(f"num_draft_tokens = {self.K} needs a draft directory (or set it to 0)")
             check_draft_fits_policy(policy_path, draft_path)
         self.server_args = sglang_server_args(config, policy_path, draft_path, self.K, max_running_requests)
-        self._init_bookkeeping(served_tensors(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
+        self._init_bookkeeping(tensor_table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
         if self.K:
             # The draft's host copy starts from its directory (small); the policy's only
             # from its first push (the server loads the rest from policy_path).

@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from titan_spec.models.hf_io import read_hf_arch
+from titan_spec.models.safetensors_header import tensor_table
 from titan_spec.rollout.base import Rollout, SamplingParams, named_tensor_items
 from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.vllm.client import EngineDied, VLLMError, VLLMStartError, launch_server
@@ -179,22 +180,6 @@ def rollout_from_result(prompt: list[int], result: dict, versions: tuple[int, in
                    policy_version=versions[0], draft_version=versions[1])
 
 
-def _table(files: list[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in files:
-        with safe_open(f, "pt") as h:
-            for k in h.keys():
-                sl = h.get_slice(k)
-                out[k] = (tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()])
-    return out
-
-
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-              "I32": torch.int32, "BOOL": torch.bool}
-
-
 class VLLMRolloutEngine(ServerRolloutEngine):
     """Engine protocol (rollout/base.py) over a titan_spec vLLM server with an EAGLE-3 draft.
 
@@ -242,7 +227,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             self._served_draft = served_draft_dir(draft_path, os.path.join(self._work, "draft"))
         self.llm_kwargs = vllm_llm_kwargs(config, policy_path, self._served_draft, self.K, max_num_seqs,
                                           METHODS.get(self.draft_kind, "eagle3"))
-        self._init_bookkeeping(_table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
+        self._init_bookkeeping(tensor_table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
         self._pushes = 0
         if self.K:
             # vLLM reads the draft->target map once at start (draft_id_to_target_id); a

@@ -36,7 +36,8 @@ import torch
 from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.models.draft import draft_kind
 from titan_spec.models.draft.directory import kind_of_directory
-from titan_spec.models.hf_io import read_hf_arch, read_safetensors_header
+from titan_spec.models.hf_io import read_hf_arch
+from titan_spec.models.safetensors_header import read_safetensors_header
 
 __all__ = ["ENV_SCRIPT", "METHODS", "VLLM_CPU_HEAD_DIMS", "dflash_misfit", "head_dim_problem", "served_draft_dir",
            "vllm_misfit", "write_mask_embedding"]

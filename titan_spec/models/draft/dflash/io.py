@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 
 from titan_spec.models.draft.dflash.model import DFlashArch, DFlashDraft
 from titan_spec.models.draft.directory import check_vocab_maps, config_field, is_int, read_config_json, weights_file
-from titan_spec.models.hf_io import read_safetensors_header, write_safetensors_dir
+from titan_spec.models.hf_io import write_safetensors_dir
+from titan_spec.models.safetensors_header import read_safetensors_header
 
 __all__ = ["MASK_FILE", "check_dflash_weights", "dflash_config_json", "dflash_mismatches", "export_keys",
            "load_dflash_into", "read_dflash_arch", "save_dflash"]

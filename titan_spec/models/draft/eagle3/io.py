@@ -30,7 +30,8 @@ from safetensors.torch import load_file
 
 from titan_spec.models.draft.directory import check_vocab_maps, config_field, is_int, read_config_json, weights_file
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
-from titan_spec.models.hf_io import read_safetensors_header, write_safetensors_dir
+from titan_spec.models.hf_io import write_safetensors_dir
+from titan_spec.models.safetensors_header import read_safetensors_header
 
 __all__ = [
     "EXPORT_KEYS", "VOCAB_MAP_KEYS", "export_keys", "draft_config_json", "save_draft", "read_draft_arch",
