@@ -44,7 +44,7 @@ every file; where it says "the batch at hand", the function's docstring says whi
     Pa  prompts of every round generated so far this step (dynamic sampling)
     G   group size: completions per prompt
     Lp  tokens of the longest prompt (a right-padded prompt batch)
-    Sq  completions (sequences) of a batch
+    Sq  completions (sequences) of a batch (index 0 may stand for the rows of none)
 
 Nothing imports this module at runtime; tests/test_shapes.py checks every suffixed name of
 the package against ``LEGEND``.

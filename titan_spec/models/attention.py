@@ -1,7 +1,7 @@
 # Document-causal attention over a packed token stream, returning the LSE.
 #
-# A packed batch is one flat stream of T tokens cut into D documents by
-# cu_seqlens ([D+1], int32, 0 .. T). A query attends causally to the keys of
+# A packed batch is one flat stream of T tokens cut into documents by
+# cu_seqlens ([documents + 1], int32, 0 .. T). A query attends causally to the keys of
 # its own document only: the block kernel (attention_blocks.py) over the
 # causal block of every document on itself, the same kernel the context-parallel
 # ring runs per source rank. The forward returns the per-row log-sum-exp (lse)
@@ -162,7 +162,7 @@ def doc_attention(
 class DocCausalAttention(Module):
     """Inner attention: causal within each document of a packed batch.
 
-    Drop-in for torchtitan's VarlenAttention: takes [B, L, N, H] q/k/v and a
+    Drop-in for torchtitan's VarlenAttention: takes [B, L, N, Hd] q/k/v and a
     DocMetadata as attention_masks, and works on CPU (tests) and GPU.
     """
 
@@ -173,19 +173,21 @@ class DocCausalAttention(Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
 
+    # q_BLNH / k_BLNH / v_BLNH are torchtitan's names, not titan_spec/shapes.py's (H: head dim):
+    # its sharding configs key the inner attention's inputs by them.
     def forward(
         self,
-        q_BLNHd: torch.Tensor,
-        k_BLNHd: torch.Tensor,
-        v_BLNHd: torch.Tensor,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
         *,
         attention_masks: DocMetadata,
         scale: float | None = None,
         enable_gqa: bool = False,
         **kwargs,
     ) -> torch.Tensor:
-        B, L, N, H = q_BLNHd.shape
-        K, Hv = k_BLNHd.shape[2], v_BLNHd.shape[-1]
+        B, L, N, H = q_BLNH.shape
+        K, Hv = k_BLNH.shape[2], v_BLNH.shape[-1]
         assert enable_gqa or N == K, f"{N} query heads vs {K} kv heads needs enable_gqa"
         assert N % K == 0, f"{N} query heads is not a multiple of {K} kv heads"
         scale = 1.0 / math.sqrt(H) if scale is None else scale
@@ -193,14 +195,14 @@ class DocCausalAttention(Module):
             # A context-parallel shard (parallelisms/context_parallel.CPMetadata)
             # brings its ring attention.
             out_TNHd = attention_masks.attention(
-                q_BLNHd.reshape(B * L, N, H), k_BLNHd.reshape(B * L, K, H),
-                v_BLNHd.reshape(B * L, K, Hv), scale,
+                q_BLNH.reshape(B * L, N, H), k_BLNH.reshape(B * L, K, H),
+                v_BLNH.reshape(B * L, K, Hv), scale,
             )
             return out_TNHd.view(B, L, N, Hv)
         out_TNHd, _ = doc_attention(
-            q_BLNHd.reshape(B * L, N, H),
-            k_BLNHd.reshape(B * L, K, H),
-            v_BLNHd.reshape(B * L, K, Hv),
+            q_BLNH.reshape(B * L, N, H),
+            k_BLNH.reshape(B * L, K, H),
+            v_BLNH.reshape(B * L, K, Hv),
             attention_masks,
             scale,
         )

@@ -60,13 +60,13 @@ def _check_blocks(blocks: list[Block], q_rows: int, k_rows: int) -> None:
 
 
 def _to_1NLH(x_RNHd: torch.Tensor, s: int, e: int) -> torch.Tensor:
-    # aten SDPA kernels want [B, N, L, H]; a strided view is fine (checked:
+    # aten SDPA kernels want [B, N, rows, Hd]; a strided view is fine (checked:
     # the CPU flash fwd/bwd give bit-identical results for views and copies).
     return x_RNHd[s:e].transpose(0, 1).unsqueeze(0)
 
 
 def _fold_gqa(dx_RNHd: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    # Query head n read kv head n // G, so the kv grad is the sum over its G heads.
+    # Query head n read kv head n // Gq, so the kv grad is the sum over its Gq heads.
     R, N, H = dx_RNHd.shape
     if N == num_kv_heads:
         return dx_RNHd
@@ -80,7 +80,7 @@ def _repeat_kv(x_RKvHd: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# CPU: the aten flash kernels, one call per block (they take L != M).
+# CPU: the aten flash kernels, one call per block (they take Lq != Lk).
 #
 # _scaled_dot_product_flash_attention_for_cpu_backward (torch 2.14.1 schema:
 # grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
@@ -145,7 +145,7 @@ def _cpu_bwd(dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, blocks, scal
 
 
 # ---------------------------------------------------------------------------
-# Math fallback (fp32 accumulation, O(L*M) per block). Used on CUDA for dtypes
+# Math fallback (fp32 accumulation, O(Lq*Lk) per block). Used on CUDA for dtypes
 # flash kernels reject (fp32/fp64); kept device-agnostic so the CPU tests
 # exercise it too. Query heads split as (K, G) instead of repeating kv heads.
 # ---------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def merge_partials(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact log-sum-exp merge of partial softmax attentions over disjoint keys.
 
-    outs: [R, N, H] each; lses: [N, R] each. Returns (out_RNHd in outs[0]'s
+    outs: [R, N, Hd] each; lses: [N, R] each. Returns (out_RNHd in outs[0]'s
     dtype, lse_NR fp32). Rows where every part is -inf (no key at all) give
     out = 0 and lse = -inf, and never produce NaN, forward or backward.
     """

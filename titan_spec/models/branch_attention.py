@@ -5,8 +5,8 @@
 #       causal, exactly doc_attention), and
 #   (b) branch: the keys k_1[t] .. k_j[t] that steps 1..j produced at the SAME
 #       row t (a diagonal: each row only sees its own branch history).
-# Both parts share one softmax. We never build the (T x T*(J+1)) mask: the
-# trunk runs through varlen flash kernels and the branch part is J dot
+# Both parts share one softmax. We never build the (T x T*(Sb+1)) mask: the
+# trunk runs through varlen flash kernels and the branch part is Sb dot
 # products per row, then the two are merged with their log-sum-exps.
 #
 # The backward must use the MERGED (out, lse) for every part. Using the trunk's
@@ -49,7 +49,7 @@ def _row_dot(a_TKvGqHd: torch.Tensor, b_TKvHd: torch.Tensor) -> torch.Tensor:
 def _branch_scores(
     q_TKvGqHd: torch.Tensor, kb_SbTKvHd: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    # Query head n reads kv head n // G: split N into (K, G) instead of
+    # Query head n reads kv head n // Gq: split N into (Kv, Gq) instead of
     # repeating kv heads.
     return torch.stack([_row_dot(q_TKvGqHd, kb_TKvHd) for kb_TKvHd in kb_SbTKvHd]) * scale
 
@@ -68,7 +68,7 @@ def branch_part(
     """Diagonal branch attention: row t attends to kb[0..J-1, t] only.
 
     Returns (out_TNHd in q's dtype, lse_NT fp32), computed in fp32 with no
-    T x T tensor. With J = 0 there is no key: out = 0, lse = -inf.
+    T x T tensor. With Sb = 0 there is no key: out = 0, lse = -inf.
     """
     T, N, _ = q_TNHd.shape
     J, _, K, Hv = vb_SbTKvHd.shape

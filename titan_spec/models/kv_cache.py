@@ -80,7 +80,7 @@ def causal_slot_mask(pos_BL: torch.Tensor, n_slots: int) -> torch.Tensor:
 
 
 def write_kv(k_BKvSlHd, v_BKvSlHd, st: Step, k_BLKvHd, v_BLKvHd) -> None:
-    # Advanced indices split by a slice put their dims first: the target is [B, L, K, Hd].
+    # Advanced indices split by a slice put their dims first: the target is [B, L, Kv, Hd].
     k_BKvSlHd[st.rows_BL, :, st.pos_BL] = k_BLKvHd
     v_BKvSlHd[st.rows_BL, :, st.pos_BL] = v_BLKvHd
 

@@ -303,7 +303,7 @@ def ring_attn_bwd(
             kv = kv_next
     _wait(dkv_works)  # the last hop brings this rank's own shard home
     dk0_RKvHd, dv0_RKvHd = _unpack(dkv, k0_RKvHd.shape, v0_RKvHd.shape)
-    # The branch part last: its J-deep grads would otherwise sit through the
+    # The branch part last: its Sb-deep grads would otherwise sit through the
     # ring loop's buffers and raise the peak.
     dq_b_RNHd, dkb_SbRKvHd, dvb_SbRKvHd = branch_backward(
         dout_RNHd, q_RNHd, kb_SbRKvHd, vb_SbRKvHd, out_RNHd, lse_NR, scale
@@ -393,7 +393,7 @@ def ring_attention(
     """Differentiable ring (+ branch) attention over this rank's rows: (out_RNHd, lse_NR).
 
     Without kb/vb it is the target's document-causal attention; with them, the
-    draft's TTT attention at step J = kb.shape[0].
+    draft's TTT attention at step Sb = kb.shape[0].
     """
     if kb_SbRKvHd is None:
         kb_SbRKvHd = vb_SbRKvHd = k0_RKvHd.new_zeros((0, *k0_RKvHd.shape))

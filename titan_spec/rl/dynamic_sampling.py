@@ -42,7 +42,7 @@ __all__ = ["GroupSelection", "dynamic_sample", "has_spread", "select_groups"]
 
 
 def has_spread(rewards_PaG: torch.Tensor) -> torch.Tensor:
-    """[N] bool: True where a group's rewards are not all equal (its advantages are not all 0)."""
+    """[Pa] bool: True where a group's rewards are not all equal (its advantages are not all 0)."""
     return rewards_PaG.amax(dim=1) != rewards_PaG.amin(dim=1)
 
 

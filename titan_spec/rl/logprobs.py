@@ -1,5 +1,4 @@
-"""The policy's log-probs of the label tokens at the rollout temperature, from its logits.
-"""
+"""The policy's log-probs of the label tokens at the rollout temperature, from its logits."""
 
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ def _attend(draft: nn.Module, plan: BlockPlan, q_QNHd, k_QKvHd, v_QKvHd, kc_TgKv
 def block_loss(draft: nn.Module, taps, embeds_TH, positions_Tg, plan: BlockPlan, targets, decay: float = 0.8,
                count_S: torch.Tensor | None = None, gather=None) -> DraftLossResult:
     """The draft's block loss, for ``targets = block_targets(...)``. ``taps``: the C local tap
-    tensors [T, Dt] and ``embeds_TH`` the local embeddings (detached here); ``positions_Tg``: of
+    tensors [T, D] and ``embeds_TH`` the local embeddings (detached here); ``positions_Tg``: of
     the context stream, which ``gather`` makes from the local context rows (None: they are
     it). ``count_S`` (valid rows per block row, summed over the data-parallel ranks)
     normalizes the loss when given, else the local counts do."""

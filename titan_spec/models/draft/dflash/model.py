@@ -1,7 +1,7 @@
 """The DFlash block draft, laid out as vLLM 0.32's ``DFlashQwen3ForCausalLM`` loads it
 (vllm/model_executor/models/qwen3_dflash.py, architecture "DFlashDraftModel").
 
-    fc:            Linear(C*Dt -> H, no bias)   the tapped target features of a context position
+    fc:            Linear(C*D -> H, no bias)    the tapped target features of a context position
     hidden_norm:   RMSNorm(H)                   ctx = hidden_norm(fc(taps)), shared by every layer
     layers[i]:     Qwen3 decoder layers (q_norm / k_norm per head, rotate-half rotary).
                    The queries are the block: the embedding of its known token, then
@@ -143,7 +143,7 @@ class DFlashDraft(VocabMaps, nn.Module):
     # --- the pieces, shared by the loss and the cached proposer ----------------------------
 
     def context(self, taps: tuple[torch.Tensor, ...] | torch.Tensor) -> torch.Tensor:
-        """ctx_TH = hidden_norm(fc(cat(taps))); ``taps``: one [..., C*Dt] tensor or C [..., Dt] ones."""
+        """ctx_TH = hidden_norm(fc(cat(taps))); ``taps``: one [..., C*D] tensor or C [..., D] ones."""
         x = taps if isinstance(taps, torch.Tensor) else torch.cat(list(taps), dim=-1)
         return self.hidden_norm(self.fc(x))
 

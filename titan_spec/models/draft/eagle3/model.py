@@ -1,6 +1,6 @@
 """The EAGLE-3 draft, laid out exactly as SGLang's ``LlamaForCausalLMEagle3`` / SpecForge.
 
-    fc:        Linear(3*Ht -> H)            the three tapped target features -> draft hidden
+    fc:        Linear(3*D -> H)             the three tapped target features -> draft hidden
     midlayer:  one decoder layer whose q/k/v read cat(input_layernorm(embed(tok)), hidden_norm(h))
     norm, lm_head: H -> Vd
     d2t[i]:    target id of draft id i is i + d2t[i];   t2d[v]: target id v is in the draft vocab
