@@ -175,14 +175,14 @@ def test_anchors_per_document_are_capped_evenly_and_deterministically():
     bounds = doc_bounds_of(pos)
     assert bounds == [0, 30, 40]
     plan = block_plan(bounds, labels, 4)
-    assert plan.anchors_S.tolist() == plan.rows_A.tolist() == [5, 11, 17, 23, 30, 32, 35, 37]
+    assert plan.anchors_A.tolist() == plan.rows_A.tolist() == [5, 11, 17, 23, 30, 32, 35, 37]
     assert plan.groups == [(0, 4, 0, 30), (4, 8, 30, 40)]
-    assert block_plan(bounds, labels, 0).anchors_S.tolist() == list(range(5, 40))
+    assert block_plan(bounds, labels, 0).anchors_A.tolist() == list(range(5, 40))
     # A CP rank keeps the blocks anchored on its rows, at their local rows.
     mine = torch.zeros(40, dtype=torch.bool)
     mine[[11, 23, 32]] = True
     kept = block_plan(bounds, labels, 4, mine, torch.arange(40) + 100)
-    assert kept.anchors_S.tolist() == [11, 23, 32] and kept.rows_A.tolist() == [111, 123, 132]
+    assert kept.anchors_A.tolist() == [11, 23, 32] and kept.rows_A.tolist() == [111, 123, 132]
     assert kept.groups == [(0, 2, 0, 30), (2, 3, 30, 40)]
 
 

@@ -29,12 +29,12 @@ def test_rotary_table_is_the_on_the_fly_rotary():
     table.ensure(300)  # grown: recomputed, not appended
     pos_T = torch.tensor([0, 1, 7, 39, 40, 299])
     x_TNH = torch.randn(6, 6, 16, generator=g)
-    got = rotate_half(x_TNH, table.cos_SHd[pos_T][:, None], table.sin_SHd[pos_T][:, None])
+    got = rotate_half(x_TNH, table.cos_SlHd[pos_T][:, None], table.sin_SlHd[pos_T][:, None])
     want = apply_rotary(x_TNH, pos_T, 1e6)
     torch.testing.assert_close(got, want, rtol=0, atol=4 * EPS32 * x_TNH.abs().max().item())
     # Not vacuous: the neighbouring row of the table is a different rotation.
     near_T = (pos_T + 1) % 300
-    off = rotate_half(x_TNH, table.cos_SHd[near_T][:, None], table.sin_SHd[near_T][:, None])
+    off = rotate_half(x_TNH, table.cos_SlHd[near_T][:, None], table.sin_SlHd[near_T][:, None])
     assert (off - want).abs().max() > 1e-2
 
 

@@ -1,7 +1,5 @@
 """The packed task dataloader for language-model / SFT steps.
 
-Shape legend: B = rows per batch, L = row length (training.seq_len).
-
 It plugs into torchtitan's Trainer through its Configurable contract
 (``dataloader.build(dp_rank=..., ...)``).
 """

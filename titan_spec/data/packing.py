@@ -1,7 +1,5 @@
 """Packing documents into fixed token budgets: a flat stream with document boundaries.
 
-Shape legend: B = rows, L = row length (the token budget).
-
 Every row is a concatenation of whole documents; positions restart at 0 where a
 document starts (that is how attention finds the boundaries), labels are the next
 token inside the same document, and the tail of a row is a padding document whose

@@ -1,11 +1,7 @@
 # Document-causal attention over a packed token stream, returning the LSE.
 #
-# Shape suffix legend:
-#   B = batch rows, L = row length, T = packed tokens (B*L),
-#   N = query heads, K = kv heads (GQA: N % K == 0), H = head dim, D = documents
-#
-# A packed batch is one flat stream of T tokens cut into D documents by
-# cu_seqlens ([D+1], int32, 0 .. T). A query attends causally to the keys of
+# A packed batch is one flat stream of T tokens cut into documents by
+# cu_seqlens ([documents + 1], int32, 0 .. T). A query attends causally to the keys of
 # its own document only: the block kernel (attention_blocks.py) over the
 # causal block of every document on itself, the same kernel the context-parallel
 # ring runs per source rank. The forward returns the per-row log-sum-exp (lse)
@@ -69,37 +65,37 @@ def doc_metadata_from_positions(positions_BL: torch.Tensor) -> DocMetadata:
 
 @torch.library.custom_op("titan_spec::doc_attn_fwd", mutates_args=())
 def doc_attn_fwd(
-    q_TNH: torch.Tensor,
-    k_TKH: torch.Tensor,
-    v_TKH: torch.Tensor,
+    q_TNHd: torch.Tensor,
+    k_TKvHd: torch.Tensor,
+    v_TKvHd: torch.Tensor,
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Document-causal attention. Returns (out_TNH, lse_NT fp32).
+    """Document-causal attention. Returns (out_TNHd, lse_NT fp32).
 
     Rows with no key (impossible for causal self-attention, but possible for
     empty documents in cu_seqlens) get out = 0 and lse = -inf.
     """
     blocks = document_blocks(cu_seqlens_cpu.tolist())
-    return blocks_fwd(q_TNH, k_TKH, v_TKH, blocks, scale, cu_seqlens)
+    return blocks_fwd(q_TNHd, k_TKvHd, v_TKvHd, blocks, scale, cu_seqlens)
 
 
 @doc_attn_fwd.register_fake
-def _doc_attn_fwd_fake(q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens_cpu, scale):
-    T, N, _ = q_TNH.shape
-    out_TNH = q_TNH.new_empty(T, N, v_TKH.shape[-1])
-    lse_NT = q_TNH.new_empty(N, T, dtype=torch.float32)
-    return out_TNH, lse_NT
+def _doc_attn_fwd_fake(q_TNHd, k_TKvHd, v_TKvHd, cu_seqlens, cu_seqlens_cpu, scale):
+    T, N, _ = q_TNHd.shape
+    out_TNHd = q_TNHd.new_empty(T, N, v_TKvHd.shape[-1])
+    lse_NT = q_TNHd.new_empty(N, T, dtype=torch.float32)
+    return out_TNHd, lse_NT
 
 
 @torch.library.custom_op("titan_spec::doc_attn_bwd", mutates_args=())
 def doc_attn_bwd(
-    dout_TNH: torch.Tensor,
-    q_TNH: torch.Tensor,
-    k_TKH: torch.Tensor,
-    v_TKH: torch.Tensor,
-    out_TNH: torch.Tensor,
+    dout_TNHd: torch.Tensor,
+    q_TNHd: torch.Tensor,
+    k_TKvHd: torch.Tensor,
+    v_TKvHd: torch.Tensor,
+    out_TNHd: torch.Tensor,
     lse_NT: torch.Tensor,
     cu_seqlens: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor,
@@ -112,32 +108,32 @@ def doc_attn_bwd(
     yields this part's exact contribution to the merged softmax's gradient.
     """
     blocks = document_blocks(cu_seqlens_cpu.tolist())
-    return blocks_bwd(dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, blocks, scale, cu_seqlens)
+    return blocks_bwd(dout_TNHd, q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT, blocks, scale, cu_seqlens)
 
 
 @doc_attn_bwd.register_fake
 def _doc_attn_bwd_fake(
-    dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens_cpu, scale
+    dout_TNHd, q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT, cu_seqlens, cu_seqlens_cpu, scale
 ):
-    return torch.empty_like(q_TNH), torch.empty_like(k_TKH), torch.empty_like(v_TKH)
+    return torch.empty_like(q_TNHd), torch.empty_like(k_TKvHd), torch.empty_like(v_TKvHd)
 
 
 def _fwd_setup_context(ctx, inputs, output) -> None:
-    q_TNH, k_TKH, v_TKH, cu_seqlens, cu_seqlens_cpu, scale = inputs
-    out_TNH, lse_NT = output
+    q_TNHd, k_TKvHd, v_TKvHd, cu_seqlens, cu_seqlens_cpu, scale = inputs
+    out_TNHd, lse_NT = output
     # lse is an output for merging, not a differentiable one: a dlse term
     # cannot be fed to the fused flash backward. Callers that merge partials
     # must use an explicit backward with the merged lse (see
     # branch_attention.py) instead of autograd through merge_partials.
     ctx.mark_non_differentiable(lse_NT)
-    ctx.save_for_backward(q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens_cpu)
+    ctx.save_for_backward(q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT, cu_seqlens, cu_seqlens_cpu)
     ctx.scale = scale
 
 
-def _fwd_backward(ctx, dout_TNH, _dlse_NT):
-    q_TNH, k_TKH, v_TKH, out_TNH, lse_NT, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+def _fwd_backward(ctx, dout_TNHd, _dlse_NT):
+    q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
     dq, dk, dv = torch.ops.titan_spec.doc_attn_bwd(
-        dout_TNH, q_TNH, k_TKH, v_TKH, out_TNH, lse_NT,
+        dout_TNHd, q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT,
         cu_seqlens, cu_seqlens_cpu, ctx.scale,
     )
     return dq, dk, dv, None, None, None
@@ -147,26 +143,26 @@ doc_attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 def doc_attention(
-    q_TNH: torch.Tensor,
-    k_TKH: torch.Tensor,
-    v_TKH: torch.Tensor,
+    q_TNHd: torch.Tensor,
+    k_TKvHd: torch.Tensor,
+    v_TKvHd: torch.Tensor,
     meta: DocMetadata,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable document-causal attention: (out_TNH, lse_NT fp32).
+    """Differentiable document-causal attention: (out_TNHd, lse_NT fp32).
 
     Gradients flow to q, k, v through out only; lse is returned marked
     non-differentiable (requires_grad=False) and exists for exact merging.
     """
     return torch.ops.titan_spec.doc_attn_fwd(
-        q_TNH, k_TKH, v_TKH, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
+        q_TNHd, k_TKvHd, v_TKvHd, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
     )
 
 
 class DocCausalAttention(Module):
     """Inner attention: causal within each document of a packed batch.
 
-    Drop-in for torchtitan's VarlenAttention: takes [B, L, N, H] q/k/v and a
+    Drop-in for torchtitan's VarlenAttention: takes [B, L, N, Hd] q/k/v and a
     DocMetadata as attention_masks, and works on CPU (tests) and GPU.
     """
 
@@ -177,6 +173,8 @@ class DocCausalAttention(Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
 
+    # q_BLNH / k_BLNH / v_BLNH are torchtitan's names, not titan_spec/shapes.py's (H: head dim):
+    # its sharding configs key the inner attention's inputs by them.
     def forward(
         self,
         q_BLNH: torch.Tensor,
@@ -196,16 +194,16 @@ class DocCausalAttention(Module):
         if not isinstance(attention_masks, DocMetadata):
             # A context-parallel shard (parallelisms/context_parallel.CPMetadata)
             # brings its ring attention.
-            out_TNH = attention_masks.attention(
+            out_TNHd = attention_masks.attention(
                 q_BLNH.reshape(B * L, N, H), k_BLNH.reshape(B * L, K, H),
                 v_BLNH.reshape(B * L, K, Hv), scale,
             )
-            return out_TNH.view(B, L, N, Hv)
-        out_TNH, _ = doc_attention(
+            return out_TNHd.view(B, L, N, Hv)
+        out_TNHd, _ = doc_attention(
             q_BLNH.reshape(B * L, N, H),
             k_BLNH.reshape(B * L, K, H),
             v_BLNH.reshape(B * L, K, Hv),
             attention_masks,
             scale,
         )
-        return out_TNH.view(B, L, N, Hv)
+        return out_TNHd.view(B, L, N, Hv)

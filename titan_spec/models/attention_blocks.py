@@ -1,10 +1,7 @@
 # The attention kernel: softmax attention over a list of blocks, returning the LSE.
 #
-# Shape suffix legend:
-#   R = rows of the stream the blocks index (q and k/v alike: the packed tokens
-#       of doc attention, the local rows of a context-parallel rank),
-#   N = query heads, K = kv heads (GQA: N % K == 0), G = N // K, H = head dim,
-#   L = query rows of one block, M = key rows of one block, P = partials merged
+# Shape letters (titan_spec/shapes.py): R is whatever stream the blocks index, the packed
+# tokens of document attention or a context-parallel rank's local rows.
 #
 # A block (q_start, q_end, k_start, k_end, causal) lets the queries q[q_start:q_end]
 # attend to the keys k[k_start:k_end]; a causal block is square and query i of
@@ -62,28 +59,28 @@ def _check_blocks(blocks: list[Block], q_rows: int, k_rows: int) -> None:
         q_end, k_end = qe, ke
 
 
-def _to_1NLH(x_RNH: torch.Tensor, s: int, e: int) -> torch.Tensor:
-    # aten SDPA kernels want [B, N, L, H]; a strided view is fine (checked:
+def _to_1NLH(x_RNHd: torch.Tensor, s: int, e: int) -> torch.Tensor:
+    # aten SDPA kernels want [B, N, rows, Hd]; a strided view is fine (checked:
     # the CPU flash fwd/bwd give bit-identical results for views and copies).
-    return x_RNH[s:e].transpose(0, 1).unsqueeze(0)
+    return x_RNHd[s:e].transpose(0, 1).unsqueeze(0)
 
 
-def _fold_gqa(dx_RNH: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    # Query head n read kv head n // G, so the kv grad is the sum over its G heads.
-    R, N, H = dx_RNH.shape
+def _fold_gqa(dx_RNHd: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    # Query head n read kv head n // Gq, so the kv grad is the sum over its Gq heads.
+    R, N, H = dx_RNHd.shape
     if N == num_kv_heads:
-        return dx_RNH
-    dx_RKGH = dx_RNH.float().view(R, num_kv_heads, N // num_kv_heads, H)
-    return dx_RKGH.sum(2).to(dx_RNH.dtype)
+        return dx_RNHd
+    dx_RKvGqHd = dx_RNHd.float().view(R, num_kv_heads, N // num_kv_heads, H)
+    return dx_RKvGqHd.sum(2).to(dx_RNHd.dtype)
 
 
-def _repeat_kv(x_RKH: torch.Tensor, num_heads: int) -> torch.Tensor:
-    K = x_RKH.shape[1]
-    return x_RKH if K == num_heads else x_RKH.repeat_interleave(num_heads // K, 1)
+def _repeat_kv(x_RKvHd: torch.Tensor, num_heads: int) -> torch.Tensor:
+    K = x_RKvHd.shape[1]
+    return x_RKvHd if K == num_heads else x_RKvHd.repeat_interleave(num_heads // K, 1)
 
 
 # ---------------------------------------------------------------------------
-# CPU: the aten flash kernels, one call per block (they take L != M).
+# CPU: the aten flash kernels, one call per block (they take Lq != Lk).
 #
 # _scaled_dot_product_flash_attention_for_cpu_backward (torch 2.14.1 schema:
 # grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
@@ -94,46 +91,46 @@ def _repeat_kv(x_RKH: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-def _cpu_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
-    R, N, _ = q_RNH.shape
-    k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
-    out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
-    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
+def _cpu_fwd(q_RNHd, k_RKvHd, v_RKvHd, blocks, scale):
+    R, N, _ = q_RNHd.shape
+    k_RNHd, v_RNHd = _repeat_kv(k_RKvHd, N), _repeat_kv(v_RKvHd, N)
+    out_RNHd = q_RNHd.new_zeros(R, N, v_RKvHd.shape[-1])
+    lse_NR = q_RNHd.new_full((N, R), -math.inf, dtype=torch.float32)
     for qs, qe, ks, ke, causal in blocks:
-        out_1NLH, lse_1NL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _to_1NLH(q_RNH, qs, qe),
-            _to_1NLH(k_RNH, ks, ke),
-            _to_1NLH(v_RNH, ks, ke),
+        out_1NLqHd, lse_1NLq = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _to_1NLH(q_RNHd, qs, qe),
+            _to_1NLH(k_RNHd, ks, ke),
+            _to_1NLH(v_RNHd, ks, ke),
             0.0,
             causal,
             scale=scale,
         )
-        out_RNH[qs:qe] = out_1NLH[0].transpose(0, 1)
-        lse_NR[:, qs:qe] = lse_1NL[0]
-    return out_RNH, lse_NR
+        out_RNHd[qs:qe] = out_1NLqHd[0].transpose(0, 1)
+        lse_NR[:, qs:qe] = lse_1NLq[0]
+    return out_RNHd, lse_NR
 
 
-def _cpu_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
-    R, N, _ = q_RNH.shape
-    K = k_RKH.shape[1]
-    k_RNH, v_RNH = _repeat_kv(k_RKH, N), _repeat_kv(v_RKH, N)
+def _cpu_bwd(dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, blocks, scale):
+    R, N, _ = q_RNHd.shape
+    K = k_RKvHd.shape[1]
+    k_RNHd, v_RNHd = _repeat_kv(k_RKvHd, N), _repeat_kv(v_RKvHd, N)
     # The kernel wants lse in its accumulation dtype (fp64 only for fp64 inputs)
     # and grad_out / out in the input dtype.
-    lse_dtype = torch.float64 if q_RNH.dtype == torch.float64 else torch.float32
+    lse_dtype = torch.float64 if q_RNHd.dtype == torch.float64 else torch.float32
     lse_NR = lse_NR.to(lse_dtype)
-    dout_RNH = dout_RNH.to(q_RNH.dtype)
-    out_RNH = out_RNH.to(q_RNH.dtype)
-    dq_RNH = torch.zeros_like(q_RNH)
-    dk_RNH = torch.zeros_like(k_RNH)
-    dv_RNH = torch.zeros_like(v_RNH)
+    dout_RNHd = dout_RNHd.to(q_RNHd.dtype)
+    out_RNHd = out_RNHd.to(q_RNHd.dtype)
+    dq_RNHd = torch.zeros_like(q_RNHd)
+    dk_RNHd = torch.zeros_like(k_RNHd)
+    dv_RNHd = torch.zeros_like(v_RNHd)
     for qs, qe, ks, ke, causal in blocks:
-        dq_1NLH, dk_1NMH, dv_1NMH = (
+        dq_1NLqHd, dk_1NLkHd, dv_1NLkHd = (
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _to_1NLH(dout_RNH, qs, qe),
-                _to_1NLH(q_RNH, qs, qe),
-                _to_1NLH(k_RNH, ks, ke),
-                _to_1NLH(v_RNH, ks, ke),
-                _to_1NLH(out_RNH, qs, qe),
+                _to_1NLH(dout_RNHd, qs, qe),
+                _to_1NLH(q_RNHd, qs, qe),
+                _to_1NLH(k_RNHd, ks, ke),
+                _to_1NLH(v_RNHd, ks, ke),
+                _to_1NLH(out_RNHd, qs, qe),
                 lse_NR[:, qs:qe].unsqueeze(0),
                 0.0,
                 causal,
@@ -141,72 +138,72 @@ def _cpu_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
             )
         )
         # Plain copies: _check_blocks guarantees no row is in two blocks.
-        dq_RNH[qs:qe] = dq_1NLH[0].transpose(0, 1)
-        dk_RNH[ks:ke] = dk_1NMH[0].transpose(0, 1)
-        dv_RNH[ks:ke] = dv_1NMH[0].transpose(0, 1)
-    return dq_RNH, _fold_gqa(dk_RNH, K), _fold_gqa(dv_RNH, K)
+        dq_RNHd[qs:qe] = dq_1NLqHd[0].transpose(0, 1)
+        dk_RNHd[ks:ke] = dk_1NLkHd[0].transpose(0, 1)
+        dv_RNHd[ks:ke] = dv_1NLkHd[0].transpose(0, 1)
+    return dq_RNHd, _fold_gqa(dk_RNHd, K), _fold_gqa(dv_RNHd, K)
 
 
 # ---------------------------------------------------------------------------
-# Math fallback (fp32 accumulation, O(L*M) per block). Used on CUDA for dtypes
+# Math fallback (fp32 accumulation, O(Lq*Lk) per block). Used on CUDA for dtypes
 # flash kernels reject (fp32/fp64); kept device-agnostic so the CPU tests
 # exercise it too. Query heads split as (K, G) instead of repeating kv heads.
 # ---------------------------------------------------------------------------
 
 
-def _math_scores(q_RNH, k_RKH, block, scale):
+def _math_scores(q_RNHd, k_RKvHd, block, scale):
     qs, qe, ks, ke, causal = block
-    K = k_RKH.shape[1]
-    L, N, H = qe - qs, q_RNH.shape[1], q_RNH.shape[2]
-    q_LKGH = q_RNH[qs:qe].float().reshape(L, K, N // K, H)
-    s_KGLM = torch.einsum("lkgh,mkh->kglm", q_LKGH, k_RKH[ks:ke].float()) * scale
+    K = k_RKvHd.shape[1]
+    L, N, H = qe - qs, q_RNHd.shape[1], q_RNHd.shape[2]
+    q_LqKvGqHd = q_RNHd[qs:qe].float().reshape(L, K, N // K, H)
+    s_KvGqLqLk = torch.einsum("lkgh,mkh->kglm", q_LqKvGqHd, k_RKvHd[ks:ke].float()) * scale
     if not causal:
-        return s_KGLM
-    future_LL = torch.ones(L, L, dtype=torch.bool, device=q_RNH.device).triu(1)
-    return s_KGLM.masked_fill(future_LL, -math.inf)
+        return s_KvGqLqLk
+    future_LqLk = torch.ones(L, L, dtype=torch.bool, device=q_RNHd.device).triu(1)
+    return s_KvGqLqLk.masked_fill(future_LqLk, -math.inf)
 
 
-def _math_fwd(q_RNH, k_RKH, v_RKH, blocks, scale):
-    R, N, _ = q_RNH.shape
-    Hv = v_RKH.shape[-1]
-    out_RNH = q_RNH.new_zeros(R, N, Hv)
-    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
+def _math_fwd(q_RNHd, k_RKvHd, v_RKvHd, blocks, scale):
+    R, N, _ = q_RNHd.shape
+    Hv = v_RKvHd.shape[-1]
+    out_RNHd = q_RNHd.new_zeros(R, N, Hv)
+    lse_NR = q_RNHd.new_full((N, R), -math.inf, dtype=torch.float32)
     for block in blocks:
         qs, qe, ks, ke, _ = block
-        s_KGLM = _math_scores(q_RNH, k_RKH, block, scale)
-        lse_KGL = torch.logsumexp(s_KGLM, -1)
-        p_KGLM = torch.exp(s_KGLM - lse_KGL.unsqueeze(-1))
-        out_LKGH = torch.einsum("kglm,mkh->lkgh", p_KGLM, v_RKH[ks:ke].float())
-        out_RNH[qs:qe] = out_LKGH.reshape(qe - qs, N, Hv)
-        lse_NR[:, qs:qe] = lse_KGL.reshape(N, qe - qs)
-    return out_RNH, lse_NR
+        s_KvGqLqLk = _math_scores(q_RNHd, k_RKvHd, block, scale)
+        lse_KvGqLq = torch.logsumexp(s_KvGqLqLk, -1)
+        p_KvGqLqLk = torch.exp(s_KvGqLqLk - lse_KvGqLq.unsqueeze(-1))
+        out_LqKvGqHd = torch.einsum("kglm,mkh->lkgh", p_KvGqLqLk, v_RKvHd[ks:ke].float())
+        out_RNHd[qs:qe] = out_LqKvGqHd.reshape(qe - qs, N, Hv)
+        lse_NR[:, qs:qe] = lse_KvGqLq.reshape(N, qe - qs)
+    return out_RNHd, lse_NR
 
 
-def _math_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale):
-    R, N, H = q_RNH.shape
-    K, Hv = k_RKH.shape[1], v_RKH.shape[-1]
+def _math_bwd(dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, blocks, scale):
+    R, N, H = q_RNHd.shape
+    K, Hv = k_RKvHd.shape[1], v_RKvHd.shape[-1]
     G = N // K
-    dq_RNH = torch.zeros(R, N, H, dtype=torch.float32, device=q_RNH.device)
-    dk_RKH = torch.zeros(k_RKH.shape[0], K, H, dtype=torch.float32, device=q_RNH.device)
-    dv_RKH = torch.zeros(v_RKH.shape[0], K, Hv, dtype=torch.float32, device=q_RNH.device)
+    dq_RNHd = torch.zeros(R, N, H, dtype=torch.float32, device=q_RNHd.device)
+    dk_RKvHd = torch.zeros(k_RKvHd.shape[0], K, H, dtype=torch.float32, device=q_RNHd.device)
+    dv_RKvHd = torch.zeros(v_RKvHd.shape[0], K, Hv, dtype=torch.float32, device=q_RNHd.device)
     for block in blocks:
         qs, qe, ks, ke, _ = block
         L = qe - qs
-        s_KGLM = _math_scores(q_RNH, k_RKH, block, scale)
+        s_KvGqLqLk = _math_scores(q_RNHd, k_RKvHd, block, scale)
         # The given (possibly merged) lse, never a recomputed one.
-        lse_KGL = lse_NR[:, qs:qe].float().reshape(K, G, L)
-        p_KGLM = torch.exp(s_KGLM - lse_KGL.unsqueeze(-1))
-        dout_LKGH = dout_RNH[qs:qe].float().reshape(L, K, G, Hv)
-        out_LKGH = out_RNH[qs:qe].float().reshape(L, K, G, Hv)
-        delta_KGL = (dout_LKGH * out_LKGH).sum(-1).permute(1, 2, 0)
-        dp_KGLM = torch.einsum("lkgh,mkh->kglm", dout_LKGH, v_RKH[ks:ke].float())
-        ds_KGLM = p_KGLM * (dp_KGLM - delta_KGL.unsqueeze(-1)) * scale
-        q_LKGH = q_RNH[qs:qe].float().reshape(L, K, G, H)
-        dq_LKGH = torch.einsum("kglm,mkh->lkgh", ds_KGLM, k_RKH[ks:ke].float())
-        dq_RNH[qs:qe] = dq_LKGH.reshape(L, N, H)
-        dk_RKH[ks:ke] = torch.einsum("kglm,lkgh->mkh", ds_KGLM, q_LKGH)
-        dv_RKH[ks:ke] = torch.einsum("kglm,lkgh->mkh", p_KGLM, dout_LKGH)
-    return dq_RNH.to(q_RNH.dtype), dk_RKH.to(k_RKH.dtype), dv_RKH.to(v_RKH.dtype)
+        lse_KvGqLq = lse_NR[:, qs:qe].float().reshape(K, G, L)
+        p_KvGqLqLk = torch.exp(s_KvGqLqLk - lse_KvGqLq.unsqueeze(-1))
+        dout_LqKvGqHd = dout_RNHd[qs:qe].float().reshape(L, K, G, Hv)
+        out_LqKvGqHd = out_RNHd[qs:qe].float().reshape(L, K, G, Hv)
+        delta_KvGqLq = (dout_LqKvGqHd * out_LqKvGqHd).sum(-1).permute(1, 2, 0)
+        dp_KvGqLqLk = torch.einsum("lkgh,mkh->kglm", dout_LqKvGqHd, v_RKvHd[ks:ke].float())
+        ds_KvGqLqLk = p_KvGqLqLk * (dp_KvGqLqLk - delta_KvGqLq.unsqueeze(-1)) * scale
+        q_LqKvGqHd = q_RNHd[qs:qe].float().reshape(L, K, G, H)
+        dq_LqKvGqHd = torch.einsum("kglm,mkh->lkgh", ds_KvGqLqLk, k_RKvHd[ks:ke].float())
+        dq_RNHd[qs:qe] = dq_LqKvGqHd.reshape(L, N, H)
+        dk_RKvHd[ks:ke] = torch.einsum("kglm,lkgh->mkh", ds_KvGqLqLk, q_LqKvGqHd)
+        dv_RKvHd[ks:ke] = torch.einsum("kglm,lkgh->mkh", p_KvGqLqLk, dout_LqKvGqHd)
+    return dq_RNHd.to(q_RNHd.dtype), dk_RKvHd.to(k_RKvHd.dtype), dv_RKvHd.to(v_RKvHd.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -228,8 +225,8 @@ except (ImportError, OSError):  # not installed, or built for another CUDA
     _fa_varlen_fwd = _fa_varlen_bwd = None
 
 
-def _use_cuda_flash(q_RNH: torch.Tensor) -> bool:
-    return q_RNH.is_cuda and q_RNH.dtype in (torch.float16, torch.bfloat16)
+def _use_cuda_flash(q_RNHd: torch.Tensor) -> bool:
+    return q_RNHd.is_cuda and q_RNHd.dtype in (torch.float16, torch.bfloat16)
 
 
 def _tiles_rows(blocks: list[Block], q_rows: int, k_rows: int) -> bool:
@@ -270,20 +267,20 @@ def _varlen_plan(blocks, q_rows, k_rows, device, cu_seqlens):
     return q_idx, k_idx, as_cu(cu_q), as_cu(cu_k), max_q, max_k, causal
 
 
-def _rows(x_RNH: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    return x_RNH if idx is None else x_RNH[idx]
+def _rows(x_RNHd: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    return x_RNHd if idx is None else x_RNHd[idx]
 
 
-def _cuda_fwd(q_RNH, k_RKH, v_RKH, blocks, scale, cu_seqlens):
-    R, N, _ = q_RNH.shape
+def _cuda_fwd(q_RNHd, k_RKvHd, v_RKvHd, blocks, scale, cu_seqlens):
+    R, N, _ = q_RNHd.shape
     if not blocks:
-        out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
-        return out_RNH, q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
+        out_RNHd = q_RNHd.new_zeros(R, N, v_RKvHd.shape[-1])
+        return out_RNHd, q_RNHd.new_full((N, R), -math.inf, dtype=torch.float32)
     q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(
-        blocks, R, k_RKH.shape[0], q_RNH.device, cu_seqlens
+        blocks, R, k_RKvHd.shape[0], q_RNHd.device, cu_seqlens
     )
-    q = _rows(q_RNH, q_idx).contiguous()
-    k, v = _rows(k_RKH, k_idx).contiguous(), _rows(v_RKH, k_idx).contiguous()
+    q = _rows(q_RNHd, q_idx).contiguous()
+    k, v = _rows(k_RKvHd, k_idx).contiguous(), _rows(v_RKvHd, k_idx).contiguous()
     if _fa_varlen_fwd is not None and q.shape[-1] % 8 == 0:
         out, lse, _, _ = _fa_varlen_fwd(
             q, k, v, cu_q, cu_k, max_q, max_k,
@@ -295,24 +292,24 @@ def _cuda_fwd(q_RNH, k_RKH, v_RKH, blocks, scale, cu_seqlens):
         )
     if q_idx is None:
         return out, lse.float()
-    out_RNH = q_RNH.new_zeros(R, N, v_RKH.shape[-1])
-    lse_NR = q_RNH.new_full((N, R), -math.inf, dtype=torch.float32)
-    out_RNH[q_idx] = out
+    out_RNHd = q_RNHd.new_zeros(R, N, v_RKvHd.shape[-1])
+    lse_NR = q_RNHd.new_full((N, R), -math.inf, dtype=torch.float32)
+    out_RNHd[q_idx] = out
     lse_NR[:, q_idx] = lse.float()
-    return out_RNH, lse_NR
+    return out_RNHd, lse_NR
 
 
-def _cuda_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale, cu_seqlens):
+def _cuda_bwd(dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, blocks, scale, cu_seqlens):
     if not blocks:
-        return tuple(torch.zeros_like(x) for x in (q_RNH, k_RKH, v_RKH))
+        return tuple(torch.zeros_like(x) for x in (q_RNHd, k_RKvHd, v_RKvHd))
     q_idx, k_idx, cu_q, cu_k, max_q, max_k, causal = _varlen_plan(
-        blocks, q_RNH.shape[0], k_RKH.shape[0], q_RNH.device, cu_seqlens
+        blocks, q_RNHd.shape[0], k_RKvHd.shape[0], q_RNHd.device, cu_seqlens
     )
-    dtype = q_RNH.dtype
-    dout = _rows(dout_RNH, q_idx).to(dtype).contiguous()
-    out = _rows(out_RNH, q_idx).to(dtype).contiguous()
-    q = _rows(q_RNH, q_idx).contiguous()
-    k, v = _rows(k_RKH, k_idx).contiguous(), _rows(v_RKH, k_idx).contiguous()
+    dtype = q_RNHd.dtype
+    dout = _rows(dout_RNHd, q_idx).to(dtype).contiguous()
+    out = _rows(out_RNHd, q_idx).to(dtype).contiguous()
+    q = _rows(q_RNHd, q_idx).contiguous()
+    k, v = _rows(k_RKvHd, k_idx).contiguous(), _rows(v_RKvHd, k_idx).contiguous()
     lse = (lse_NR if q_idx is None else lse_NR[:, q_idx]).float().contiguous()
     if _fa_varlen_bwd is not None and q.shape[-1] % 8 == 0:
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
@@ -332,11 +329,11 @@ def _cuda_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale, cu_
         )
     if q_idx is None:
         return dq, dk, dv
-    dq_RNH, dk_RKH, dv_RKH = (torch.zeros_like(x) for x in (q_RNH, k_RKH, v_RKH))
-    dq_RNH[q_idx] = dq
-    dk_RKH[k_idx] = dk
-    dv_RKH[k_idx] = dv
-    return dq_RNH, dk_RKH, dv_RKH
+    dq_RNHd, dk_RKvHd, dv_RKvHd = (torch.zeros_like(x) for x in (q_RNHd, k_RKvHd, v_RKvHd))
+    dq_RNHd[q_idx] = dq
+    dk_RKvHd[k_idx] = dk
+    dv_RKvHd[k_idx] = dv
+    return dq_RNHd, dk_RKvHd, dv_RKvHd
 
 
 # ---------------------------------------------------------------------------
@@ -345,34 +342,34 @@ def _cuda_bwd(dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale, cu_
 
 
 def blocks_fwd(
-    q_RNH: torch.Tensor,
-    k_RKH: torch.Tensor,
-    v_RKH: torch.Tensor,
+    q_RNHd: torch.Tensor,
+    k_RKvHd: torch.Tensor,
+    v_RKvHd: torch.Tensor,
     blocks: list[Block],
     scale: float,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over the blocks: (out_RNH in q's dtype, lse_NR fp32).
+    """Attention of q over the blocks: (out_RNHd in q's dtype, lse_NR fp32).
 
     blocks: in order of rows, no query row and no key row in two blocks, one
     causal flag for all (ValueError otherwise). Rows in no block get out = 0,
     lse = -inf. cu_seqlens: optionally the device offsets the blocks were made
     from by document_blocks; the CUDA path then uses them instead of a copy.
     """
-    _check_blocks(blocks, q_RNH.shape[0], k_RKH.shape[0])
-    if _use_cuda_flash(q_RNH):
-        return _cuda_fwd(q_RNH, k_RKH, v_RKH, blocks, scale, cu_seqlens)
-    if q_RNH.device.type == "cpu":
-        return _cpu_fwd(q_RNH, k_RKH, v_RKH, blocks, scale)
-    return _math_fwd(q_RNH, k_RKH, v_RKH, blocks, scale)
+    _check_blocks(blocks, q_RNHd.shape[0], k_RKvHd.shape[0])
+    if _use_cuda_flash(q_RNHd):
+        return _cuda_fwd(q_RNHd, k_RKvHd, v_RKvHd, blocks, scale, cu_seqlens)
+    if q_RNHd.device.type == "cpu":
+        return _cpu_fwd(q_RNHd, k_RKvHd, v_RKvHd, blocks, scale)
+    return _math_fwd(q_RNHd, k_RKvHd, v_RKvHd, blocks, scale)
 
 
 def blocks_bwd(
-    dout_RNH: torch.Tensor,
-    q_RNH: torch.Tensor,
-    k_RKH: torch.Tensor,
-    v_RKH: torch.Tensor,
-    out_RNH: torch.Tensor,
+    dout_RNHd: torch.Tensor,
+    q_RNHd: torch.Tensor,
+    k_RKvHd: torch.Tensor,
+    v_RKvHd: torch.Tensor,
+    out_RNHd: torch.Tensor,
     lse_NR: torch.Tensor,
     blocks: list[Block],
     scale: float,
@@ -384,11 +381,11 @@ def blocks_bwd(
     P = exp(S * scale - lse). Passing the merged (out, lse) of several parts
     yields this part's exact contribution to the merged softmax's gradient.
     """
-    _check_blocks(blocks, q_RNH.shape[0], k_RKH.shape[0])
-    args = (dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, blocks, scale)
-    if _use_cuda_flash(q_RNH):
+    _check_blocks(blocks, q_RNHd.shape[0], k_RKvHd.shape[0])
+    args = (dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, blocks, scale)
+    if _use_cuda_flash(q_RNHd):
         return _cuda_bwd(*args, cu_seqlens)
-    if q_RNH.device.type == "cpu":
+    if q_RNHd.device.type == "cpu":
         return _cpu_bwd(*args)
     return _math_bwd(*args)
 
@@ -398,26 +395,26 @@ def merge_partials(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact log-sum-exp merge of partial softmax attentions over disjoint keys.
 
-    outs: [R, N, H] each; lses: [N, R] each. Returns (out_RNH in outs[0]'s
+    outs: [R, N, Hd] each; lses: [N, R] each. Returns (out_RNHd in outs[0]'s
     dtype, lse_NR fp32). Rows where every part is -inf (no key at all) give
     out = 0 and lse = -inf, and never produce NaN, forward or backward.
     """
-    lse_PNR = torch.stack([lse.float() for lse in lses])
+    lse_PtNR = torch.stack([lse.float() for lse in lses])
     # The shift only stabilises exp(); the result does not depend on it, so it
     # carries no gradient. For all -inf rows use 0 so exp sees -inf - 0, not
     # -inf - -inf = NaN.
-    shift_NR = lse_PNR.detach().amax(0)
+    shift_NR = lse_PtNR.detach().amax(0)
     shift_NR = torch.where(torch.isneginf(shift_NR), 0.0, shift_NR)
-    w_PNR = torch.exp(lse_PNR - shift_NR)
-    wsum_NR = w_PNR.sum(0)
+    w_PtNR = torch.exp(lse_PtNR - shift_NR)
+    wsum_NR = w_PtNR.sum(0)
     has_key_NR = wsum_NR > 0
     wsum_NR = torch.where(has_key_NR, wsum_NR, 1.0)
     lse_NR = torch.where(has_key_NR, shift_NR + torch.log(wsum_NR), -math.inf)
-    out_RNH = None
-    for out_p_RNH, w_NR in zip(outs, (w_PNR / wsum_NR).unbind(0)):
+    out_RNHd = None
+    for out_p_RNHd, w_NR in zip(outs, (w_PtNR / wsum_NR).unbind(0)):
         w_RN1 = w_NR.t().unsqueeze(-1)
         # A part with no key may hold garbage (even NaN) in out; 0 * NaN = NaN,
         # so drop it by selection rather than by weight.
-        term_RNH = torch.where(w_RN1 > 0, out_p_RNH.float(), 0.0) * w_RN1
-        out_RNH = term_RNH if out_RNH is None else out_RNH + term_RNH
-    return out_RNH.to(outs[0].dtype), lse_NR
+        term_RNHd = torch.where(w_RN1 > 0, out_p_RNHd.float(), 0.0) * w_RN1
+        out_RNHd = term_RNHd if out_RNHd is None else out_RNHd + term_RNHd
+    return out_RNHd.to(outs[0].dtype), lse_NR

@@ -1,7 +1,5 @@
 """Fused projection weights for the cached (decode-path) forwards.
 
-Shape legend: O = output features, I = input features.
-
 At decode sizes (a handful of tokens per row) a forward is bound by the number of ops and
 Python calls, not by FLOPs, so the cached forwards (rollout/builtin/cached_target.py, a
 kind's models/draft/<kind>/proposer.py) fuse projections that read the same input into one

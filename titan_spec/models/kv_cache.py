@@ -1,8 +1,5 @@
 """The pieces of a forward over a KV cache: the cache, its slot rule, write, attend, RMSNorm.
 
-Shape legend: Y = layers, B = batch rows (requests), L = new tokens per row this call,
-S = cache slots, K = kv heads, N = query heads, Hd = head dim.
-
 The cache uses "slot == position": the K/V of the token at position t of a request sits in
 slot t of its row. A query at position p attends to slots <= p of its row, so one
 causal-by-position mask serves every case, without any per-row length bookkeeping:
@@ -38,21 +35,21 @@ __all__ = ["KVCache", "Step", "attend", "causal_slot_mask", "require_plain", "rm
 
 
 class KVCache:
-    """Preallocated K/V for Y layers: k_YBKSH, v_YBKSH (heads before slots, as SDPA reads)."""
+    """Preallocated K/V for Y layers: k_YBKvSlHd, v_YBKvSlHd (heads before slots, as SDPA reads)."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, slots: int, head_dim: int, *, device, dtype):
         shape = (n_layers, batch, n_kv_heads, slots, head_dim)
-        self.k_YBKSH = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_YBKSH = torch.zeros(shape, device=device, dtype=dtype)
+        self.k_YBKvSlHd = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_YBKvSlHd = torch.zeros(shape, device=device, dtype=dtype)
 
     @property
     def slots(self) -> int:
-        return self.k_YBKSH.shape[3]
+        return self.k_YBKvSlHd.shape[3]
 
     def keep(self, rows_B: torch.Tensor) -> None:
         """Drop finished requests (one copy, so later steps stop paying for them)."""
-        self.k_YBKSH = self.k_YBKSH[:, rows_B]
-        self.v_YBKSH = self.v_YBKSH[:, rows_B]
+        self.k_YBKvSlHd = self.k_YBKvSlHd[:, rows_B]
+        self.v_YBKvSlHd = self.v_YBKvSlHd[:, rows_B]
 
 
 class Step(NamedTuple):
@@ -60,7 +57,7 @@ class Step(NamedTuple):
 
     rows_BL: torch.Tensor
     pos_BL: torch.Tensor
-    mask_B1LS: torch.Tensor | None
+    mask_B1LSl: torch.Tensor | None
     """Query at position p sees slots 0..p of its own row; S = the slots in use
     (None for a call that only writes K/V)."""
 
@@ -77,27 +74,27 @@ def step_indices(pos_BL: torch.Tensor, n_slots: int | None = None, *, mask: bool
 
 
 def causal_slot_mask(pos_BL: torch.Tensor, n_slots: int) -> torch.Tensor:
-    """mask_B1LS: query at position p sees slots 0..p of its own row."""
-    slots_S = torch.arange(n_slots, device=pos_BL.device)
-    return (slots_S[None, None, :] <= pos_BL[:, :, None])[:, None]
+    """mask_B1LSl: query at position p sees slots 0..p of its own row."""
+    slots_Sl = torch.arange(n_slots, device=pos_BL.device)
+    return (slots_Sl[None, None, :] <= pos_BL[:, :, None])[:, None]
 
 
-def write_kv(k_BKSH, v_BKSH, st: Step, k_BLKH, v_BLKH) -> None:
-    # Advanced indices split by a slice put their dims first: the target is [B, L, K, Hd].
-    k_BKSH[st.rows_BL, :, st.pos_BL] = k_BLKH
-    v_BKSH[st.rows_BL, :, st.pos_BL] = v_BLKH
+def write_kv(k_BKvSlHd, v_BKvSlHd, st: Step, k_BLKvHd, v_BLKvHd) -> None:
+    # Advanced indices split by a slice put their dims first: the target is [B, L, Kv, Hd].
+    k_BKvSlHd[st.rows_BL, :, st.pos_BL] = k_BLKvHd
+    v_BKvSlHd[st.rows_BL, :, st.pos_BL] = v_BLKvHd
 
 
-def attend(k_BKSH, v_BKSH, st: Step, q_BLNH, scale, gqa: bool):
+def attend(k_BKvSlHd, v_BKvSlHd, st: Step, q_BLNHd, scale, gqa: bool):
     """SDPA of this call's queries over the slots in use of their rows. ``gqa`` is a Python
     bool from the head counts: under torch.compile(dynamic=True) a comparison of tensor
     sizes is symbolic, which SDPA refuses (a graph break that skips the whole forward)."""
-    n_slots = st.mask_B1LS.shape[-1]
-    out_BNLH = F.scaled_dot_product_attention(
-        q_BLNH.transpose(1, 2), k_BKSH[:, :, :n_slots], v_BKSH[:, :, :n_slots], attn_mask=st.mask_B1LS,
+    n_slots = st.mask_B1LSl.shape[-1]
+    out_BNLHd = F.scaled_dot_product_attention(
+        q_BLNHd.transpose(1, 2), k_BKvSlHd[:, :, :n_slots], v_BKvSlHd[:, :, :n_slots], attn_mask=st.mask_B1LSl,
         scale=scale, enable_gqa=gqa,
     )
-    return out_BNLH.transpose(1, 2)
+    return out_BNLHd.transpose(1, 2)
 
 
 def rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:

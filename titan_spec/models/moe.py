@@ -1,8 +1,5 @@
 """Mixture-of-experts pieces of the target: torchtitan's Qwen3-MoE layers, made exact in fp32.
 
-Shape legend: R = routed token rows (tokens x top-k, expert-sorted), D = model dim,
-F = expert hidden dim, E = experts.
-
 torchtitan's ``GroupedExperts`` casts tokens and expert weights to bfloat16 before its
 grouped matmuls (the CUDA grouped GEMM kernels want bf16). On CPU that loses fp32 parity
 with HF (bf16 has 8 mantissa bits: logits differ by ~1e-2) and ``torch._grouped_mm`` on
@@ -43,15 +40,15 @@ class ExactGroupedExperts(GroupedExperts):
     class Config(GroupedExperts.Config):
         pass
 
-    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        if x_RD.is_cuda:
-            return super().forward(x_RD, num_tokens_per_expert_E)
+    def forward(self, x_TrD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if x_TrD.is_cuda:
+            return super().forward(x_TrD, num_tokens_per_expert_E)
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-        dt = x_RD.dtype
-        h_RF = F.silu(self._grouped_mm(A=x_RD, B_t=w1.to(dt).transpose(-2, -1), offs=offsets_E))
-        h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=w3.to(dt).transpose(-2, -1), offs=offsets_E)
-        return self._grouped_mm(A=h_RF, B_t=w2.to(dt).transpose(-2, -1), offs=offsets_E)
+        dt = x_TrD.dtype
+        h_TrF = F.silu(self._grouped_mm(A=x_TrD, B_t=w1.to(dt).transpose(-2, -1), offs=offsets_E))
+        h_TrF = h_TrF * self._grouped_mm(A=x_TrD, B_t=w3.to(dt).transpose(-2, -1), offs=offsets_E)
+        return self._grouped_mm(A=h_TrF, B_t=w2.to(dt).transpose(-2, -1), offs=offsets_E)
 
 
 def use_exact_experts(config) -> None:

@@ -1,7 +1,5 @@
 """The policy / target model: torchtitan's Qwen3 or Llama3 decoder with feature taps.
 
-Shape legend: B = batch rows, L = row length, D = model dim, V = vocab.
-
 One forward yields the logits AND the hidden states of the tap layers, so the draft's
 training signal costs no second pass. Tap id k is the OUTPUT of decoder layer k
 (0-based) = HF ``hidden_states[k+1]`` = SGLang ``layers_to_capture = k+1``.

@@ -1,11 +1,6 @@
 # Context parallelism for packed, document-causal attention with EAGLE-3
 # branch keys: per-document zigzag sharding and a ring attention custom op.
 #
-# Shape suffix legend:
-#   T = packed tokens of the global stream, R = local rows on this rank,
-#   N = query heads, K = kv heads (GQA: N % K == 0), H = head dim,
-#   J = TTT branch steps so far, D = documents
-#
 # Layout (docs/ARCHITECTURE.md, as TransformerEngine THD): every document is padded to a
 # multiple of 2*cp and cut into 2*cp chunks of c_d rows; rank r holds chunks r
 # and 2*cp-1-r of every document, document-major. Every rank therefore holds
@@ -20,7 +15,7 @@
 #   s >  r: the local second chunk (q rows [a+c, a+2c)) vs both source chunks,
 #           no mask; the local first chunk precedes both and is skipped
 # so every step costs every rank the same 2*c*c query-key pairs per document:
-# the zigzag is what balances causal work. The branch part (keys k_1..k_J at
+# the zigzag is what balances causal work. The branch part (keys k_1..k_Sb at
 # the query's own row) is position-aligned and needs no communication. All
 # partials merge by log-sum-exp; the backward feeds every part the MERGED
 # (out, lse) and sends dK/dV of the trunk around the ring back to its owner.
@@ -124,27 +119,27 @@ class ZigzagLayout:
         return DocMetadata(cu.to(device), cu.clone())
 
 
-def zigzag_shard(x_T: torch.Tensor, layout: ZigzagLayout, rank: int, pad_value=0) -> torch.Tensor:
-    """This rank's rows of a global stream x_T[T, ...] (dim 0), pads set to pad_value."""
-    if x_T.shape[0] != layout.global_len:
-        raise ValueError(f"zigzag_shard: {x_T.shape[0]} rows for a layout of {layout.global_len} tokens")
-    idx_R = layout.global_index(rank).to(x_T.device)
-    x_R = x_T[idx_R.clamp(min=0)]
-    pad_R = (idx_R < 0).view(-1, *([1] * (x_T.dim() - 1)))
-    return torch.where(pad_R, torch.as_tensor(pad_value, dtype=x_T.dtype, device=x_T.device), x_R)
+def zigzag_shard(x_Tg: torch.Tensor, layout: ZigzagLayout, rank: int, pad_value=0) -> torch.Tensor:
+    """This rank's rows of a global stream x_Tg[T, ...] (dim 0), pads set to pad_value."""
+    if x_Tg.shape[0] != layout.global_len:
+        raise ValueError(f"zigzag_shard: {x_Tg.shape[0]} rows for a layout of {layout.global_len} tokens")
+    idx_R = layout.global_index(rank).to(x_Tg.device)
+    x_R = x_Tg[idx_R.clamp(min=0)]
+    pad_R = (idx_R < 0).view(-1, *([1] * (x_Tg.dim() - 1)))
+    return torch.where(pad_R, torch.as_tensor(pad_value, dtype=x_Tg.dtype, device=x_Tg.device), x_R)
 
 
 def zigzag_unshard(x_R: torch.Tensor, layout: ZigzagLayout, group: dist.ProcessGroup) -> torch.Tensor:
-    """Inverse of zigzag_shard: all-gather the CP group's rows, drop pads -> x_T[T, ...]."""
+    """Inverse of zigzag_shard: all-gather the CP group's rows, drop pads -> x_Tg[T, ...]."""
     cp = dist.get_world_size(group)
     parts = [torch.empty_like(x_R) for _ in range(cp)]
     dist.all_gather(parts, x_R.contiguous(), group=group)
-    x_T = x_R.new_empty(layout.global_len, *x_R.shape[1:])
+    x_Tg = x_R.new_empty(layout.global_len, *x_R.shape[1:])
     for rank, part in enumerate(parts):
         idx_R = layout.global_index(rank).to(x_R.device)
         keep_R = idx_R >= 0
-        x_T[idx_R[keep_R]] = part[keep_R]
-    return x_T
+        x_Tg[idx_R[keep_R]] = part[keep_R]
+    return x_Tg
 
 
 # ---------------------------------------------------------------------------
@@ -205,8 +200,8 @@ def _wait(pending) -> None:
             w.wait()
 
 
-def _pack(k_RKH: torch.Tensor, v_RKH: torch.Tensor) -> torch.Tensor:
-    return torch.cat([k_RKH.reshape(-1), v_RKH.reshape(-1)])
+def _pack(k_RKvHd: torch.Tensor, v_RKvHd: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k_RKvHd.reshape(-1), v_RKvHd.reshape(-1)])
 
 
 def _unpack(kv: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
@@ -221,58 +216,58 @@ def _unpack(kv: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size):
 
 @torch.library.custom_op("titan_spec::ring_attn_fwd", mutates_args=())
 def ring_attn_fwd(
-    q_RNH: torch.Tensor,
-    k0_RKH: torch.Tensor,
-    v0_RKH: torch.Tensor,
-    kb_JRKH: torch.Tensor,
-    vb_JRKH: torch.Tensor,
+    q_RNHd: torch.Tensor,
+    k0_RKvHd: torch.Tensor,
+    v0_RKvHd: torch.Tensor,
+    kb_SbRKvHd: torch.Tensor,
+    vb_SbRKvHd: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor,
     group_name: str,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zigzag ring trunk attention + local branch attention, one softmax.
 
-    Returns (out_RNH in q's dtype, lse_NR fp32) for the local queries.
+    Returns (out_RNHd in q's dtype, lse_NR fp32) for the local queries.
     cu_seqlens_cpu is the shared local layout (ZigzagLayout.local_cu_seqlens).
     """
     ring = _Ring(group_name)
     cu = cu_seqlens_cpu.tolist()
-    kv = _pack(k0_RKH, v0_RKH)
+    kv = _pack(k0_RKvHd, v0_RKvHd)
     outs, lses = [], []
     for i in range(ring.size):
         if i + 1 < ring.size:
             kv_next, works = ring.shift(kv, _KV_TAG)
-        k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
+        k_RKvHd, v_RKvHd = _unpack(kv, k0_RKvHd.shape, v0_RKvHd.shape)
         src = (ring.rank - i) % ring.size
-        out_RNH, lse_NR = blocks_fwd(q_RNH, k_RKH, v_RKH, ring_blocks(cu, ring.rank, src), scale)
+        out_RNHd, lse_NR = blocks_fwd(q_RNHd, k_RKvHd, v_RKvHd, ring_blocks(cu, ring.rank, src), scale)
         # Merge as we go: memory stays at one partial, whatever cp is.
         if outs:
-            out_RNH, lse_NR = merge_partials([outs[0], out_RNH], [lses[0], lse_NR])
-        outs, lses = [out_RNH], [lse_NR]
+            out_RNHd, lse_NR = merge_partials([outs[0], out_RNHd], [lses[0], lse_NR])
+        outs, lses = [out_RNHd], [lse_NR]
         if i + 1 < ring.size:
             _wait(works)
             kv = kv_next
-    out_b, lse_b = branch_part(q_RNH, kb_JRKH, vb_JRKH, scale)
-    out_RNH, lse_NR = merge_partials([outs[0], out_b], [lses[0], lse_b])
+    out_b, lse_b = branch_part(q_RNHd, kb_SbRKvHd, vb_SbRKvHd, scale)
+    out_RNHd, lse_NR = merge_partials([outs[0], out_b], [lses[0], lse_b])
     # Contiguous, as the fake promises: the merge's broadcasts may permute strides.
-    return out_RNH.to(q_RNH.dtype).contiguous(), lse_NR.contiguous()
+    return out_RNHd.to(q_RNHd.dtype).contiguous(), lse_NR.contiguous()
 
 
 @ring_attn_fwd.register_fake
-def _ring_attn_fwd_fake(q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, cu_seqlens_cpu, group_name, scale):
-    R, N, _ = q_RNH.shape
-    return q_RNH.new_empty(R, N, v0_RKH.shape[-1]), q_RNH.new_empty(N, R, dtype=torch.float32)
+def _ring_attn_fwd_fake(q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, cu_seqlens_cpu, group_name, scale):
+    R, N, _ = q_RNHd.shape
+    return q_RNHd.new_empty(R, N, v0_RKvHd.shape[-1]), q_RNHd.new_empty(N, R, dtype=torch.float32)
 
 
 @torch.library.custom_op("titan_spec::ring_attn_bwd", mutates_args=())
 def ring_attn_bwd(
-    dout_RNH: torch.Tensor,
-    q_RNH: torch.Tensor,
-    k0_RKH: torch.Tensor,
-    v0_RKH: torch.Tensor,
-    kb_JRKH: torch.Tensor,
-    vb_JRKH: torch.Tensor,
-    out_RNH: torch.Tensor,
+    dout_RNHd: torch.Tensor,
+    q_RNHd: torch.Tensor,
+    k0_RKvHd: torch.Tensor,
+    v0_RKvHd: torch.Tensor,
+    kb_SbRKvHd: torch.Tensor,
+    vb_SbRKvHd: torch.Tensor,
+    out_RNHd: torch.Tensor,
     lse_NR: torch.Tensor,
     cu_seqlens_cpu: torch.Tensor,
     group_name: str,
@@ -285,19 +280,19 @@ def ring_attn_bwd(
     """
     ring = _Ring(group_name)
     cu = cu_seqlens_cpu.tolist()
-    dq_RNH = torch.zeros(q_RNH.shape, dtype=torch.float32, device=q_RNH.device)
-    kv = _pack(k0_RKH, v0_RKH)
+    dq_RNHd = torch.zeros(q_RNHd.shape, dtype=torch.float32, device=q_RNHd.device)
+    kv = _pack(k0_RKvHd, v0_RKvHd)
     dkv = None  # the accumulated grads of the shard held this step (none before step 0)
     dkv_works = None
     for i in range(ring.size):
         if i + 1 < ring.size:
             kv_next, kv_works = ring.shift(kv, _KV_TAG)
-        k_RKH, v_RKH = _unpack(kv, k0_RKH.shape, v0_RKH.shape)
+        k_RKvHd, v_RKvHd = _unpack(kv, k0_RKvHd.shape, v0_RKvHd.shape)
         src = (ring.rank - i) % ring.size
         dq, dk, dv = blocks_bwd(
-            dout_RNH, q_RNH, k_RKH, v_RKH, out_RNH, lse_NR, ring_blocks(cu, ring.rank, src), scale
+            dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, ring_blocks(cu, ring.rank, src), scale
         )
-        dq_RNH += dq.float()
+        dq_RNHd += dq.float()
         # Accumulate in fp32: a shard's grad is summed over cp hops.
         local = _pack(dk.float(), dv.float())
         _wait(dkv_works)
@@ -307,37 +302,37 @@ def ring_attn_bwd(
             _wait(kv_works)
             kv = kv_next
     _wait(dkv_works)  # the last hop brings this rank's own shard home
-    dk0_RKH, dv0_RKH = _unpack(dkv, k0_RKH.shape, v0_RKH.shape)
-    # The branch part last: its J-deep grads would otherwise sit through the
+    dk0_RKvHd, dv0_RKvHd = _unpack(dkv, k0_RKvHd.shape, v0_RKvHd.shape)
+    # The branch part last: its Sb-deep grads would otherwise sit through the
     # ring loop's buffers and raise the peak.
-    dq_b_RNH, dkb_JRKH, dvb_JRKH = branch_backward(
-        dout_RNH, q_RNH, kb_JRKH, vb_JRKH, out_RNH, lse_NR, scale
+    dq_b_RNHd, dkb_SbRKvHd, dvb_SbRKvHd = branch_backward(
+        dout_RNHd, q_RNHd, kb_SbRKvHd, vb_SbRKvHd, out_RNHd, lse_NR, scale
     )
-    dq_RNH += dq_b_RNH.float()
+    dq_RNHd += dq_b_RNHd.float()
     # Fresh contiguous tensors, as the fake promises (dk0 and dv0 are views of one
     # buffer, and a custom op's outputs may not alias each other).
-    grads = (dq_RNH.to(q_RNH.dtype), dk0_RKH.to(k0_RKH.dtype), dv0_RKH.to(v0_RKH.dtype), dkb_JRKH, dvb_JRKH)
+    grads = (dq_RNHd.to(q_RNHd.dtype), dk0_RKvHd.to(k0_RKvHd.dtype), dv0_RKvHd.to(v0_RKvHd.dtype), dkb_SbRKvHd, dvb_SbRKvHd)
     return tuple(g.clone(memory_format=torch.contiguous_format) for g in grads)
 
 
 @ring_attn_bwd.register_fake
-def _ring_attn_bwd_fake(dout_RNH, q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, out_RNH, lse_NR,
+def _ring_attn_bwd_fake(dout_RNHd, q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, out_RNHd, lse_NR,
                         cu_seqlens_cpu, group_name, scale):
-    return tuple(x.new_empty(x.shape) for x in (q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH))
+    return tuple(x.new_empty(x.shape) for x in (q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, cu_seqlens_cpu, group_name, scale = inputs
-    out_RNH, lse_NR = output
+    q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, cu_seqlens_cpu, group_name, scale = inputs
+    out_RNHd, lse_NR = output
     ctx.mark_non_differentiable(lse_NR)
-    ctx.save_for_backward(q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, out_RNH, lse_NR, cu_seqlens_cpu)
+    ctx.save_for_backward(q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, out_RNHd, lse_NR, cu_seqlens_cpu)
     ctx.group_name, ctx.scale = group_name, scale
 
 
-def _backward(ctx, dout_RNH, _dlse_NR):
+def _backward(ctx, dout_RNHd, _dlse_NR):
     q, k0, v0, kb, vb, out, lse, cu_cpu = ctx.saved_tensors
     grads = torch.ops.titan_spec.ring_attn_bwd(
-        dout_RNH, q, k0, v0, kb, vb, out, lse, cu_cpu, ctx.group_name, ctx.scale
+        dout_RNHd, q, k0, v0, kb, vb, out, lse, cu_cpu, ctx.group_name, ctx.scale
     )
     return (*grads, None, None, None)
 
@@ -373,13 +368,13 @@ class CPMetadata:
         """Local rows that are tokens of the batch (not document padding)."""
         return int((self.layout.global_index(self.rank) >= 0).sum())
 
-    def attention(self, q_RNH, k_RKH, v_RKH, scale: float) -> torch.Tensor:
+    def attention(self, q_RNHd, k_RKvHd, v_RKvHd, scale: float) -> torch.Tensor:
         """The target's document-causal attention over this rank's rows."""
-        return ring_attention(q_RNH, k_RKH, v_RKH, self, scale)[0]
+        return ring_attention(q_RNHd, k_RKvHd, v_RKvHd, self, scale)[0]
 
-    def ttt_attention(self, q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, scale: float) -> torch.Tensor:
+    def ttt_attention(self, q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, scale: float) -> torch.Tensor:
         """The draft's TTT attention (trunk over the ring + local branch)."""
-        return ring_attention(q_RNH, k0_RKH, v0_RKH, self, scale, kb_JRKH, vb_JRKH)[0]
+        return ring_attention(q_RNHd, k0_RKvHd, v0_RKvHd, self, scale, kb_SbRKvHd, vb_SbRKvHd)[0]
 
     @classmethod
     def build(cls, layout: ZigzagLayout, group: dist.ProcessGroup, device) -> "CPMetadata":
@@ -387,21 +382,21 @@ class CPMetadata:
 
 
 def ring_attention(
-    q_RNH: torch.Tensor,
-    k0_RKH: torch.Tensor,
-    v0_RKH: torch.Tensor,
+    q_RNHd: torch.Tensor,
+    k0_RKvHd: torch.Tensor,
+    v0_RKvHd: torch.Tensor,
     meta: CPMetadata,
     scale: float,
-    kb_JRKH: torch.Tensor | None = None,
-    vb_JRKH: torch.Tensor | None = None,
+    kb_SbRKvHd: torch.Tensor | None = None,
+    vb_SbRKvHd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable ring (+ branch) attention over this rank's rows: (out_RNH, lse_NR).
+    """Differentiable ring (+ branch) attention over this rank's rows: (out_RNHd, lse_NR).
 
     Without kb/vb it is the target's document-causal attention; with them, the
-    draft's TTT attention at step J = kb.shape[0].
+    draft's TTT attention at step Sb = kb.shape[0].
     """
-    if kb_JRKH is None:
-        kb_JRKH = vb_JRKH = k0_RKH.new_zeros((0, *k0_RKH.shape))
+    if kb_SbRKvHd is None:
+        kb_SbRKvHd = vb_SbRKvHd = k0_RKvHd.new_zeros((0, *k0_RKvHd.shape))
     return torch.ops.titan_spec.ring_attn_fwd(
-        q_RNH, k0_RKH, v0_RKH, kb_JRKH, vb_JRKH, meta.local.cu_seqlens_cpu, meta.group_name, scale
+        q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, meta.local.cu_seqlens_cpu, meta.group_name, scale
     )

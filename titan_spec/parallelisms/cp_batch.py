@@ -1,9 +1,6 @@
 # The trainer's side of context parallelism: shard a packed batch for the ring.
 # (The rows the draft's TTT unroll reads across shard boundaries are the draft's
 # business: models/draft/halo.py.)
-#
-# Shape suffix legend:
-#   B = batch rows, L = row length, R = local rows
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Pipeline parallelism for co-training: the target split over PP stages, the draft on the last.
 
-Shape legend: B = microbatch rows, L = row length (training.seq_len), D = model dim,
-V = vocab.
-
 ``pipeline_spec`` is titan_spec's ``ModelSpec.pipelining_fn`` (the seam torchtitan's
 Trainer calls when ``pipeline_parallel_degree > 1``). It does what torchtitan's
 ``pipeline_llm`` does, with its split helpers, and three things more:

@@ -1,7 +1,5 @@
 """TapChannel: each microbatch's tapped target features reach the draft on the last pipeline stage.
 
-Shape legend: B = microbatch rows, L = row length, D = model dim.
-
 Under pipeline parallelism the tap layers (and the token embeddings) live on other stages
 than the draft, which sits whole on the last stage. Sending them inside the schedule's own
 point-to-point traffic would interleave with it (a blocking send inside a stage forward

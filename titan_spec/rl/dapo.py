@@ -1,8 +1,6 @@
 """DAPO (Yu et al. 2025, arXiv 2503.14476): PPO-clip with clip-higher, token-level
 aggregation, overlong filtering and soft overlong punishment (``rl.loss = "dapo"``).
 
-Shape legend: P = prompts, G = group size, B = packed rows, L = row length.
-
 What DAPO changes against the GRPO paper, and where each piece is here:
 
 - **Decoupled clip (clip-higher)**: the ratio is clipped to [1 - eps_low, 1 + eps_high]

@@ -1,7 +1,5 @@
 """How far RL has moved the policy from where it started, measured on each step's rollouts.
 
-Shape legend: B = packed rows, L = row length.
-
 The rollouts of a step are sampled from the policy of that step (the weights pushed before
 it: the behaviour policy), so for completion tokens y_t ~ pi(. | y_<t) and the frozen copy
 of the policy as it was before any RL update (``RLTrainer.reference``, the same copy the

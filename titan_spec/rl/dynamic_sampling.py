@@ -1,9 +1,6 @@
 """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, sec. 3.2; verl's
 ``algorithm.filter_groups`` with ``max_num_gen_batches``): ``rl.dynamic_sampling``.
 
-Shape legend: P = this rank's prompts of one round (its share of rl.prompts_per_step),
-G = group size, N = groups generated so far this step (rounds x P).
-
 A group whose G rewards are all equal (accuracy 0 or 1) has advantage 0 on every
 completion: it adds no policy gradient but still dilutes the token-mean loss and costs
 its share of the update. Dynamic sampling over-samples instead:
@@ -44,9 +41,9 @@ from titan_spec.rl.worker import RolloutStats
 __all__ = ["GroupSelection", "dynamic_sample", "has_spread", "select_groups"]
 
 
-def has_spread(rewards_NG: torch.Tensor) -> torch.Tensor:
-    """[N] bool: True where a group's rewards are not all equal (its advantages are not all 0)."""
-    return rewards_NG.amax(dim=1) != rewards_NG.amin(dim=1)
+def has_spread(rewards_PaG: torch.Tensor) -> torch.Tensor:
+    """[Pa] bool: True where a group's rewards are not all equal (its advantages are not all 0)."""
+    return rewards_PaG.amax(dim=1) != rewards_PaG.amin(dim=1)
 
 
 @dataclass(frozen=True)
@@ -62,16 +59,16 @@ class GroupSelection:
     topped_up is every group without spread generated."""
 
 
-def select_groups(rewards_NG: torch.Tensor, share: int, final: bool) -> GroupSelection | None:
-    """The rule: the first ``share`` groups of ``rewards_NG`` (in generation order) whose
+def select_groups(rewards_PaG: torch.Tensor, share: int, final: bool) -> GroupSelection | None:
+    """The rule: the first ``share`` groups of ``rewards_PaG`` (in generation order) whose
     rewards are not all equal. When fewer have spread: None if another round may still
     follow, else (``final``) all of them topped up with the earliest groups without spread.
     Deterministic: a function of the rewards alone."""
-    if rewards_NG.shape[0] < share:
-        raise ValueError(f"{rewards_NG.shape[0]} groups generated, fewer than the batch's {share}")
-    spread_N = has_spread(rewards_NG)
-    spread = torch.nonzero(spread_N).flatten().tolist()
-    flat = torch.nonzero(~spread_N).flatten().tolist()
+    if rewards_PaG.shape[0] < share:
+        raise ValueError(f"{rewards_PaG.shape[0]} groups generated, fewer than the batch's {share}")
+    spread_Pa = has_spread(rewards_PaG)
+    spread = torch.nonzero(spread_Pa).flatten().tolist()
+    flat = torch.nonzero(~spread_Pa).flatten().tolist()
     if len(spread) >= share:
         # The last round's surplus groups with spread are left out too (not counted).
         return GroupSelection(spread[:share], len(flat), 0)

@@ -1,7 +1,5 @@
 """GRPO: group-relative advantages and the PPO-clip policy loss per token (``rl.loss = "grpo"``).
 
-Shape legend: G = completions per prompt, P = prompts.
-
 Advantages: each prompt's G rewards are centred on their group mean (and divided by the
 group std, optionally), so a completion is judged against its siblings only.
 

@@ -1,7 +1,4 @@
-"""The policy's log-probs of the label tokens at the rollout temperature, from its logits.
-
-Shape legend: B = packed rows, L = row length, V = vocab, T = tokens of a shard.
-"""
+"""The policy's log-probs of the label tokens at the rollout temperature, from its logits."""
 
 from __future__ import annotations
 

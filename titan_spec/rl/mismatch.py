@@ -1,9 +1,6 @@
 """The engine/trainer mismatch: how far the rollout engine's log-probs are from the trainer's
 at the same weights, and its correction by truncated importance sampling (TIS).
 
-Shape legend: B = packed rows, L = row length, S = completions of a minibatch (+1: index 0
-is off the completions).
-
 An engine with other kernels, precision or sampling code than the trainer (SGLang, vLLM,
 bf16) samples from a slightly different distribution pi_engine than the trainer's pi at the
 same weights. Two consequences, two settings:
@@ -76,8 +73,8 @@ def tis_weights(trainer_logp_BL: torch.Tensor, engine_logp_BL: torch.Tensor, seq
     if level == "sequence":
         seq_BL = (seq_index_BL.round().long() * targets_BL.long())
         S = int(seq_BL.max()) + 1 if seq_BL.numel() else 1
-        log_w_S = torch.zeros(S, dtype=log_w_BL.dtype, device=log_w_BL.device).index_add(0, seq_BL.reshape(-1), log_w_BL.reshape(-1))
-        log_w_BL = log_w_S[seq_BL]
+        log_w_Sq = torch.zeros(S, dtype=log_w_BL.dtype, device=log_w_BL.device).index_add(0, seq_BL.reshape(-1), log_w_BL.reshape(-1))
+        log_w_BL = log_w_Sq[seq_BL]
     elif level != "token":
         raise ValueError(f"rl.tis = {level!r} is not allowed; it must be one of 'off', 'token', 'sequence'")
     # The cap before the exp: a far off-policy sequence's product overflows, its weight is C.

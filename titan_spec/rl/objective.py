@@ -1,7 +1,5 @@
 """The clipped policy-gradient objective every ``rl.loss`` shares, one token at a time.
 
-Shape legend: T = packed tokens (of one rank's shard or microbatch).
-
 Per completion token t of completion i, with policy log-prob logp_t, behaviour log-prob b_t
 (the ratio's denominator: the engine's, or the trainer's recomputed, ``rl.behaviour_logprobs``)
 and the completion's advantage A:
@@ -127,10 +125,10 @@ def _sequence_log_ratio(log_ratio_T: torch.Tensor, seq_T: torch.Tensor, mask_T: 
     m_T = mask_T.to(dt)
     seq_T = (seq_T.round().long() * mask_T.long()).reshape(-1)
     S = int(seq_T.max()) + 1 if seq_T.numel() else 1
-    zeros_S = torch.zeros(S, dtype=dt, device=log_ratio_T.device)
-    count_S = zeros_S.index_add(0, seq_T, m_T).clamp(min=1)
-    log_s_S = zeros_S.index_add(0, seq_T, log_ratio_T.detach() * m_T) / count_S
-    return (log_ratio_T - log_ratio_T.detach() + log_s_S[seq_T]).clamp(max=MAX_SEQ_LOG_RATIO)
+    zeros_Sq = torch.zeros(S, dtype=dt, device=log_ratio_T.device)
+    count_Sq = zeros_Sq.index_add(0, seq_T, m_T).clamp(min=1)
+    log_s_Sq = zeros_Sq.index_add(0, seq_T, log_ratio_T.detach() * m_T) / count_Sq
+    return (log_ratio_T - log_ratio_T.detach() + log_s_Sq[seq_T]).clamp(max=MAX_SEQ_LOG_RATIO)
 
 
 def policy_objective(

@@ -1,8 +1,5 @@
 """The draft seam: what the trainer, context/pipeline parallelism and the engines need of a draft.
 
-Shape legend: B = batch rows, L = row length, T = B*L packed tokens, V = target vocab,
-S = training steps of the draft's loss (EAGLE-3: TTT steps).
-
 A draft kind (``draft.kind``, registered in models/draft/__init__.py; adding one:
 docs/draft_kinds.md) is one ``DraftKind``.
 Who uses what (read from the callers):

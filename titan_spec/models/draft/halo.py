@@ -1,7 +1,5 @@
 """A draft loss under context parallelism: the rows t+1 .. t+S it reads across shard boundaries.
 
-Shape suffix legend: R = local rows, E = local rows + halo rows, S = steps ahead.
-
 EAGLE-3's TTT at step j reads, for local row t, the row t+1+j of the global stream (next
 token's embedding, the target's distribution there, its label); DFlash's block anchored at t
 reads the target's distributions at t+1 .. t+J-2. Under the zigzag split
@@ -62,7 +60,7 @@ class TTTHalo:
             self._in_doc.append(in_doc_R.to(device))
 
     def extend(self, x_R: torch.Tensor) -> torch.Tensor:
-        """x_E: the local rows, then the halo rows of every rank, rank-major."""
+        """x_Rh: the local rows, then the halo rows of every rank, rank-major."""
         halo = x_R[self.halo_rows].contiguous()
         parts = [torch.empty_like(halo) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, halo, group=self.group)
@@ -73,9 +71,9 @@ class TTTHalo:
         t+1+j leaves the document). Index math only: nothing is gathered."""
         return list(self._src)
 
-    def shifts(self, labels_E: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def shifts(self, labels_Rh: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per step j: (src_R into the extended rows, valid_R), as ttt.ttt_shifts."""
         return [
-            (src_R, in_doc_R & (labels_E[src_R] != IGNORE_INDEX))
+            (src_R, in_doc_R & (labels_Rh[src_R] != IGNORE_INDEX))
             for src_R, in_doc_R in zip(self._src, self._in_doc)
         ]

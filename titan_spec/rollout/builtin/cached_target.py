@@ -1,9 +1,5 @@
 """The target (policy) over a KV cache, step by step, for the built-in rollout engine.
 
-Shape legend: B = batch rows (requests), L = new tokens per row this call, D = target dim,
-N = query heads, K = kv heads, Hd = head dim, C = tap layers, V = target vocab,
-Y = layers, F = output features of a fused projection.
-
 The cache, its "slot == position" rule (right-padded prompts, rejected verify tails, the
 draft chain's branch slots) and the write/attend ops are models/kv_cache.py's, shared with
 the draft kinds' cached proposers (models/draft/<kind>/proposer.py).
@@ -117,9 +113,9 @@ class CachedTarget:
         # (they would be past max_new_tokens); clamp their rotary position to stay in the table.
         rope_pos_BL = pos_BL.clamp(max=self.max_seq_len - 1)
         fused = self.fused_weights() if fused is None else fused
-        return self._core(tokens_BL, st, rope_pos_BL, self.cache.k_YBKSH, self.cache.v_YBKSH, logits_at_B, fused)
+        return self._core(tokens_BL, st, rope_pos_BL, self.cache.k_YBKvSlHd, self.cache.v_YBKvSlHd, logits_at_B, fused)
 
-    def _forward_core(self, tokens_BL, st: Step, rope_pos_BL, k_YBKSH, v_YBKSH, logits_at_B, fused):
+    def _forward_core(self, tokens_BL, st: Step, rope_pos_BL, k_YBKvSlHd, v_YBKvSlHd, logits_at_B, fused):
         # Qwen3/Llama3 block: x + attn(attention_norm(x)), then + feed_forward(ffn_norm(x)).
         B, L = tokens_BL.shape
         h_BLD = self.model.tok_embeddings(tokens_BL)
@@ -127,18 +123,18 @@ class CachedTarget:
         rope_cache = None
         for y, block in enumerate(self.blocks):
             attn = block.attention
-            qkv_BLF = F.linear(rms(h_BLD, block.attention_norm), fused[2 * y])
-            xq_BLNH, xk_BLKH, xv_BLKH = qkv_BLF.view(B, L, -1, self.head_dim).split(self._qkv_heads, dim=2)
+            qkv_BLO = F.linear(rms(h_BLD, block.attention_norm), fused[2 * y])
+            xq_BLNHd, xk_BLKvHd, xv_BLKvHd = qkv_BLO.view(B, L, -1, self.head_dim).split(self._qkv_heads, dim=2)
             if attn.q_norm is not None:
-                xq_BLNH, xk_BLKH = rms(xq_BLNH, attn.q_norm), rms(xk_BLKH, attn.k_norm)
+                xq_BLNHd, xk_BLKvHd = rms(xq_BLNHd, attn.q_norm), rms(xk_BLKvHd, attn.k_norm)
             if rope_cache is None or not self._shared_rope:
                 # The model's own lookup (any rotary flavor), once per forward when shared.
-                rope_cache = attn.rope._reshape_cache(xq_BLNH, rope_pos_BL)
-            xq_BLNH, xk_BLKH = attn.rope.apply_rotary_emb(xq_BLNH, xk_BLKH, rope_cache)
+                rope_cache = attn.rope._reshape_cache(xq_BLNHd, rope_pos_BL)
+            xq_BLNHd, xk_BLKvHd = attn.rope.apply_rotary_emb(xq_BLNHd, xk_BLKvHd, rope_cache)
             scale = attn.scaling if attn.scaling is not None else attn.head_dim**-0.5
-            write_kv(k_YBKSH[y], v_YBKSH[y], st, xk_BLKH, xv_BLKH)
-            out_BLNH = attend(k_YBKSH[y], v_YBKSH[y], st, xq_BLNH, scale, self._gqa)
-            h_BLD = h_BLD + F.linear(out_BLNH.flatten(2), attn.wo.weight)
+            write_kv(k_YBKvSlHd[y], v_YBKvSlHd[y], st, xk_BLKvHd, xv_BLKvHd)
+            out_BLNHd = attend(k_YBKvSlHd[y], v_YBKvSlHd[y], st, xq_BLNHd, scale, self._gqa)
+            h_BLD = h_BLD + F.linear(out_BLNHd.flatten(2), attn.wo.weight)
             if self._moe[y]:
                 h_BLD = h_BLD + block.moe(rms(h_BLD, block.ffn_norm))
             else:

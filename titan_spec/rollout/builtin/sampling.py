@@ -1,8 +1,8 @@
 """The built-in engine's sampling: the sampling distribution, one draw per row, the
 speculative acceptance rule and the behaviour log-probs.
 
-Shape legend: N = rows, B = active requests, K = draft tokens of the round, L = K + 1
-verified tokens, V = target vocab, Vd = draft vocab.
+Shape letters (titan_spec/shapes.py): here T is the flat rows of logits, one token drawn per row,
+and a verify call's L is K + 1.
 
 Speculative sampling (Leviathan et al. / Chen et al.): accept draft d_i with probability
 min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from normalize(max(0, p_i - q_i));
@@ -21,25 +21,25 @@ from titan_spec.rollout.base import SamplingParams
 __all__ = ["accept", "behaviour_logprobs", "filtered_probs", "sample", "sample_rows", "speculative_accept"]
 
 
-def filtered_probs(logits_NV: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def filtered_probs(logits_TV: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """The sampling distribution: softmax(logits / T) after top-k and top-p; one-hot at T = 0."""
     if sampling.greedy:
-        return torch.zeros_like(logits_NV, dtype=torch.float32).scatter_(-1, logits_NV.argmax(-1, keepdim=True), 1.0)
-    logits_NV = logits_NV.float() / sampling.temperature
-    V = logits_NV.shape[-1]
+        return torch.zeros_like(logits_TV, dtype=torch.float32).scatter_(-1, logits_TV.argmax(-1, keepdim=True), 1.0)
+    logits_TV = logits_TV.float() / sampling.temperature
+    V = logits_TV.shape[-1]
     if 0 < sampling.top_k < V:
-        kth_N1 = logits_NV.topk(sampling.top_k, dim=-1).values[..., -1:]
-        logits_NV = logits_NV.masked_fill(logits_NV < kth_N1, float("-inf"))
+        kth_T1 = logits_TV.topk(sampling.top_k, dim=-1).values[..., -1:]
+        logits_TV = logits_TV.masked_fill(logits_TV < kth_T1, float("-inf"))
     if sampling.top_p < 1.0:
-        sorted_NV, order_NV = logits_NV.sort(dim=-1, descending=True)
-        p_sorted_NV = sorted_NV.softmax(-1)
+        sorted_TV, order_TV = logits_TV.sort(dim=-1, descending=True)
+        p_sorted_TV = sorted_TV.softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
-        drop_NV = (p_sorted_NV.cumsum(-1) - p_sorted_NV) >= sampling.top_p
-        logits_NV = logits_NV.scatter(-1, order_NV, sorted_NV.masked_fill(drop_NV, float("-inf")))
-    return logits_NV.softmax(-1)
+        drop_TV = (p_sorted_TV.cumsum(-1) - p_sorted_TV) >= sampling.top_p
+        logits_TV = logits_TV.scatter(-1, order_TV, sorted_TV.masked_fill(drop_TV, float("-inf")))
+    return logits_TV.softmax(-1)
 
 
-def sample_rows(probs_NV: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+def sample_rows(probs_TV: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     """One index per row, drawn with probability proportional to the row's (non-negative,
     not necessarily normalized) entries: the inverse CDF at one uniform per row.
 
@@ -48,18 +48,18 @@ def sample_rows(probs_NV: torch.Tensor, gen: torch.Generator | None) -> torch.Te
     round samples K + 1 times. The CDF is summed in float64 and the uniform is float32
     (< 1 - 2**-24), so u * total < total exactly: the index found is one whose entry is
     > 0 (a zero entry spans an empty interval of the CDF)."""
-    cdf_NV = probs_NV.double().cumsum(-1)
-    u_N1 = torch.rand(probs_NV.shape[0], 1, device=probs_NV.device, generator=gen) * cdf_NV[:, -1:]
-    return torch.searchsorted(cdf_NV, u_N1, right=True)[:, 0]
+    cdf_TV = probs_TV.double().cumsum(-1)
+    u_T1 = torch.rand(probs_TV.shape[0], 1, device=probs_TV.device, generator=gen) * cdf_TV[:, -1:]
+    return torch.searchsorted(cdf_TV, u_T1, right=True)[:, 0]
 
 
-def sample(logits_NV: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None):
-    """One token per row from the sampling distribution -> (idx_N, probs_NV); greedy: the
+def sample(logits_TV: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None):
+    """One token per row from the sampling distribution -> (idx_T, probs_TV); greedy: the
     argmax and None (no softmax: the one-hot needs none)."""
     if sp.greedy:
-        return logits_NV.argmax(-1), None
-    probs_NV = filtered_probs(logits_NV, sp)
-    return sample_rows(probs_NV, gen), probs_NV
+        return logits_TV.argmax(-1), None
+    probs_TV = filtered_probs(logits_TV, sp)
+    return sample_rows(probs_TV, gen), probs_TV
 
 
 def speculative_accept(
@@ -116,10 +116,10 @@ def accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, d2t_Vd, sp: SamplingParams, gen):
     return speculative_accept(p_BLV, d_BK, d_idx_BK, q_BKVd, d2t_Vd, gen)
 
 
-def behaviour_logprobs(logits_NLV: torch.Tensor, tokens_NL: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def behaviour_logprobs(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """log_softmax(logits / T) at the emitted tokens, before top-k/top-p: what RL's
     importance ratio reads. Greedy uses T = 1 (a one-hot would give 0 / -inf, useless to RL)."""
     t = sampling.temperature if not sampling.greedy else 1.0
-    logits_NLV = logits_NLV.float()
-    logp_NLV = torch.log_softmax(logits_NLV / t if t != 1.0 else logits_NLV, dim=-1)
-    return logp_NLV.gather(-1, tokens_NL[..., None])[..., 0]
+    logits_BLV = logits_BLV.float()
+    logp_BLV = torch.log_softmax(logits_BLV / t if t != 1.0 else logits_BLV, dim=-1)
+    return logp_BLV.gather(-1, tokens_BL[..., None])[..., 0]

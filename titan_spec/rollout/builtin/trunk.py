@@ -1,7 +1,6 @@
 """The draft's pending trunk rows: committed positions the draft's cache has not seen yet.
 
-Shape legend: B = active requests, L = rows per request of a segment, C = tap layers,
-D = target dim.
+Shape letters (titan_spec/shapes.py): a segment's L is the positions it holds per request.
 
 A drafting round's proposer first ``extend``s its cache with the positions the last rounds
 committed (each row: the target's taps at t and the token x[t+1]). After a K = 0 round
@@ -38,12 +37,12 @@ class PendingTrunk:
     """Segments (taps_BLCD, tokens_BL, start_B, n_B), one per round since the last drafting
     round, and ``slots``: a host-side bound on their last position + 1 (no sync)."""
 
-    def __init__(self, taps_BPCD, tokens_BP, P_B, y_B, P: int):
+    def __init__(self, taps_BLpCD, tokens_BLp, P_B, y_B, P: int):
         """The prompt's rows t = 0..P-1, which read x[t+1]: the prompt shifted by one, then
         y_B (the first completion token) after each row's last prompt token."""
-        tok_BP = torch.roll(tokens_BP, -1, dims=1)
-        tok_BP[torch.arange(tok_BP.shape[0], device=tok_BP.device), P_B - 1] = y_B
-        self.segments = [(taps_BPCD, tok_BP, torch.zeros_like(P_B), P_B)]
+        tok_BLp = torch.roll(tokens_BLp, -1, dims=1)
+        tok_BLp[torch.arange(tok_BLp.shape[0], device=tok_BLp.device), P_B - 1] = y_B
+        self.segments = [(taps_BLpCD, tok_BLp, torch.zeros_like(P_B), P_B)]
         self.slots = P
 
     def joined(self) -> tuple:

@@ -1,8 +1,5 @@
 """The DFlash block loss under context parallelism: the whole document's context on every rank.
 
-Shape suffix legend: R = local rows, G = rows of the global (unpadded) stream, H = draft
-hidden, V = target vocab.
-
 A block anchored at global row a reads the context rows s .. a-1 of its document, which the
 zigzag split (parallelisms/context_parallel.ZigzagLayout) spreads over every rank, and the
 target's distributions at rows a .. a+J-2, which may sit on the next chunk's rank. So each
@@ -30,21 +27,21 @@ __all__ = ["CPStream"]
 
 
 class _GatherRows(torch.autograd.Function):
-    """x_R of every rank -> x_G in global order; backward: all-reduce, keep this rank's rows."""
+    """x_R of every rank -> x_Tg in global order; backward: all-reduce, keep this rank's rows."""
 
     @staticmethod
-    def forward(ctx, x_R, order_G, group, rank):
+    def forward(ctx, x_R, order_Tg, group, rank):
         parts = [torch.empty_like(x_R) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x_R.contiguous(), group=group)
-        ctx.save_for_backward(order_G)
+        ctx.save_for_backward(order_Tg)
         ctx.group, ctx.rank, ctx.rows, ctx.shape = group, rank, x_R.shape[0], tuple(parts[0].shape)
-        return torch.cat(parts)[order_G]
+        return torch.cat(parts)[order_Tg]
 
     @staticmethod
-    def backward(ctx, grad_G):
-        (order_G,) = ctx.saved_tensors
+    def backward(ctx, grad_Tg):
+        (order_Tg,) = ctx.saved_tensors
         cp = dist.get_world_size(ctx.group)
-        full = grad_G.new_zeros((cp * ctx.rows, *ctx.shape[1:])).index_add_(0, order_G, grad_G)
+        full = grad_Tg.new_zeros((cp * ctx.rows, *ctx.shape[1:])).index_add_(0, order_Tg, grad_Tg)
         dist.all_reduce(full, group=ctx.group)
         return full[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None, None, None
 
@@ -60,19 +57,19 @@ class CPStream:
         real = index >= 0
         order = torch.empty(layout.global_len, dtype=torch.long)
         order[index[real]] = torch.arange(cp * R)[real]
-        self.order_G = order.to(device)
+        self.order_Tg = order.to(device)
         """Row of the all-gathered [cp*R] stream that holds global row g."""
-        self.owner_G, self.local_G = order // R, order % R
-        self.positions_G = torch.cat([torch.arange(n) for n in layout.doc_lens]) if layout.doc_lens else order
+        self.owner_Tg, self.local_Tg = order // R, order % R
+        self.positions_Tg = torch.cat([torch.arange(n) for n in layout.doc_lens]) if layout.doc_lens else order
         self.doc_bounds = [0]
         for n in layout.doc_lens:
             self.doc_bounds.append(self.doc_bounds[-1] + n)
 
     def gather(self, x_R: torch.Tensor) -> torch.Tensor:
-        """x_G: every rank's rows in global order (differentiable)."""
-        return _GatherRows.apply(x_R, self.order_G, self.group, self.rank)
+        """x_Tg: every rank's rows in global order (differentiable)."""
+        return _GatherRows.apply(x_R, self.order_Tg, self.group, self.rank)
 
     def gather_labels(self, labels_R: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(labels_R) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, labels_R.contiguous(), group=self.group)
-        return torch.cat(parts)[self.order_G]
+        return torch.cat(parts)[self.order_Tg]

@@ -1,9 +1,6 @@
 """DFlash as a draft kind (``draft.kind = "dflash"``): models/draft/base.DraftKind over model.py
 (the block draft), loss.py (its block loss), context.py (the loss under context parallelism),
 io.py (vLLM's directory) and proposer.py (the built-in engine's block proposer).
-
-Shape legend: B = batch rows, L = row length, T = B*L packed tokens, V = target vocab,
-S = block_size - 1 loss positions.
 """
 
 from __future__ import annotations
@@ -40,13 +37,13 @@ class _Blocks:
         labels_T = labels_BL.reshape(-1)
         self.stream = CPStream(meta, labels_T.device) if _is_cp_shard(meta) else None
         if self.stream is None:
-            self.labels_S, self.positions_S = labels_T, positions_BL.reshape(-1)
-            self.plan = block_plan(doc_bounds_of(positions_BL), self.labels_S, cfg.dflash.anchors_per_doc)
+            self.labels_Tg, self.positions_Tg = labels_T, positions_BL.reshape(-1)
+            self.plan = block_plan(doc_bounds_of(positions_BL), self.labels_Tg, cfg.dflash.anchors_per_doc)
         else:
             st = self.stream
-            self.labels_S, self.positions_S = st.gather_labels(labels_T), st.positions_G.to(labels_T.device)
-            self.plan = block_plan(st.doc_bounds, self.labels_S, cfg.dflash.anchors_per_doc, st.owner_G == st.rank, st.local_G)
-        self.valid = block_valid(self.plan, self.labels_S, cfg.dflash.block_size)
+            self.labels_Tg, self.positions_Tg = st.gather_labels(labels_T), st.positions_Tg.to(labels_T.device)
+            self.plan = block_plan(st.doc_bounds, self.labels_Tg, cfg.dflash.anchors_per_doc, st.owner_Tg == st.rank, st.local_Tg)
+        self.valid = block_valid(self.plan, self.labels_Tg, cfg.dflash.block_size)
 
     def counts(self) -> torch.Tensor:
         return torch.stack([v.sum() for _, v in self.valid])
@@ -61,8 +58,8 @@ class _Blocks:
         if block_size <= 2:
             return [logits_TV[rows_A]]
         halo = TTTHalo(meta, block_size - 2, logits_TV.device)
-        logits_E = halo.extend(logits_TV)
-        return [logits_TV[rows_A]] + [logits_E[src_R[rows_A]] for src_R in halo.sources()]
+        logits_Rh = halo.extend(logits_TV)
+        return [logits_TV[rows_A]] + [logits_Rh[src_R[rows_A]] for src_R in halo.sources()]
 
 
 class DFlashKind(DraftKind):
@@ -107,7 +104,7 @@ class DFlashKind(DraftKind):
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         gather = blocks.stream.gather if blocks.stream is not None else None
         # Through forward: FSDP's hooks gather the parameters.
-        return model(hidden, taps.embeds_BLD.detach().reshape(T, -1), blocks.positions_S, blocks.plan, targets,
+        return model(hidden, taps.embeds_BLD.detach().reshape(T, -1), blocks.positions_Tg, blocks.plan, targets,
                      cfg.loss_decay, count_S, gather)
 
     # --- export / import ---------------------------------------------------------------

@@ -1,9 +1,7 @@
 """The DFlash block loss over a packed batch: blocks anchored in each document, predicted in one forward.
 
-Shape legend: T = packed tokens (rows of the flat stream), S = rows of the context stream (T in
-one process; the global stream under context parallelism), A = blocks (anchors), J = block rows
-(draft.dflash.block_size), H = hidden, N / K / Hd = heads / kv heads / head dim, Vd = draft vocab,
-V = target vocab, S = J - 1 loss positions.
+Shape letters (titan_spec/shapes.py): T is this rank's rows, Tg the context stream (T in one
+process, the global stream under context parallelism).
 
 Mirrors inference (proposer.py): a block anchored at row a
   - holds the known token x[a] (its target embedding) at position pos[a], then J - 1 masked
@@ -50,7 +48,7 @@ class BlockPlan(NamedTuple):
 
     rows_A: torch.Tensor
     """Local row of each block's known token (its embedding, the target's logits there)."""
-    anchors_S: torch.Tensor
+    anchors_A: torch.Tensor
     """The same rows in the context stream, ascending."""
     doc_end_A: torch.Tensor
     """One past the last context-stream row of the anchor's document."""
@@ -68,12 +66,12 @@ def doc_bounds_of(positions_BL: torch.Tensor) -> list[int]:
     return starts_BL.reshape(-1).nonzero().squeeze(1).tolist() + [B * L]
 
 
-def block_plan(bounds: list[int], labels_S: torch.Tensor, per_doc: int, owner_S=None, local_S=None) -> BlockPlan:
+def block_plan(bounds: list[int], labels_Tg: torch.Tensor, per_doc: int, owner_Tg=None, local_Tg=None) -> BlockPlan:
     """The blocks of a stream cut at ``bounds``: at most ``per_doc`` rows of each document's
-    loss region, evenly spaced. ``owner_S`` (a bool per row: this rank's) and ``local_S`` (its
-    local row) keep a CP rank's blocks; None: every block, rows_A = anchors_S."""
-    cand = (labels_S.cpu() != IGNORE_INDEX).nonzero().squeeze(1)
-    mine = owner_S.cpu() if owner_S is not None else None
+    loss region, evenly spaced. ``owner_Tg`` (a bool per row: this rank's) and ``local_Tg`` (its
+    local row) keep a CP rank's blocks; None: every block, rows_A = anchors_A."""
+    cand = (labels_Tg.cpu() != IGNORE_INDEX).nonzero().squeeze(1)
+    mine = owner_Tg.cpu() if owner_Tg is not None else None
     anchors, ends, groups = [], [], []
     for s, e in zip(bounds[:-1], bounds[1:]):
         lo, hi = torch.searchsorted(cand, torch.tensor([s, e])).tolist()
@@ -89,21 +87,21 @@ def block_plan(bounds: list[int], labels_S: torch.Tensor, per_doc: int, owner_S=
         groups.append((len(anchors), len(anchors) + picked.numel(), s, e))
         anchors += picked.tolist()
         ends += [e] * picked.numel()
-    dev = labels_S.device
-    anchors_S = torch.tensor(anchors, dtype=torch.long, device=dev)
-    rows_A = anchors_S if local_S is None else local_S.to(dev)[anchors_S]
-    return BlockPlan(rows_A, anchors_S, torch.tensor(ends, dtype=torch.long, device=dev), groups)
+    dev = labels_Tg.device
+    anchors_A = torch.tensor(anchors, dtype=torch.long, device=dev)
+    rows_A = anchors_A if local_Tg is None else local_Tg.to(dev)[anchors_A]
+    return BlockPlan(rows_A, anchors_A, torch.tensor(ends, dtype=torch.long, device=dev), groups)
 
 
-def block_valid(plan: BlockPlan, labels_S: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def block_valid(plan: BlockPlan, labels_Tg: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per block row k = 1 .. J-1: (src_A = a + k - 1 in the context stream, clamped inside the
     document; valid_A: inside the document and in the loss region). Pure index math."""
     out = []
     for k in range(1, block_size):
-        idx = plan.anchors_S + k - 1
+        idx = plan.anchors_A + k - 1
         inside = idx < plan.doc_end_A
-        src = torch.where(inside, idx, plan.anchors_S)
-        out.append((src, inside & (labels_S[src] != IGNORE_INDEX)))
+        src = torch.where(inside, idx, plan.anchors_A)
+        out.append((src, inside & (labels_Tg[src] != IGNORE_INDEX)))
     return out
 
 
@@ -125,45 +123,45 @@ def block_targets(draft: nn.Module, rows: list[tuple[torch.Tensor, torch.Tensor]
     return out
 
 
-def _attend(draft: nn.Module, plan: BlockPlan, q_QNH, k_QKH, v_QKH, kc_SKH, vc_SKH):
+def _attend(draft: nn.Module, plan: BlockPlan, q_QNHd, k_QKvHd, v_QKvHd, kc_TgKvHd, vc_TgKvHd):
     """Each document's block rows over its context rows < anchor and their own block."""
     a, J = draft.arch, draft.arch.block_size
     scale = a.head_dim**-0.5
     outs = []
     for a0, a1, s, e in plan.groups:
         q0, q1 = a0 * J, a1 * J
-        anchor_Q = plan.anchors_S[a0:a1].repeat_interleave(J)
-        block_Q = torch.arange(a1 - a0, device=q_QNH.device).repeat_interleave(J)
-        ctx_mask = torch.arange(s, e, device=q_QNH.device)[None, :] < anchor_Q[:, None]
+        anchor_Q = plan.anchors_A[a0:a1].repeat_interleave(J)
+        block_Q = torch.arange(a1 - a0, device=q_QNHd.device).repeat_interleave(J)
+        ctx_mask = torch.arange(s, e, device=q_QNHd.device)[None, :] < anchor_Q[:, None]
         own_mask = block_Q[:, None] == block_Q[None, :]
-        keys = torch.cat([kc_SKH[s:e], k_QKH[q0:q1]]).transpose(0, 1)
-        vals = torch.cat([vc_SKH[s:e], v_QKH[q0:q1]]).transpose(0, 1)
-        o_NQH = F.scaled_dot_product_attention(
-            q_QNH[q0:q1].transpose(0, 1), keys, vals, attn_mask=torch.cat([ctx_mask, own_mask], dim=1),
+        keys = torch.cat([kc_TgKvHd[s:e], k_QKvHd[q0:q1]]).transpose(0, 1)
+        vals = torch.cat([vc_TgKvHd[s:e], v_QKvHd[q0:q1]]).transpose(0, 1)
+        o_NQHd = F.scaled_dot_product_attention(
+            q_QNHd[q0:q1].transpose(0, 1), keys, vals, attn_mask=torch.cat([ctx_mask, own_mask], dim=1),
             scale=scale, enable_gqa=a.n_heads != a.n_kv_heads,
         )
-        outs.append(o_NQH.transpose(0, 1))
-    return torch.cat(outs) if outs else q_QNH * 0
+        outs.append(o_NQHd.transpose(0, 1))
+    return torch.cat(outs) if outs else q_QNHd * 0
 
 
-def block_loss(draft: nn.Module, taps, embeds_TH, positions_S, plan: BlockPlan, targets, decay: float = 0.8,
+def block_loss(draft: nn.Module, taps, embeds_TH, positions_Tg, plan: BlockPlan, targets, decay: float = 0.8,
                count_S: torch.Tensor | None = None, gather=None) -> DraftLossResult:
     """The draft's block loss, for ``targets = block_targets(...)``. ``taps``: the C local tap
-    tensors [T, Dt] and ``embeds_TH`` the local embeddings (detached here); ``positions_S``: of
+    tensors [T, D] and ``embeds_TH`` the local embeddings (detached here); ``positions_Tg``: of
     the context stream, which ``gather`` makes from the local context rows (None: they are
     it). ``count_S`` (valid rows per block row, summed over the data-parallel ranks)
     normalizes the loss when given, else the local counts do."""
     J, A, H = draft.arch.block_size, plan.rows_A.numel(), embeds_TH.shape[-1]
-    ctx_SH = draft.context(tuple(t.detach() for t in taps))
+    ctx_TgH = draft.context(tuple(t.detach() for t in taps))
     if gather is not None:
-        ctx_SH = gather(ctx_SH)
-    pos_Q = (positions_S[plan.anchors_S][:, None] + torch.arange(J, device=positions_S.device)).reshape(-1)
+        ctx_TgH = gather(ctx_TgH)
+    pos_Q = (positions_Tg[plan.anchors_A][:, None] + torch.arange(J, device=positions_Tg.device)).reshape(-1)
     known_A1H = embeds_TH.detach()[plan.rows_A][:, None]
     h_QH = torch.cat([known_A1H, draft.mask_embedding.to(known_A1H.dtype).expand(A, J - 1, H)], dim=1).reshape(A * J, H)
     for i in range(draft.arch.n_layers):
-        kc_SKH, vc_SKH = draft.context_kv(i, ctx_SH, positions_S)
-        q_QNH, k_QKH, v_QKH = draft.block_qkv(i, h_QH, pos_Q)
-        h_QH = draft.block_finish(i, h_QH, _attend(draft, plan, q_QNH, k_QKH, v_QKH, kc_SKH, vc_SKH))
+        kc_TgKvHd, vc_TgKvHd = draft.context_kv(i, ctx_TgH, positions_Tg)
+        q_QNHd, k_QKvHd, v_QKvHd = draft.block_qkv(i, h_QH, pos_Q)
+        h_QH = draft.block_finish(i, h_QH, _attend(draft, plan, q_QNHd, k_QKvHd, v_QKvHd, kc_TgKvHd, vc_TgKvHd))
     logits_AJVd = draft.logits(h_QH).view(A, J, -1)
 
     loss_sum, counts, correct, terms = [], [], [], []

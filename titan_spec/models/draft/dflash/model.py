@@ -1,11 +1,7 @@
 """The DFlash block draft, laid out as vLLM 0.32's ``DFlashQwen3ForCausalLM`` loads it
 (vllm/model_executor/models/qwen3_dflash.py, architecture "DFlashDraftModel").
 
-Shape legend: T = context rows (packed tokens), C = tap layers, Dt = target hidden,
-H = draft hidden (the target's: the known token's embedding is the target's), Q = block rows,
-N = query heads, K = kv heads, Hd = head dim, Vd = draft vocab, V = target vocab.
-
-    fc:            Linear(C*Dt -> H, no bias)   the tapped target features of a context position
+    fc:            Linear(C*D -> H, no bias)    the tapped target features of a context position
     hidden_norm:   RMSNorm(H)                   ctx = hidden_norm(fc(taps)), shared by every layer
     layers[i]:     Qwen3 decoder layers (q_norm / k_norm per head, rotate-half rotary).
                    The queries are the block: the embedding of its known token, then
@@ -140,26 +136,26 @@ class DFlashDraft(VocabMaps, nn.Module):
         init_draft_weights(self, std)
         nn.init.normal_(self.mask_embedding, std=std)
 
-    def forward(self, taps, embeds_TH, positions_S, plan, targets, decay: float = 0.8, count_S=None, gather=None):
+    def forward(self, taps, embeds_TH, positions_Tg, plan, targets, decay: float = 0.8, count_S=None, gather=None):
         """The block loss (loss.py). Going through forward lets FSDP's hooks gather the parameters."""
-        return block_loss(self, taps, embeds_TH, positions_S, plan, targets, decay, count_S, gather)
+        return block_loss(self, taps, embeds_TH, positions_Tg, plan, targets, decay, count_S, gather)
 
     # --- the pieces, shared by the loss and the cached proposer ----------------------------
 
     def context(self, taps: tuple[torch.Tensor, ...] | torch.Tensor) -> torch.Tensor:
-        """ctx_TH = hidden_norm(fc(cat(taps))); ``taps``: one [..., C*Dt] tensor or C [..., Dt] ones."""
+        """ctx_TH = hidden_norm(fc(cat(taps))); ``taps``: one [..., C*D] tensor or C [..., D] ones."""
         x = taps if isinstance(taps, torch.Tensor) else torch.cat(list(taps), dim=-1)
         return self.hidden_norm(self.fc(x))
 
     def context_kv(self, i: int, ctx_TH: torch.Tensor, pos_T: torch.Tensor):
-        """Layer i's keys (k_norm, rotary at pos_T) and values of context rows -> (k_TKH, v_TKH)."""
+        """Layer i's keys (k_norm, rotary at pos_T) and values of context rows -> (k_TKvHd, v_TKvHd)."""
         a, attn = self.arch, self.layers[i].self_attn
         T = ctx_TH.shape[0]
         k = attn.k_norm(attn.k_proj(ctx_TH).view(T, a.n_kv_heads, a.head_dim))
         return apply_rotary(k, pos_T, a.rope_theta), attn.v_proj(ctx_TH).view(T, a.n_kv_heads, a.head_dim)
 
     def block_qkv(self, i: int, h_QH: torch.Tensor, pos_Q: torch.Tensor):
-        """Layer i's (q_QNH, k_QKH, v_QKH) of block rows: input norm, projections, q/k norms, rotary."""
+        """Layer i's (q_QNHd, k_QKvHd, v_QKvHd) of block rows: input norm, projections, q/k norms, rotary."""
         a, layer = self.arch, self.layers[i]
         attn, Q = layer.self_attn, h_QH.shape[0]
         x = layer.input_layernorm(h_QH)
@@ -168,10 +164,10 @@ class DFlashDraft(VocabMaps, nn.Module):
         v = attn.v_proj(x).view(Q, a.n_kv_heads, a.head_dim)
         return apply_rotary(q, pos_Q, a.rope_theta), apply_rotary(k, pos_Q, a.rope_theta), v
 
-    def block_finish(self, i: int, h_QH: torch.Tensor, attn_QNH: torch.Tensor) -> torch.Tensor:
+    def block_finish(self, i: int, h_QH: torch.Tensor, attn_QNHd: torch.Tensor) -> torch.Tensor:
         """Layer i's output: the attention's residual, then the MLP's."""
         layer = self.layers[i]
-        r = h_QH + layer.self_attn.o_proj(attn_QNH.flatten(1))
+        r = h_QH + layer.self_attn.o_proj(attn_QNHd.flatten(1))
         return r + layer.mlp(layer.post_attention_layernorm(r))
 
     def logits(self, h_QH: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,6 @@
 and one forward over a block that proposes block_size - 1 tokens (``DFlashKind.cached_proposer``;
 the protocol: models/draft/base.BlockProposer).
 
-Shape legend: B = batch rows (requests), L = new context rows per request this call, J = block
-rows (block_size), S = cache slots / positions, C = tap layers, D = target dim, H = draft
-hidden, N = query heads, K = kv heads, Hd = head dim, Vd = draft vocab.
-
 As in vLLM's DFlash proposer (vllm/v1/spec_decode/dflash.py): ``extend`` writes the committed
 positions' context K/V (the draft's ``context_kv`` of hidden_norm(fc(taps))) into slots ==
 positions, as ``precompute_and_store_context_kv`` does; ``propose`` runs the block [y, mask,
@@ -58,7 +54,7 @@ class CachedBlockDraft:
         """Write the context K/V of positions start .. start+L-1 (rows past n_B write slots that
         no query sees before the next call overwrites them: models/kv_cache.py)."""
         pos_BL = start_B[:, None] + torch.arange(tokens_BL.shape[1], device=tokens_BL.device)[None, :]
-        self._extend(taps_BLCD, step_indices(pos_BL, mask=False), self.cache.k_YBKSH, self.cache.v_YBKSH)
+        self._extend(taps_BLCD, step_indices(pos_BL, mask=False), self.cache.k_YBKvSlHd, self.cache.v_YBKvSlHd)
 
     def propose(self, y_B: torch.Tensor, c_B: torch.Tensor, n_slots: int, weights: tuple | None = None) -> torch.Tensor:
         """The block at positions c .. c+J-1 -> logits_BJVd of block rows 1 .. J-1 (the proposals
@@ -68,25 +64,25 @@ class CachedBlockDraft:
         # Every block row sees the context and the whole block: all slots <= c+J-1.
         mask = causal_slot_mask((c_B + J - 1)[:, None].expand(-1, J), n_slots)
         rows_BJ = torch.arange(c_B.shape[0], device=c_B.device)[:, None].expand_as(pos_BJ)
-        return self._propose(y_B, Step(rows_BJ, pos_BJ, mask), self.cache.k_YBKSH, self.cache.v_YBKSH)
+        return self._propose(y_B, Step(rows_BJ, pos_BJ, mask), self.cache.k_YBKvSlHd, self.cache.v_YBKvSlHd)
 
-    def _extend_core(self, taps_BLCD, st: Step, k_YBKSH, v_YBKSH):
+    def _extend_core(self, taps_BLCD, st: Step, k_YBKvSlHd, v_YBKvSlHd):
         d = self.draft
         B, L = st.pos_BL.shape
         ctx_TH = d.context(taps_BLCD.flatten(2)).reshape(B * L, -1)
         for i in range(d.arch.n_layers):
-            k_TKH, v_TKH = d.context_kv(i, ctx_TH, st.pos_BL.reshape(-1))
-            write_kv(k_YBKSH[i], v_YBKSH[i], st, k_TKH.view(B, L, *k_TKH.shape[1:]), v_TKH.view(B, L, *v_TKH.shape[1:]))
+            k_TKvHd, v_TKvHd = d.context_kv(i, ctx_TH, st.pos_BL.reshape(-1))
+            write_kv(k_YBKvSlHd[i], v_YBKvSlHd[i], st, k_TKvHd.view(B, L, *k_TKvHd.shape[1:]), v_TKvHd.view(B, L, *v_TKvHd.shape[1:]))
 
-    def _propose_core(self, y_B, st: Step, k_YBKSH, v_YBKSH):
+    def _propose_core(self, y_B, st: Step, k_YBKvSlHd, v_YBKvSlHd):
         d = self.draft
         B, J = st.pos_BL.shape
         known_B1H = self.embed(y_B)[:, None]
         h_BJH = torch.cat([known_B1H, d.mask_embedding.to(known_B1H.dtype).expand(B, J - 1, -1)], dim=1)
         pos_Q = st.pos_BL.reshape(-1)
         for i in range(d.arch.n_layers):
-            q_QNH, k_QKH, v_QKH = d.block_qkv(i, h_BJH.reshape(B * J, -1), pos_Q)
-            write_kv(k_YBKSH[i], v_YBKSH[i], st, k_QKH.view(B, J, *k_QKH.shape[1:]), v_QKH.view(B, J, *v_QKH.shape[1:]))
-            out_BJNH = attend(k_YBKSH[i], v_YBKSH[i], st, q_QNH.view(B, J, *q_QNH.shape[1:]), self.scale, self._gqa)
-            h_BJH = d.block_finish(i, h_BJH.reshape(B * J, -1), out_BJNH.reshape(B * J, *out_BJNH.shape[2:])).view(B, J, -1)
+            q_QNHd, k_QKvHd, v_QKvHd = d.block_qkv(i, h_BJH.reshape(B * J, -1), pos_Q)
+            write_kv(k_YBKvSlHd[i], v_YBKvSlHd[i], st, k_QKvHd.view(B, J, *k_QKvHd.shape[1:]), v_QKvHd.view(B, J, *v_QKvHd.shape[1:]))
+            out_BJNHd = attend(k_YBKvSlHd[i], v_YBKvSlHd[i], st, q_QNHd.view(B, J, *q_QNHd.shape[1:]), self.scale, self._gqa)
+            h_BJH = d.block_finish(i, h_BJH.reshape(B * J, -1), out_BJNHd.reshape(B * J, *out_BJNHd.shape[2:])).view(B, J, -1)
         return d.logits(h_BJH[:, 1:])

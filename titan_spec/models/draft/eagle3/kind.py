@@ -3,9 +3,6 @@ model.py (the draft), ttt.py (its training-time-test loss), halo.py (TTT under c
 parallelism), io.py (the SGLang / SpecForge directory) and proposer.py (the built-in
 engine's KV-cached decode path).
 
-Shape legend: B = batch rows, L = row length, T = B*L packed tokens, V = target vocab,
-H = hidden, S = TTT steps.
-
 The loss and the normalizer are DraftTraining's former bodies, op for op (the metrics of
 the default chain stay identical).
 """

@@ -1,9 +1,6 @@
 """The EAGLE-3 draft, laid out exactly as SGLang's ``LlamaForCausalLMEagle3`` / SpecForge.
 
-Shape legend: T = packed tokens, H = draft hidden, Ht = target hidden, N = query heads,
-K = kv heads, Hd = head dim, Vd = draft vocab, V = target vocab.
-
-    fc:        Linear(3*Ht -> H)            the three tapped target features -> draft hidden
+    fc:        Linear(3*D -> H)             the three tapped target features -> draft hidden
     midlayer:  one decoder layer whose q/k/v read cat(input_layernorm(embed(tok)), hidden_norm(h))
     norm, lm_head: H -> Vd
     d2t[i]:    target id of draft id i is i + d2t[i];   t2d[v]: target id v is in the draft vocab
@@ -112,15 +109,15 @@ class Eagle3Draft(VocabMaps, nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         init_draft_weights(self, std)
 
-    def forward(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay: float = 0.8, count_S=None):
+    def forward(self, taps_T3D, embeds_TH, positions_T, meta, targets, decay: float = 0.8, count_S=None):
         """The training-time-test loss (models/draft/eagle3/ttt.py). Going through forward (not a helper
         function) lets FSDP's hooks gather the sharded parameters."""
-        return ttt_unroll(self, taps_T3H, embeds_TH, positions_T, meta, targets, decay, count_S)
+        return ttt_unroll(self, taps_T3D, embeds_TH, positions_T, meta, targets, decay, count_S)
 
     # --- one draft step, split around attention -------------------------------------
 
     def qkv(self, h_TH: torch.Tensor, emb_TH: torch.Tensor, pos_T: torch.Tensor):
-        """Returns (q_TNH, k_TKH, v_TKH) with rotary applied at positions pos_T."""
+        """Returns (q_TNHd, k_TKvHd, v_TKvHd) with rotary applied at positions pos_T."""
         a, layer = self.arch, self.midlayer
         x = torch.cat([layer.input_layernorm(emb_TH), layer.hidden_norm(h_TH)], dim=-1)
         T = x.shape[0]
@@ -129,9 +126,9 @@ class Eagle3Draft(VocabMaps, nn.Module):
         v = layer.self_attn.v_proj(x).view(T, a.n_kv_heads, a.head_dim)
         return apply_rotary(q, pos_T, a.rope_theta), apply_rotary(k, pos_T, a.rope_theta), v
 
-    def finish(self, h_TH: torch.Tensor, attn_TNH: torch.Tensor):
+    def finish(self, h_TH: torch.Tensor, attn_TNHd: torch.Tensor):
         """Returns (hidden_TH fed to the next step, logits_TVd)."""
         layer = self.midlayer
-        r = h_TH + layer.self_attn.o_proj(attn_TNH.flatten(1))
+        r = h_TH + layer.self_attn.o_proj(attn_TNHd.flatten(1))
         out = r + layer.mlp(layer.post_attention_layernorm(r))
         return out, self.lm_head(self.norm(out))

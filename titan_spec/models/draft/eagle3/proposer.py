@@ -2,10 +2,6 @@
 what the built-in engine drives to propose K tokens a round (``Eagle3Kind.cached_proposer``;
 the protocol: models/draft/base.CachedProposer).
 
-Shape legend: B = batch rows (requests), L = new rows per request this call, S = cache
-slots / positions, C = tap layers (3), D = target dim, H = draft hidden, N = query heads,
-K = kv heads, Hd = head dim, Vd = draft vocab, F = gate/up features, n = q + k + v heads.
-
 The cache's slot rule (slot == position; the chain's step-j key in slot t+j, where the TTT
 branch key of training sits) is models/kv_cache.py's. The math is the draft's ``qkv`` and
 ``finish`` (model.py) with q/k/v and gate/up fused (models/fused.py) and the rotary angles
@@ -71,7 +67,7 @@ class CachedDraft:
 
     def weights(self) -> tuple[torch.Tensor, ...]:
         """(wqkv, w_gate_up, cos table, sin table), current; pass to extend/step for a batch."""
-        return self._qkv.get(), self._gate_up.get(), self.rotary.cos_SHd, self.rotary.sin_SHd
+        return self._qkv.get(), self._gate_up.get(), self.rotary.cos_SlHd, self.rotary.sin_SlHd
 
     def extend(self, taps_BLCD: torch.Tensor, tokens_BL: torch.Tensor, start_B: torch.Tensor, n_B: torch.Tensor,
                n_slots: int | None = None, weights: tuple | None = None):
@@ -82,43 +78,43 @@ class CachedDraft:
         pos_B1 = pos_BL.gather(1, last_B[:, None])
         st, st_last = step_indices(pos_BL, mask=False), step_indices(pos_B1, n_slots)
         w = self.weights() if weights is None else weights
-        return self._extend(taps_BLCD, tokens_BL, st, st_last, last_B, self.cache.k_YBKSH[0], self.cache.v_YBKSH[0], w)
+        return self._extend(taps_BLCD, tokens_BL, st, st_last, last_B, self.cache.k_YBKvSlHd[0], self.cache.v_YBKvSlHd[0], w)
 
     def step(self, h_BH: torch.Tensor, tokens_B: torch.Tensor, pos_B: torch.Tensor,
              n_slots: int | None = None, weights: tuple | None = None):
         """n_slots: max(pos_B) + 1 when the caller knows it on the host (saves a sync)."""
         st = step_indices(pos_B[:, None], n_slots)
         w = self.weights() if weights is None else weights
-        return self._step(h_BH, tokens_B, st, self.cache.k_YBKSH[0], self.cache.v_YBKSH[0], w)
+        return self._step(h_BH, tokens_B, st, self.cache.k_YBKvSlHd[0], self.cache.v_YBKvSlHd[0], w)
 
     def _qkv_rows(self, h_BLH, tokens_BL, pos_BL, w):
         B, L = tokens_BL.shape
-        ml, (w_qkv, _, cos_SHd, sin_SHd) = self.draft.midlayer, w
+        ml, (w_qkv, _, cos_SlHd, sin_SlHd) = self.draft.midlayer, w
         x_BL2H = torch.cat([rms(self.embed(tokens_BL), ml.input_layernorm), rms(h_BLH, ml.hidden_norm)], dim=-1)
         nq, nk = self.n_heads, self.n_kv_heads
-        qkv_BLnH = F.linear(x_BL2H, w_qkv).view(B, L, nq + 2 * nk, self.head_dim)
+        qkv_BLNfHd = F.linear(x_BL2H, w_qkv).view(B, L, nq + 2 * nk, self.head_dim)
         # q and k heads are adjacent: one rotation for both.
-        qk_BLnH = rotate_half(qkv_BLnH[:, :, : nq + nk], cos_SHd[pos_BL][:, :, None], sin_SHd[pos_BL][:, :, None])
-        return qk_BLnH[:, :, :nq], qk_BLnH[:, :, nq:], qkv_BLnH[:, :, nq + nk :]
+        qk_BLNfHd = rotate_half(qkv_BLNfHd[:, :, : nq + nk], cos_SlHd[pos_BL][:, :, None], sin_SlHd[pos_BL][:, :, None])
+        return qk_BLNfHd[:, :, :nq], qk_BLNfHd[:, :, nq:], qkv_BLNfHd[:, :, nq + nk :]
 
-    def _finish(self, h_BH, attn_BNH, w):
+    def _finish(self, h_BH, attn_BNHd, w):
         # model.py Eagle3Draft.finish, gate/up fused.
         d, ml = self.draft, self.draft.midlayer
-        r_BH = h_BH + F.linear(attn_BNH.flatten(1), ml.self_attn.o_proj.weight)
+        r_BH = h_BH + F.linear(attn_BNHd.flatten(1), ml.self_attn.o_proj.weight)
         gate_BF, up_BF = F.linear(rms(r_BH, ml.post_attention_layernorm), w[1]).chunk(2, dim=-1)
         out_BH = r_BH + F.linear(F.silu(gate_BF) * up_BF, ml.mlp.down_proj.weight)
         return out_BH, F.linear(rms(out_BH, d.norm), d.lm_head.weight)
 
-    def _extend_core(self, taps_BLCD, tokens_BL, st: Step, st_last: Step, last_B, k_BKSH, v_BKSH, w):
+    def _extend_core(self, taps_BLCD, tokens_BL, st: Step, st_last: Step, last_B, k_BKvSlHd, v_BKvSlHd, w):
         h_BLH = F.linear(taps_BLCD.flatten(2), self.draft.fc.weight)
-        q_BLNH, k_BLKH, v_BLKH = self._qkv_rows(h_BLH, tokens_BL, st.pos_BL, w)
-        write_kv(k_BKSH, v_BKSH, st, k_BLKH, v_BLKH)
+        q_BLNHd, k_BLKvHd, v_BLKvHd = self._qkv_rows(h_BLH, tokens_BL, st.pos_BL, w)
+        write_kv(k_BKvSlHd, v_BKvSlHd, st, k_BLKvHd, v_BLKvHd)
         rows_B = st.rows_BL[:, 0]
-        out_B1NH = attend(k_BKSH, v_BKSH, st_last, q_BLNH[rows_B, last_B][:, None], self.scale, self._gqa)
-        return self._finish(h_BLH[rows_B, last_B], out_B1NH[:, 0], w)
+        out_B1NHd = attend(k_BKvSlHd, v_BKvSlHd, st_last, q_BLNHd[rows_B, last_B][:, None], self.scale, self._gqa)
+        return self._finish(h_BLH[rows_B, last_B], out_B1NHd[:, 0], w)
 
-    def _step_core(self, h_BH, tokens_B, st: Step, k_BKSH, v_BKSH, w):
-        q_B1NH, k_B1KH, v_B1KH = self._qkv_rows(h_BH[:, None], tokens_B[:, None], st.pos_BL, w)
-        write_kv(k_BKSH, v_BKSH, st, k_B1KH, v_B1KH)
-        out_B1NH = attend(k_BKSH, v_BKSH, st, q_B1NH, self.scale, self._gqa)
-        return self._finish(h_BH, out_B1NH[:, 0], w)
+    def _step_core(self, h_BH, tokens_B, st: Step, k_BKvSlHd, v_BKvSlHd, w):
+        q_B1NHd, k_B1KvHd, v_B1KvHd = self._qkv_rows(h_BH[:, None], tokens_B[:, None], st.pos_BL, w)
+        write_kv(k_BKvSlHd, v_BKvSlHd, st, k_B1KvHd, v_B1KvHd)
+        out_B1NHd = attend(k_BKvSlHd, v_BKvSlHd, st, q_B1NHd, self.scale, self._gqa)
+        return self._finish(h_BH, out_B1NHd[:, 0], w)

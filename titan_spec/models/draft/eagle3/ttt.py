@@ -1,8 +1,5 @@
 """EAGLE-3 training-time test (TTT): the draft's T-step unroll over a packed batch.
 
-Shape legend: T = packed tokens (rows of the flat stream), H = hidden, V = target vocab,
-Vd = draft vocab, S = TTT steps, N/K/Hd = heads / kv heads / head dim, J = branch steps.
-
 Mirrors inference (docs/ARCHITECTURE.md "Training-time test"): at step j, row t
   - reads the hidden h_j[t]: fc(taps at t) at j = 0, else the draft's own output of
     row t at step j-1;
@@ -86,7 +83,7 @@ def ttt_inputs_for_sequences(target, draft: nn.Module, seqs: list[list[int]], st
 
 def ttt_unroll(
     draft: nn.Module,
-    taps_T3H: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    taps_T3D: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     embeds_TH: torch.Tensor,
     positions_T: torch.Tensor,
     meta: DocMetadata,
@@ -97,7 +94,7 @@ def ttt_unroll(
     """The draft's TTT loss over one packed stream, for ``targets = ttt_targets(...)``.
     ``count_S`` (valid rows per step summed over data-parallel ranks) normalizes the
     loss when given, else the local counts do."""
-    taps = [t.detach() for t in taps_T3H]
+    taps = [t.detach() for t in taps_T3D]
     embeds_TH = embeds_TH.detach()
     scale = draft.arch.head_dim**-0.5
 
