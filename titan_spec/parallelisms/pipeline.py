@@ -87,6 +87,9 @@ class Microbatch(NamedTuple):
     policy_loss: Any = None
     """This microbatch's own policy loss (a co_training.PolicyLoss: RL's PPO-clip carries the
     microbatch's behaviour log-probs and advantages); None = the schedule's loss_fn."""
+    co_loss: Any = None
+    """The trainer's co-training loss (co_training.CoTrainingLoss) when a draft trains on this
+    stage; None = the policy's loss alone."""
 
 
 # ---------------------------------------------------------------------------
@@ -169,36 +172,28 @@ class PipelineLoss:
     (titan_spec/training/co_training.py, policy + lambda * draft) on the microbatch's logits and the
     taps the TapChannel brought.
 
-    The co-training loss is attached once the trainer has built the draft (after the
-    pipeline); until then, and without a draft, the loss is the policy's alone (plain LM
-    training under PP)."""
+    The co-training loss comes with each microbatch (``Microbatch.co_loss``: the trainer
+    builds the draft after the pipeline); without one the loss is the policy's alone (plain
+    LM training under PP)."""
 
     def __init__(self, loss_fn, channel: TapChannel | None, tap_ids: tuple[int, ...]):
         self.loss_fn, self.channel, self.tap_ids = loss_fn, channel, tap_ids
-        self.co_loss = None
         self.policy_losses: list[torch.Tensor] = []
         self.policy_stats: dict[int, tuple[Any, int]] = {}
         """Microbatch index -> (its policy loss's stats, its valid label count) of the last step."""
 
-    def attach(self, co_loss) -> None:
-        """``co_loss``: a co_training.CoTrainingLoss with a draft."""
-        self.co_loss = co_loss
-
-    @property
-    def draft(self):
-        return self.co_loss.draft if self.co_loss is not None else None
-
     def __call__(self, logits_BLV: torch.Tensor, mb: Microbatch, global_valid_tokens: torch.Tensor | None = None):
         policy_loss = mb.policy_loss if mb.policy_loss is not None else self.loss_fn
-        if self.co_loss is None or not torch.is_grad_enabled():
-            if self.co_loss is not None:
+        co_loss = mb.co_loss
+        if co_loss is None or not torch.is_grad_enabled():
+            if co_loss is not None:
                 self.channel.take(mb.index)  # a forward without autograd trains no draft: its taps are dropped
             policy, stats = policy_loss(logits_BLV, mb.labels_BL, global_valid_tokens)
             self._record(mb, policy, stats)
             return policy, None
         got = self.channel.take(mb.index)
         taps = Taps(got[EMBEDS_TAP], tuple(got[k] for k in self.tap_ids))
-        terms = self.co_loss(
+        terms = co_loss(
             policy_loss, logits_BLV, taps, mb.labels_BL, global_valid_tokens,
             positions_BL=mb.positions_BL, attention_meta=mb.attention_masks, draft_count_S=mb.draft_count_S,
         )
@@ -318,6 +313,8 @@ class PipelineRun(NamedTuple):
     device: torch.device
     train_context: Callable[[], Any]
     """The trainer's train context (a context manager factory)."""
+    co_loss: Any = None
+    """The co-training loss when a draft trains on this stage (each Microbatch carries it)."""
 
 
 def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], global_valid_tokens,
@@ -338,9 +335,10 @@ def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], globa
         arg_mbs.append((inputs,))
         kwarg_mbs.append(extra)
         own = policy_loss_mbs[i] if policy_loss_mbs is not None else None
-        targets.append(Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None, own))
-    if loss.draft is not None:
-        count_S = loss.draft.normalizer(
+        targets.append(Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None, own,
+                                  run.co_loss))
+    if run.co_loss is not None:
+        count_S = run.co_loss.draft.normalizer(
             [t.positions_BL for t in targets], [t.labels_BL for t in targets], [t.attention_masks for t in targets]
         )
         targets = [t._replace(draft_count_S=count_S) for t in targets]

@@ -1,6 +1,6 @@
 """titan_spec's TOML config -> torchtitan's ``Trainer.Config``: the resolved target and
-draft (preflight/resolve.py), the parallelize and pipeline functions, the co-training
-optimizers, LR schedules and metrics (training/optimizers.py, training/metrics.py), the
+draft (preflight/resolve.py), the parallelize and pipeline functions, torchtitan's
+optimizers and LR schedules for the policy, the metrics (training/metrics.py), the
 checkpointer; the trainer class by mode (SpecTrainer for SFT and offline draft training,
 RLTrainer for RL)."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import titan_spec  # noqa: F401  (CPU shims before torchtitan)
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.optimizer import ParamGroupConfig, register_moe_load_balancing_hook
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, register_moe_load_balancing_hook
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 
@@ -31,7 +31,6 @@ from titan_spec.preflight.resolve import Made, _made, draft_arch_for, resolve_ar
 from titan_spec.rl.step import RLTrainer
 from titan_spec.training.checkpoint import VerifiedCheckpointManager
 from titan_spec.training.metrics import CoTrainingMetrics
-from titan_spec.training.optimizers import CoTrainingLRSchedulers, CoTrainingOptimizers
 from titan_spec.training.trainer import SpecTrainer
 
 __all__ = ["to_trainer_config"]
@@ -129,13 +128,13 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         dataloader=TaskDataLoader.Config(
             task=cfg.task, step_rows=cfg.training.local_batch_size, document_multiple=document_multiple(cfg)
         ),
-        # The co-training components (training/optimizers.py, metrics.py): torchtitan's,
-        # stepping and logging the draft with the policy.
-        optimizer=CoTrainingOptimizers.Config(
+        # The policy's optimizers and LR schedules: torchtitan's (the trainer's joint step,
+        # training/joint_step.py, steps them with the draft's).
+        optimizer=OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=o.name, optimizer_kwargs=kwargs)],
-            implementation=o.implementation, max_consecutive_skips=cfg.training.max_consecutive_skips,
+            implementation=o.implementation,
         ),
-        lr_scheduler=_config_as(CoTrainingLRSchedulers.Config, cfg.lr_scheduler),
+        lr_scheduler=dataclasses.replace(cfg.lr_scheduler),
         training=training,
         parallelism=cfg.parallelism,
         checkpoint=checkpoint,

@@ -49,7 +49,6 @@ from torchtitan.tools.logging import logger
 
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.rewards import reward_fn, score
-from titan_spec.training.draft import initial_draft
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values, unshard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
@@ -83,20 +82,16 @@ class RLTrainer(SpecTrainer):
     class Config(SpecTrainer.Config):
         pass  # the same fields; its build() makes an RLTrainer
 
+    keeps_starting_draft = True  # its rollout engines start from the draft before RL
+
     def __init__(self, config):
         super().__init__(config)
         spec = config.spec
         self.rl = spec.rl
-        draft = None
-        if self.mode.has_draft:
-            # The draft as it was before RL: the rollout engines start from it and the
-            # frozen-draft baseline keeps it (rebuilt identically on resume).
-            counts = None
-            if not spec.draft.init_from:
-                counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, config.arch.vocab_size)
-            draft = initial_draft(spec.draft, config.draft_arch, counts, config.debug.seed or 0)
-        self.worker = RolloutWorker(spec, config.arch, self.device, draft, costs_dir=spec.job.dump_folder,
-                                    resume_hint=self._resume_hint)
+        # The draft as it was before RL (SpecTrainer's starting draft): the rollout engines
+        # start from it and the frozen-draft baseline keeps it (rebuilt identically on resume).
+        self.worker = RolloutWorker(spec, config.arch, self.device, self.starting_draft,
+                                    costs_dir=spec.job.dump_folder, resume_hint=self._resume_hint)
         # The ranks that hold this rank's data-parallel rank (its CP ranks) share each
         # step's generation (rl/sharing.py); None when it is alone.
         self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
@@ -180,7 +175,7 @@ class RLTrainer(SpecTrainer):
         for _ in range(rl.ppo_epochs):
             for mb in minibatches:
                 record.updates.append(self.update(mb))
-        self.lr_schedulers.step()  # the policy's and the draft's schedules, once per RL step
+        self.joint_step.step_schedules()  # the policy's and the draft's schedules, once per RL step
         record.train_s = time.perf_counter() - record.rollout_done
         record.drift = self.drift.take()
         self.last_step = record
@@ -420,12 +415,14 @@ class RLTrainer(SpecTrainer):
         fb = self._pipelined_forward_backward if pd.pp_enabled else self._forward_backward
         loss, policy_tokens, stats = fb(mb, global_valid_tokens)
         loss = self.account_loss(loss, global_valid_tokens, last=True)
+        # torchtitan's clip returns the global pre-clip norm, also when it is not finite: the guard's input.
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
         )
         self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()  # the policy's step (or the guard's skip), then the draft's (training/optimizers.py)
+        # The policy's step (or the guard's skip), then the draft's (training/joint_step.py).
+        self.joint_step.step(self.step, self._step_loss, grad_norm)
         return UpdateStats(
             loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
             grad_norm=grad_norm, policy_tokens=policy_tokens, **stats,

@@ -64,13 +64,16 @@ class DraftTraining(Stateful):
         dp_mesh,
         lr_scheduler_cfg,
         training_steps: int,
-        token_counts_V: torch.Tensor | None,
-        seed: int,
+        token_counts_V: torch.Tensor | None = None,
+        seed: int = 0,
+        start: torch.nn.Module | None = None,
         max_consecutive_skips: int = 3,
     ):
+        """``start``: the draft before training (``initial_draft``), trained in place; None:
+        built here from ``token_counts_V`` and ``seed``."""
         self.cfg = cfg
         self.kind = draft_kind(cfg.kind)
-        draft = initial_draft(cfg, arch, token_counts_V, seed)
+        draft = start if start is not None else initial_draft(cfg, arch, token_counts_V, seed)
         draft.to(device)
         self.dp_mesh = dp_mesh
         if dp_mesh is not None:
@@ -121,8 +124,8 @@ class DraftTraining(Stateful):
         """Clip, then apply the AdamW step unless the step's draft loss or its (global)
         gradient norm is not finite. Returns whether the step was applied (the same on every
         rank of the draft's mesh). The LR schedule (``scheduler``) advances separately, with
-        the policy's (SpecTrainer wraps lr_schedulers.step): an RL step may take several
-        optimizer steps on one schedule step."""
+        the policy's (training/joint_step.py): an RL step may take several optimizer steps
+        on one schedule step."""
         params = [p for p in self.draft.parameters()]
         if fault("nan_grad_draft", step) and (self.dp_mesh is None or self.dp_mesh.get_local_rank() == 0):
             inject_nan_grad(params)

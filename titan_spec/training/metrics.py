@@ -4,7 +4,7 @@
 (``to_trainer_config``) and called the same way (``metrics_processor.log(...)``, from
 torchtitan's ``train_step`` or the RL step). What it adds:
 
-- the trainer's step metrics (``join``: the draft's loss and accuracy per TTT step, the
+- the trainer's step metrics (``Config.step_metrics``, given as the trainer is built: the draft's loss and accuracy per TTT step, the
   guard's skip count, the RL step's metrics) next to torchtitan's, on the console, in
   TensorBoard and in the row; ``loss`` / ``max_loss`` among them replace torchtitan's
   reductions (a skipped non-finite step's true loss; CP's max over pooled shards);
@@ -33,17 +33,14 @@ __all__ = ["CoTrainingMetrics"]
 class CoTrainingMetrics(MetricsProcessor):
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
-        pass  # torchtitan's fields; its build() makes a CoTrainingMetrics
+        step_metrics: Callable[[], dict[str, Any]] = dict
+        """The trainer's metrics of the step being logged (collective: every rank calls it at
+        every log); the trainer passes its own ``step_metrics``."""
 
     def __init__(self, config: Config, *, dump_folder: str = "./outputs", **kwargs) -> None:
         super().__init__(config, dump_folder=dump_folder, **kwargs)
         self.path = os.path.join(dump_folder, "metrics.jsonl")
-        self._step_metrics: Callable[[], dict[str, Any]] = dict
-
-    def join(self, step_metrics: Callable[[], dict[str, Any]]) -> None:
-        """``step_metrics()``: the trainer's metrics of the step being logged (collective:
-        every rank calls it at every log)."""
-        self._step_metrics = step_metrics
+        self._step_metrics = config.step_metrics
 
     def is_writer(self) -> bool:
         """The first rank of the last pipeline stage (torchtitan's loss-visible rank)."""

@@ -14,13 +14,12 @@ each capability titan_spec adds hooks in at one of the parent's seams:
   policy + lambda * draft is backpropagated (titan_spec/training/co_training.py);
 - ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
   stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
-- ``forward_backward_step``: the guard's bookkeeping (the step's loss and global pre-clip
-  gradient norm, handed to the optimizers with ``record``);
-- the components, built by torchtitan from the trainer config (``to_trainer_config``) and
-  called plainly by its ``train_step``: ``optimizers`` (training/optimizers.py: the
-  finiteness guard, finite.py, decides the policy's step; the draft's own step follows),
-  ``lr_schedulers`` (the policy's and the draft's), ``metrics_processor``
-  (training/metrics.py: metrics.jsonl and this trainer's ``step_metrics``);
+- ``forward_backward_step``: the guard's bookkeeping (the step's loss and, after the last
+  call, the global pre-clip gradient norm);
+- the joint update (training/joint_step.py ``JointStep``: the guarded policy step, the
+  draft's step, both LR schedules) over torchtitan's containers of the policy; torchtitan's
+  ``train_step`` reaches it under the names ``optimizers`` and ``lr_schedulers``;
+- ``metrics_processor`` (training/metrics.py: metrics.jsonl and this trainer's ``step_metrics``);
 - ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
   sharded over the cp ranks (parallelisms/cp_batch.py);
 - ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
@@ -31,16 +30,17 @@ each capability titan_spec adds hooks in at one of the parent's seams:
 
 One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
 -> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
-loss) -> clip -> optimizers.step (policy, then draft) -> lr_schedulers.step -> metrics.
+loss) -> clip -> the joint step (policy, then draft) -> both schedules -> metrics.
 
 One RL step (titan_spec/rl/step.py) has its own ``train_step`` and uses the same
 pieces: ``begin_step``, ``post_dataloading_process``, ``co_train_forward_backward``,
-``account_loss``, ``optimizers.step`` and ``lr_schedulers.step``.
+``account_loss``, ``joint_step.step`` and ``joint_step.step_schedules``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -55,8 +55,9 @@ from torchtitan.trainer import Trainer
 from titan_spec import platform
 from titan_spec.training.co_training import CoTrainingLoss, LossTerms
 from titan_spec.config import TitanSpecConfig
-from titan_spec.training.draft import DraftTraining, under_dump_folder
+from titan_spec.training.draft import DraftTraining, initial_draft, under_dump_folder
 from titan_spec.training.finite import fault, global_grad_norm, inject_nan_grad
+from titan_spec.training.joint_step import JointStep, TorchtitanCalls
 from titan_spec.models.attention import DocCausalAttention
 from titan_spec.models.hf_io import load_hf_into, save_hf
 from titan_spec.parallelisms.cp_batch import shard_batch
@@ -82,18 +83,20 @@ class SpecTrainer(Trainer):
             # The parent logs and saves this; the nested titan_spec config is plain data.
             out = Trainer.Config.to_dict(self)
             out["spec"] = dataclasses.asdict(self.spec)
+            out["metrics"].pop("step_metrics", None)  # the trainer's method, not configuration
             for name in ("arch", "draft_arch"):
                 value = getattr(self, name)
                 out[name] = dataclasses.asdict(value) if value is not None else None
             return out
 
     def __init__(self, config: Config):
+        # torchtitan builds the metrics processor; this trainer's step metrics join its every log.
+        config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, step_metrics=self.step_metrics))
         super().__init__(config)
         spec = config.spec
         platform.init_like_unsharded(self.model_parts, self.model_config, config.debug.seed)
         if torch.distributed.get_rank() == 0:
             self.tokenizer.save(config.dump_folder)
-        self.metrics_processor.join(self.step_metrics)
         if spec.model.hf_checkpoint:
             # A resumed run restores its own weights over these in train() (checkpointer.load).
             for part in self.model_parts:
@@ -108,30 +111,48 @@ class SpecTrainer(Trainer):
         self.mode = spec.mode
         """What the run trains and serves (config/mode.py), read once."""
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
-        self.draft_training = self._build_draft_training() if self.mode.trains_draft and on_draft_stage else None
+        trains_draft_here = self.mode.trains_draft and on_draft_stage
+        keep = self.keeps_starting_draft and self.mode.has_draft
+        start = self._starting_draft() if keep or trains_draft_here else None
+        self.starting_draft: torch.nn.Module | None = start if keep else None
+        """The draft before training (unsharded), kept where ``keeps_starting_draft``."""
+        self.draft_training = (self._build_draft_training(copy.deepcopy(start) if keep else start)
+                               if trains_draft_here else None)
         self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=self.mode.trains != "draft")
-        if self.draft_training is not None and self.parallel_dims.pp_enabled:
-            self.pp_loss.attach(self.co_loss)
-        # The draft steps with the policy: optimizers.step() applies (or skips) the policy's
-        # step, then the draft's; lr_schedulers.step() advances both schedules.
-        self.optimizers.join_draft(self.draft_training, self._last_good)
-        self.lr_schedulers.join_draft(self.draft_training)
+        # The joint update (training/joint_step.py) over torchtitan's containers of the policy.
+        self.joint_step = JointStep(self.optimizers, self.lr_schedulers, self.draft_training,
+                                    max_consecutive_skips=config.training.max_consecutive_skips,
+                                    last_good=self._last_good)
+        # torchtitan's train_step (SFT) clips, then calls self.optimizers.step() and
+        # self.lr_schedulers.step() without arguments: under those names, the joint step's two
+        # functions (the checkpointer keeps torchtitan's containers, so their state keys).
+        calls = TorchtitanCalls(self.joint_step, lambda: (self.step, self._step_loss, self._pre_clip_norm))
+        self.optimizers, self.lr_schedulers = calls.optimizers, calls.schedules
         self._fb_calls = 0
         self._step_loss: torch.Tensor | None = None
+        self._pre_clip_norm: torch.Tensor | None = None  # SFT: the guard's norm (torchtitan's clip keeps its own)
         self._cp_sums = torch.zeros(2, dtype=torch.float64)  # CP: this shard's [loss sum, valid tokens]
         self._metrics_trimmed = False
 
-    def _build_draft_training(self) -> DraftTraining:
+    keeps_starting_draft = False
+    """Whether the trainer keeps the draft before training (RL: its rollout engines start from it)."""
+
+    def _starting_draft(self) -> torch.nn.Module:
+        """The draft before training, built once (training/draft.py initial_draft)."""
+        spec = self.config.spec
+        counts = None
+        if not spec.draft.init_from and self.config.draft_arch.draft_vocab_size < self.config.arch.vocab_size:
+            # The draft vocabulary: the most frequent targets of the first batches.
+            counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, self.config.arch.vocab_size)
+        return initial_draft(spec.draft, self.config.draft_arch, counts, self.config.debug.seed or 0)
+
+    def _build_draft_training(self, start: torch.nn.Module) -> DraftTraining:
         spec, pd = self.config.spec, self.parallel_dims
         if self.mode.trains == "draft":
             # Offline draft training: the policy is a frozen teacher.
             for part in self.model_parts:
                 part.requires_grad_(False)
         dp_mesh = pd.get_optional_mesh("fsdp") if pd.dp_shard_enabled or pd.cp_enabled else None
-        counts = None
-        if not spec.draft.init_from and self.config.draft_arch.draft_vocab_size < self.config.arch.vocab_size:
-            # The draft vocabulary: the most frequent targets of the first batches.
-            counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, self.config.arch.vocab_size)
         return DraftTraining(
             spec.draft,
             self.config.draft_arch,
@@ -139,8 +160,7 @@ class SpecTrainer(Trainer):
             dp_mesh=dp_mesh,
             lr_scheduler_cfg=self.config.lr_scheduler,
             training_steps=self.config.training.steps,
-            token_counts_V=counts,
-            seed=self.config.debug.seed or 0,
+            start=start,
             max_consecutive_skips=self.config.training.max_consecutive_skips,
         )
 
@@ -168,25 +188,25 @@ class SpecTrainer(Trainer):
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
-        return self.account_loss(loss, global_valid_tokens, last=self._fb_calls + 1 == self.gradient_accumulation_steps)
+        last = self._fb_calls + 1 == self.gradient_accumulation_steps
+        loss = self.account_loss(loss, global_valid_tokens, last=last)
+        if last:
+            # torchtitan's train_step clips next and keeps the norm it returns, so the guard
+            # gets its own reduction of the global pre-clip norm (RL's update passes clip's).
+            params = [p for m in self.model_parts for p in m.parameters()]
+            self._pre_clip_norm = global_grad_norm(params, self.device, self.parallel_dims.get_optional_mesh("pp"))
+        return loss
 
     def account_loss(self, loss: torch.Tensor, global_valid_tokens, *, last: bool) -> torch.Tensor:
-        """The guard's bookkeeping after one forward/backward: the step's loss so far and,
-        after the ``last`` one of an optimizer step, the global pre-clip gradient norm.
-        Returns the loss to log (0 in place of a non-finite one)."""
+        """The guard's bookkeeping after one forward/backward: the step's loss so far
+        (``_step_loss``). Returns the loss to log (0 in place of a non-finite one)."""
         loss = loss.detach()
         self._step_loss = loss.clone() if self._step_loss is None else self._step_loss + loss
         if self.parallel_dims.cp_enabled:
             self._cp_sums[0] += float(loss.sum()) * float(global_valid_tokens)
         self._fb_calls += 1
-        if last:
-            # The gradients of the step are complete: its global pre-clip norm decides, with
-            # the loss, whether the optimizer step is applied (torchtitan's clip comes next).
-            params = [p for m in self.model_parts for p in m.parameters()]
-            if fault("nan_grad_policy", self.step) and torch.distributed.get_rank() == 0:
-                inject_nan_grad(params)
-            norm = global_grad_norm(params, self.device, self.parallel_dims.get_optional_mesh("pp"))
-            self.optimizers.record(self.step, self._step_loss, norm)
+        if last and fault("nan_grad_policy", self.step) and torch.distributed.get_rank() == 0:
+            inject_nan_grad([p for m in self.model_parts for p in m.parameters()])  # the test hook (finite.py)
         # A non-finite loss means the step is skipped; torchtitan's own post-step "Loss is not
         # finite" stop would then end the run although the weights are intact: it sees 0 and
         # the log the true value (step_metrics). torch.where: no host sync per microbatch.
@@ -224,8 +244,8 @@ class SpecTrainer(Trainer):
 
     def pipeline_run(self) -> PipelineRun:
         """What one pipelined forward/backward needs of this trainer (parallelisms/pipeline.py)."""
-        return PipelineRun(self.pp_schedule, self.pp_loss, self.pp_has_first_stage,
-                           self.pp_has_last_stage, self.device, self.train_context)
+        return PipelineRun(self.pp_schedule, self.pp_loss, self.pp_has_first_stage, self.pp_has_last_stage,
+                           self.device, self.train_context, self.co_loss if self.draft_training is not None else None)
 
     def prepare_microbatches(self, input_dict_mbs, label_mbs) -> list[tuple]:
         """Each microbatch's (inputs, labels, extra kwargs) after post_dataloading_process."""
@@ -238,7 +258,7 @@ class SpecTrainer(Trainer):
         # ONE copy of a plain value that every rank saves under the same key, so each rank's
         # count goes under its own key.
         sd[_ntokens_key()] = sd.pop("ntokens_seen")
-        sd["guard"] = self.optimizers.guard.state_dict()
+        sd["guard"] = self.joint_step.guard.state_dict()
         if self.draft_training is not None:
             sd["draft"] = self.draft_training.state_dict()
         return sd
@@ -247,7 +267,7 @@ class SpecTrainer(Trainer):
         state_dict = dict(state_dict)
         state_dict["ntokens_seen"] = state_dict.pop(_ntokens_key())
         super().load_state_dict(state_dict)
-        self.optimizers.guard.load_state_dict(state_dict["guard"])
+        self.joint_step.guard.load_state_dict(state_dict["guard"])
         if self.draft_training is not None and "draft" in state_dict:
             self.draft_training.load_state_dict(state_dict["draft"])
 
@@ -291,11 +311,11 @@ class SpecTrainer(Trainer):
         (a skipped non-finite step: torchtitan was shown 0; CP's max loss), the guard's
         skips, the draft's loss and accuracies."""
         out = {}
-        if not self.optimizers.loss_was_finite:
+        if not self.joint_step.loss_was_finite:
             out["loss"] = out["max_loss"] = float("nan")
         elif self.parallel_dims.cp_enabled:
             out["max_loss"] = self._cp_max_loss()
-        out["skipped_steps"] = self.optimizers.guard.skipped
+        out["skipped_steps"] = self.joint_step.guard.skipped
         if self.draft_training is None:
             return out
         out.update(self.draft_training.metrics())
