@@ -168,7 +168,7 @@ class TorchRolloutEngine:
         """K of every round of the last generate call, in order (all its batches)."""
         self.last_rounds: list[tuple[int, int]] = []
         """(K, rows) of the same rounds: what the call cost by any round-cost table
-        (rl/worker.py prices the baselines' calls with adaptive depth's, depth.RoundCosts)."""
+        (rl/baselines.py prices the baselines' calls with adaptive depth's, depth.RoundCosts)."""
         self._closed = False
         if config.compile:
             # Only the model math is compiled; index/mask building and sampling stay eager.
