@@ -20,7 +20,7 @@
 # all alike; a ratio to plain is the median over all calls of the ratio to plain's call of
 # the same prompts in the same pass.
 # Reported: wall-clock tokens/s and tokens per CPU second of the engine's thread
-# (depth.round_clock, which other processes' load does not inflate), K per round, and what
+# (calibrate.round_clock, which other processes' load does not inflate), K per round, and what
 # a probe round costs: median probe round / median K = 0 round (thread CPU time) of
 # random_adaptive, and so its share of plain decoding, (that - 1) / PROBE_EVERY.
 #

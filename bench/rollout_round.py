@@ -11,8 +11,9 @@
 # those back-to-back pairs (the number to compare between checkouts: load cancels in it).
 #
 # Usage: PYTHONPATH=. python bench/rollout_round.py [--batch 1] [--temperature 0] [--flavor tiny]
-# Only public engine methods are timed (wrapped by name), so the same script measures an
-# older checkout: PYTHONPATH=/path/to/old/checkout python bench/rollout_round.py
+# The phases are timed by wrapping the engine's methods and engine.py's ``accept`` by name,
+# so the same script measures an older checkout that has those names:
+# PYTHONPATH=/path/to/old/checkout python bench/rollout_round.py
 
 import argparse
 import collections
@@ -66,6 +67,9 @@ def build(args):
 class Timers:
     """Wall time per wrapped method, accumulated until reset."""
 
+    active: "Timers | None" = None
+    """The timers of the engine being called, for the functions every engine shares."""
+
     def __init__(self):
         self.s = collections.defaultdict(float)
 
@@ -80,6 +84,21 @@ class Timers:
 
         setattr(obj, name, timed)
 
+    @staticmethod
+    def wrap_shared(module, name: str, label: str) -> None:
+        """A module function the engines call (the accept step, rollout/builtin/sampling.py
+        ``accept`` as engine.py names it), timed into the active engine's timers."""
+        f = getattr(module, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            out = f(*a, **k)
+            if Timers.active is not None:
+                Timers.active.s[label] += time.perf_counter() - t0
+            return out
+
+        setattr(module, name, timed)
+
 
 def measure(engines: dict, timers: dict, prompts, sp, repeats: int) -> dict:
     """Per engine: [(ms per round, {phase: ms per round})] over ``repeats`` generate calls,
@@ -90,7 +109,7 @@ def measure(engines: dict, timers: dict, prompts, sp, repeats: int) -> dict:
     runs = {k: [] for k in engines}
     for _ in range(repeats):
         for k, engine in engines.items():
-            t = timers[k]
+            t = Timers.active = timers[k]
             t.s.clear()
             t0 = time.perf_counter()
             out = engine.generate(prompts, sp)
@@ -115,8 +134,8 @@ def main(argv=None) -> int:
         if k:
             t.wrap(e._draft, "extend", "draft extend")
             t.wrap(e._draft, "step", "draft steps")
-        t.wrap(e, "_accept", "accept")
         t.wrap(e, "_emit", "emit")
+    Timers.wrap_shared(torch_engine, "accept", "accept")
     with torch.inference_mode():
         results = measure(engines, timers, prompts, sp, args.repeats)
     print(f"{args.family}/{args.flavor}, batch {args.batch}, T = {args.temperature:g}, "

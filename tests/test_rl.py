@@ -159,7 +159,7 @@ def test_rollout_worker_keeps_its_depth_cost_table_for_a_resume(tmp_path):
     run) reads it instead of measuring, so it makes the same depth choices and samples the
     same rollouts, and the file does not change."""
     worker, _ = _worker(tmp_path, costs_dir=str(tmp_path))
-    assert worker.main.adaptive and worker.frozen.costs is worker.main.costs
+    assert worker.main.adaptive and worker.baselines.frozen.costs is worker.main.costs
     prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
     sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
     first, stats = worker.generate(prompts, sp)
@@ -194,19 +194,20 @@ def test_baselines_measure_both_drafts_at_fixed_depth_whatever_adaptive_depth_ch
     worker, _ = _worker(tmp_path)
     K = worker.cfg.speculative.num_draft_tokens
     sweep = [f"fixed_k{k}" for k in range(1, K)]  # adaptive depth's regret: every smaller fixed K
-    assert K == 4 and set(worker.fixed) == {"fixed", "frozen_fixed", *sweep}
-    assert worker.fixed["fixed"].draft is worker.main.draft and worker.fixed["frozen_fixed"].draft is worker.frozen.draft
-    assert all(worker.fixed[n].draft is worker.main.draft for n in sweep)
+    engines = worker.baselines.engines
+    assert K == 4 and list(engines) == ["frozen", "nospec", "fixed", "frozen_fixed", *sweep]
+    assert engines["fixed"].draft is worker.main.draft and engines["frozen_fixed"].draft is engines["frozen"].draft
+    assert all(engines[n].draft is worker.main.draft for n in sweep)
     prompts = [[1, 5, 6], [1, 7], [1, 9, 9, 9]]
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
-    base = worker.baselines(prompts, sp)
+    base = worker.baselines.measure(prompts, sp)
     assert list(base) == ["frozen", "nospec", "fixed", "frozen_fixed", *sweep]
     for k in range(1, K):  # k per round, but the last rounds of a request (budget)
         s = base[f"fixed_k{k}"]
         assert s.rounds > 0 and k * s.rounds >= s.drafted_tokens >= 0.8 * k * s.rounds, (k, s)
         # Each decode round is recorded with its K and rows (the call's rows, falling as
         # requests finish) and priced by the shared cost table, as one clock for all.
-        rounds = worker.fixed[f"fixed_k{k}"].last_rounds
+        rounds = engines[f"fixed_k{k}"].last_rounds
         assert {r[0] for r in rounds} == {k} and [r[1] for r in rounds] == sorted((r[1] for r in rounds), reverse=True)
         assert rounds[0][1] == len(prompts) and s.priced_s > 0
     # Priced by the same table, one K = 0 round of a row costs less than one K = 4 round of it.
@@ -218,9 +219,9 @@ def test_baselines_measure_both_drafts_at_fixed_depth_whatever_adaptive_depth_ch
     # A different draft pushed into the step's engines (the co-trained one moved).
     moved = {k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v
              for k, v in worker.main.draft.state_dict().items()}
-    worker.push(worker._target.state_dict(), moved, version=8)
-    assert torch.equal(worker.fixed["fixed"].draft.fc.weight, moved["fc.weight"])
-    again = worker.baselines(prompts, sp)
+    worker.push(worker.target.state_dict(), moved, version=8)
+    assert torch.equal(engines["fixed"].draft.fc.weight, moved["fc.weight"])
+    again = worker.baselines.measure(prompts, sp)
     assert (again["frozen_fixed"].tokens, again["frozen_fixed"].verify_steps) == (frozen.tokens, frozen.verify_steps)
     assert (again["fixed"].verify_steps, again["fixed"].tokens) != (fixed.verify_steps, fixed.tokens)
 
@@ -262,21 +263,60 @@ def test_rollout_worker_retries_a_failed_engine_and_stops_with_a_clear_message(t
     with pytest.raises(RuntimeError, match=r"failed 2 time\(s\).*stops here; no verified checkpoint exists yet"):
         worker.generate(prompts, sp)
     # The baselines run the same prompts with the frozen draft and without speculation.
-    base = worker.baselines(prompts, sp)
+    base = worker.baselines.measure(prompts, sp)
     sweep = [f"fixed_k{k}" for k in range(1, worker.cfg.speculative.num_draft_tokens)]
     assert set(base) == {"frozen", "nospec", "fixed", "frozen_fixed", *sweep}
     assert base["nospec"].verify_steps == base["nospec"].tokens
     # In turned-over order (every other baseline step) no-spec runs first, with the same result;
     # the fixed-depth measurements come after the trio either way.
-    turned = worker.baselines(prompts, sp, reverse=True)
+    turned = worker.baselines.measure(prompts, sp, reverse=True)
     assert list(turned) == ["nospec", "frozen", "fixed", "frozen_fixed", *sweep]
     assert turned["nospec"].tokens == base["nospec"].tokens
+
+
+def test_baseline_schedule_which_steps_and_which_order():
+    """rl/baselines.py: step 1 and every rl.baseline_interval-th step are baseline steps (0:
+    none); every other baseline step runs the baselines before the step's call, the others
+    after it; the step's stats come back priced, the baselines' by name."""
+    from titan_spec.rl.baselines import Baselines, is_baseline_step, turned_over
+    from titan_spec.rl.worker import RolloutStats
+
+    assert [s for s in range(1, 31) if is_baseline_step(s, 10)] == [1, 10, 20, 30]
+    assert [s for s in range(1, 6) if is_baseline_step(s, 1)] == [1, 2, 3, 4, 5]
+    assert not any(is_baseline_step(s, 0) for s in range(1, 31))
+    assert [turned_over(s, 10) for s in (1, 10, 20, 30)] == [False, True, False, True]
+    assert [turned_over(s, 1) for s in (1, 2, 3)] == [True, False, True]
+
+    calls = []
+
+    class Recording(Baselines):
+        def measure(self, prompts, sampling, reverse=False):
+            calls.append("baselines reversed" if reverse else "baselines")
+            return {"nospec": RolloutStats(1, 1, 0.5)}
+
+        def priced_main(self, sampling):
+            return 2.5
+
+    def generate(prompts, sampling):
+        calls.append("step")
+        return ["rollout"], RolloutStats(3, 2, 1.0)
+
+    b = Recording(10)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
+    for step, want in ((1, ["step", "baselines"]), (10, ["baselines reversed", "step"]), (20, ["step", "baselines"])):
+        calls.clear()
+        rollouts, stats, base = b.run(step, [[1, 2]], sp, generate)
+        assert calls == want and rollouts == ["rollout"] and list(base) == ["nospec"]
+        assert (stats.tokens, stats.verify_steps, stats.seconds, stats.priced_s) == (3, 2, 1.0, 2.5)
+    # Nothing to measure (SGLang, no draft): the step's call alone, unpriced.
+    calls.clear()
+    assert Baselines(10).run(10, [[1, 2]], sp, generate)[1:] == (RolloutStats(3, 2, 1.0), {}) and calls == ["step"]
 
 
 def _dead_engine(worker):
     from titan_spec.rollout.builtin.engine import TorchRolloutEngine
 
-    e = TorchRolloutEngine(worker._target, worker._draft, worker._engine_cfg)
+    e = TorchRolloutEngine(worker.target, worker.draft, worker.engine_config)
 
     def dead(*a, **k):
         raise RuntimeError("simulated engine crash")

@@ -66,8 +66,8 @@ def _acceptance(rollouts):
 def test_pushed_draft_reaches_the_main_engine_only_and_changes_its_acceptance(setup):
     cfg, arch, policy, draft = setup
     worker = RolloutWorker(cfg, arch, torch.device("cpu"), draft)
-    assert worker.co_train and worker.frozen is not None and worker.nospec is not None
-    frozen_before = {k: v.clone() for k, v in worker.frozen.draft.state_dict().items()}
+    assert worker.co_train and "frozen" in worker.baselines.engines and "nospec" in worker.baselines.engines
+    frozen_before = {k: v.clone() for k, v in worker.baselines.frozen.draft.state_dict().items()}
     pushed = _proposes_always(draft, 6)
     worker.push(policy.state_dict(), pushed, version=5)
 
@@ -78,17 +78,17 @@ def test_pushed_draft_reaches_the_main_engine_only_and_changes_its_acceptance(se
         assert torch.equal(main_state[k], v), f"main engine's draft {k} is not the pushed tensor"
     assert worker.main.draft_version == 5 and worker.main.policy_version == 5
     # ... and the frozen baseline's draft is bitwise what it was (not an alias of the main one).
-    for k, v in worker.frozen.draft.state_dict().items():
+    for k, v in worker.baselines.frozen.draft.state_dict().items():
         assert torch.equal(v, frozen_before[k]), f"the frozen draft's {k} changed with the push"
-    assert worker.frozen.draft_version == 0
+    assert worker.baselines.frozen.draft_version == 0
 
     main, _ = worker.generate(PROMPTS, GREEDY)
-    frozen = worker.frozen.generate(PROMPTS, GREEDY)
-    nospec = worker.nospec.generate(PROMPTS, GREEDY)
+    frozen = worker.baselines.frozen.generate(PROMPTS, GREEDY)
+    nospec = worker.baselines.engines["nospec"].generate(PROMPTS, GREEDY)
     assert all(r.draft_version == 5 and r.policy_version == 5 for r in main)
     # The policy push reached all three engines (they share one target): identical greedy tokens,
     # those of a plain engine over the trainer's policy.
-    plain = TorchRolloutEngine(copy.deepcopy(policy), None, dataclasses.replace(worker._engine_cfg, num_draft_tokens=0))
+    plain = TorchRolloutEngine(copy.deepcopy(policy), None, dataclasses.replace(worker.engine_config, num_draft_tokens=0))
     want = [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
     assert [r.output_ids for r in main] == [r.output_ids for r in frozen] == [r.output_ids for r in nospec] == want
 
@@ -97,7 +97,7 @@ def test_pushed_draft_reaches_the_main_engine_only_and_changes_its_acceptance(se
     def fresh(draft_state):
         d = copy.deepcopy(draft)
         d.load_state_dict(draft_state)
-        return _acceptance(TorchRolloutEngine(copy.deepcopy(policy), d, worker._engine_cfg).generate(PROMPTS, GREEDY))
+        return _acceptance(TorchRolloutEngine(copy.deepcopy(policy), d, worker.engine_config).generate(PROMPTS, GREEDY))
 
     assert _acceptance(main) == fresh(pushed)
     assert _acceptance(frozen) == fresh(draft.state_dict())

@@ -592,7 +592,7 @@ def test_depth_choice_and_estimate_by_hand():
 
     # The measured cost row is made non-decreasing in K by pooling inversions, not by
     # trusting the lowest measurement (which sent every round to the deepest of a tie).
-    from titan_spec.rollout.builtin.depth import _non_decreasing
+    from titan_spec.rollout.builtin.calibrate import _non_decreasing
 
     assert _non_decreasing([2.0, 5.6, 7.0, 6.0, 8.0]) == pytest.approx([2.0, 5.6, 6.5, 6.5, 8.0])
     assert _non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])

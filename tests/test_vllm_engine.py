@@ -310,11 +310,11 @@ def test_sampled_speculation_follows_the_policy_distribution(served):
 
 
 def test_frozen_draft_baseline_on_the_same_server(served):
-    """The RL worker's frozen-draft baseline with vLLM (rl/worker.py ``_server_baselines``):
+    """The RL worker's frozen-draft baseline with vLLM (rl/baselines.py ``ServerBaselines``):
     one server, the frozen draft pushed in for its call and the step's draft pushed back.
     The step's (fitted) draft and the frozen (random) one are measured on the same prompts
     as each measured alone, and afterwards the server serves the step's draft again."""
-    from titan_spec.rl.worker import RolloutWorker
+    from titan_spec.rl.baselines import ServerBaselines
 
     e, prompts = served.engine, _prompts(8, seed=11)
     sp = SamplingParams(0.0, max_new_tokens=NEW)
@@ -322,11 +322,10 @@ def test_frozen_draft_baseline_on_the_same_server(served):
     alone_rand = e.generate(prompts, sp)
     e.update_draft_weights(served.fitted.state_dict(), version=61)
     alone_fit = e.generate(prompts, sp)
-    worker = RolloutWorker.__new__(RolloutWorker)  # the engine is the served one (no second server)
-    worker.main = e
-    worker._frozen_draft = {k: v.clone() for k, v in served.rand.state_dict().items()}
-    worker._pushed_draft = (served.fitted.state_dict(), 61)
-    base = worker.baselines(prompts, sp)
+    baselines = ServerBaselines(1, lambda: e, served.rand.state_dict())  # the served engine: no second server
+    assert baselines.measure(prompts, sp) == {}  # before the step's first push the server serves the frozen draft
+    baselines.pushed(served.fitted.state_dict(), 61)
+    base = baselines.measure(prompts, sp)
     assert set(base) == {"fixed", "frozen", "frozen_fixed"} and base["frozen"] is base["frozen_fixed"]
     assert base["fixed"].verify_steps == sum(r.verify_steps for r in alone_fit)
     assert base["frozen"].verify_steps == sum(r.verify_steps for r in alone_rand) > base["fixed"].verify_steps

@@ -34,7 +34,7 @@ def _logps(model, ids: list[int], start: int, temperature: float) -> torch.Tenso
 
 def independent(trainer) -> dict:
     record, T = trainer.last_step, trainer.rl.temperature
-    cur = copy.deepcopy(trainer.worker._target).double()  # the weights this step's rollouts came from
+    cur = copy.deepcopy(trainer.worker.target).double()  # the weights this step's rollouts came from
     ref = copy.deepcopy(trainer.reference).double()
     k1, k3, lengths = [], [], []
     with torch.no_grad():

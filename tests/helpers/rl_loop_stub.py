@@ -55,9 +55,6 @@ class ScriptedWorker:
             out.append(Rollout(list(p), ids, [-0.5] * len(ids), "length", verify_steps=len(ids)))
         return out, RolloutStats.of(out, 0.0)
 
-    def baselines(self, prompts, sampling):
-        return {}
-
 
 def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, scale_advantages: bool = True,
                  pp_rows: int | None = None):

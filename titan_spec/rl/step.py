@@ -52,6 +52,7 @@ from titan_spec.data.rewards import reward_fn, score
 from titan_spec.models.registry import build_target_config
 from titan_spec.parallelisms.cp_batch import shard_values, unshard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
+from titan_spec.rl.baselines import is_baseline_step
 from titan_spec.rl.dapo import overlong_penalty
 from titan_spec.rl.drift import DriftMeter
 from titan_spec.rl.dynamic_sampling import dynamic_sample
@@ -225,7 +226,7 @@ class RLTrainer(SpecTrainer):
         index = self.dataloader.batch_index
         problems = self.dataloader.next_problems(rl.prompts_per_step)
         prompts = [self.dataloader.prompt_ids(p) for p in problems for _ in range(rl.group_size)]
-        baselines = first and bool(rl.baseline_interval and (step == 1 or step % rl.baseline_interval == 0))
+        baselines = first and is_baseline_step(step, rl.baseline_interval)
         return Generation(step, index, problems, prompts, (self.config.spec.task.seed * 1_000_003 + index) * 4096, baselines)
 
     def run_generation(self, plan: Generation, push_s: float, version: int) -> RolloutBatch:
@@ -275,16 +276,9 @@ class RLTrainer(SpecTrainer):
         rl, tok = self.rl, self.tokenizer
         sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
                                   stop_token_ids=tuple(tok.stop_ids), seed=seed)
-        # The baselines are timed back to back with the step's rollouts, and where a call sits
-        # in such a sequence moves its time on CPU (the second of two identical calls measured
-        # up to 11% apart from the first), so the order turns over from one baseline step to
-        # the next: the step's rollouts, frozen, no-spec; then no-spec, frozen, the step's.
-        turned = baselines and (step // max(rl.baseline_interval, 1)) % 2 == 1
-        base = self.worker.baselines(prompts, sampling, reverse=True) if turned else {}
-        rollouts, stats = self.worker.generate(prompts, sampling)
-        if baselines and not turned:
-            base = self.worker.baselines(prompts, sampling)
-        return rollouts, stats, base
+        if baselines:  # the step's call with the baselines around it (rl/baselines.py)
+            return self.worker.baselines.run(step, prompts, sampling, self.worker.generate)
+        return (*self.worker.generate(prompts, sampling), {})
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """3: rewards_PG of the batch's completions (no collective: rl.dynamic_sampling scores

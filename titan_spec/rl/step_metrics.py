@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from titan_spec.rl.baselines import baseline_maxes, baseline_metrics, baseline_sums
 from titan_spec.rl.drift import percentile_from_counts
 from titan_spec.rl.mismatch import MismatchSums
 from titan_spec.rl.step_records import StepRecord
@@ -34,7 +35,7 @@ def rl_step_metrics(record: StepRecord, spec, mode, pd) -> dict[str, float]:
     rl = spec.rl
     out: dict[str, float] = {}
     K = spec.speculative.num_draft_tokens
-    b, names = record.batch, ("frozen", "nospec", "fixed", "frozen_fixed", *(f"fixed_k{k}" for k in range(1, K)))
+    b = record.batch
     stats = b.stats
     # The rollouts are the same on every rank of a data-parallel rank (its CP ranks hold
     # the group's exchanged rollouts): counted once, summed over the data-parallel ranks ...
@@ -48,12 +49,7 @@ def rl_step_metrics(record: StepRecord, spec, mode, pd) -> dict[str, float]:
     if record.shaping_PG is not None:  # DAPO's soft overlong punishment (rl/dapo.py)
         rollout_sums["shaping"] = float(record.shaping_PG.sum())
         rollout_sums["shaped"] = float((record.shaping_PG < 0).sum())
-    for n in names:
-        base = b.baselines.get(n)
-        rollout_sums[f"{n}_tokens"], rollout_sums[f"{n}_verify"] = (
-            (base.tokens, base.verify_steps) if base is not None else (0, 0))
-        rollout_sums[f"{n}_drafted"], rollout_sums[f"{n}_rounds"] = (
-            (base.drafted_tokens, base.rounds) if base is not None else (0, 0))
+    rollout_sums.update(baseline_sums(b.baselines, K))  # rl/baselines.py
     # ... the PPO stats are per token of this rank's shard: token-weighted, summed over
     # every rank that trains on data (dp x cp), means over all completion tokens ...
     # The engine/trainer mismatch at the step's starting weights (rl/mismatch.py): from the
@@ -72,8 +68,7 @@ def rl_step_metrics(record: StepRecord, spec, mode, pd) -> dict[str, float]:
     # ... and the slowest rank's seconds.
     maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s, "mismatch_max": mismatch.diff_max,
              "len_max": max((len(r.output_ids) for r in b.rollouts), default=0), "rollout_priced": stats.priced_s,
-             **{n: b.baselines[n].seconds if n in b.baselines else 0.0 for n in names},
-             **{f"{n}_priced": b.baselines[n].priced_s if n in b.baselines else 0.0 for n in names}}
+             **baseline_maxes(b.baselines, K)}
     sums = {**_reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
             **_reduce(token_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("loss"))}
     if record.wait_s is not None:  # rl.async_steps: push and rollouts overlapped earlier steps
@@ -123,38 +118,10 @@ def rl_step_metrics(record: StepRecord, spec, mode, pd) -> dict[str, float]:
     if sums.get("drift_tokens"):
         out["drift/kl"] = sums["drift_k1"] / sums["drift_tokens"]
         out["drift/kl_k3"] = sums["drift_k3"] / sums["drift_tokens"]
-    if "frozen" in b.baselines:
-        out["rollout/accept_len_frozen"] = sums["frozen_tokens"] / max(sums["frozen_verify"], 1)
-        out["rollout/tokens_per_s_frozen"] = sums["frozen_tokens"] / max(maxes["frozen"], 1e-9)
-        out["rollout/draft_k_frozen"] = sums["frozen_drafted"] / max(sums["frozen_rounds"], 1)
-        out["time/rollout_s_frozen"] = maxes["frozen"]
-    if "nospec" in b.baselines:
-        out["rollout/tokens_per_s_nospec"] = sums["nospec_tokens"] / max(maxes["nospec"], 1e-9)
-        out["time/rollout_s_nospec"] = maxes["nospec"]
-    # The drafts at equal depth (rl/worker.py): tokens per verify at fixed K, the drafts' quality.
-    for n, key in (("fixed", "rollout/accept_len_fixed"), ("frozen_fixed", "rollout/accept_len_frozen_fixed")):
-        if n in b.baselines:
-            out[key] = sums[f"{n}_tokens"] / max(sums[f"{n}_verify"], 1)
-    if "fixed" in b.baselines:
-        out["rollout/fixed_k"] = K
-    # Adaptive depth's regret on this call: its tokens per second against the best fixed
-    # K in 0..K_max on the same prompts and seed (rl/worker.py; K = 0 is no-spec).
-    # Positive: the best single depth would have been that much faster; negative:
-    # choosing per round beat every single depth. Two clocks: the rounds priced by the
-    # engine's own round-cost table (RolloutStats.priced_s: one clock for all, free of
-    # load; the headline) and wall seconds (what the machine did; on a shared CPU calls
-    # run back to back differ by tens of percent, so the best of K_max + 1 noisy calls
-    # is biased upward).
-    sweep = {0: "nospec", **{k: f"fixed_k{k}" for k in range(1, K)}, K: "fixed"}
-    if K >= 1 and all(n in b.baselines for n in sweep.values()):
-        tps = {k: sums[f"{n}_tokens"] / max(maxes[n], 1e-9) for k, n in sweep.items()}
-        out.update({f"rollout/tokens_per_s_fixed_k{k}": tps[k] for k in range(1, K + 1)})
-        out["rollout/depth_regret_wall"] = 1.0 - out["rollout/tokens_per_s"] / max(tps.values())
-        if maxes["rollout_priced"] > 0 and all(maxes[f"{n}_priced"] > 0 for n in sweep.values()):
-            priced = {k: sums[f"{n}_tokens"] / maxes[f"{n}_priced"] for k, n in sweep.items()}
-            best = max(priced, key=priced.get)
-            out["rollout/best_fixed_k"] = best
-            out["rollout/depth_regret"] = 1.0 - (tokens / maxes["rollout_priced"]) / priced[best]
+    # The baselines (rl/baselines.py): the frozen draft's, no-spec's and fixed K's speed and
+    # acceptance, adaptive depth's regret.
+    out.update(baseline_metrics(b.baselines, sums, maxes, K, tokens, out["rollout/tokens_per_s"],
+                                maxes["rollout_priced"]))
     # --- rl.dynamic_sampling (rl/dynamic_sampling.py) ------------------------------------
     # rl/reward above is the kept batch's (the groups trained on); the rollout/ speed and
     # token metrics count every round's generation (its real cost), so the mean completion

@@ -26,7 +26,8 @@ autoregressive decoding in the same code path (verify a single token, no draft).
 Depth: ``TorchEngineConfig.depth = "fixed"`` runs every round at K = num_draft_tokens;
 "adaptive" picks K in 0..num_draft_tokens before each round (depth.py: live acceptance
 estimates of the call and the engine's measured, then frozen, cost of a round at the
-current batch size; depth.calibrate measures it through ``_timed_rounds``). All rows of a round share its K: they share one verify forward,
+current batch size; calibrate.py measures it, ``_timed_rounds``: the same rounds at fixed K).
+All rows of a round share its K: they share one verify forward,
 whose cost is set by the longest window, so a shorter window for some rows would only
 lose their tokens. After K = 0 rounds the draft has not seen the committed positions yet:
 their trunk rows wait as pending segments and the next drafting round extends them all.
@@ -47,9 +48,8 @@ from titan_spec.models.hf_io import load_hf_into, read_hf_arch
 from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
 from titan_spec.rollout.builtin.cached_target import CachedTarget
-from titan_spec.rollout.builtin.depth import (
-    AcceptanceEstimate, AcceptanceState, RoundCosts, calibrate, choose_depth, round_clock, sampling_mode,
-)
+from titan_spec.rollout.builtin.calibrate import calibrate, round_clock
+from titan_spec.rollout.builtin.depth import AcceptanceEstimate, AcceptanceState, RoundCosts, choose_depth, sampling_mode
 from titan_spec.rollout.builtin.sampling import accept, behaviour_logprobs, sample
 from titan_spec.rollout.builtin.trunk import PendingTrunk
 
@@ -100,6 +100,20 @@ class _Request:
         self.logprobs: list[float] = []
         self.verify_steps = self.accepted = self.drafted = 0
         self.finish: str | None = None
+
+
+class _Batch:
+    """One batch's decode state between rounds (``TorchRolloutEngine._start_batch`` makes it,
+    ``_round`` advances it): the running and finished requests, the rows' positions on the
+    device (c_B) and the host (c_host), the pending token y_B, the draft's pending trunk rows,
+    the batch's fused weights and the rows ``_emit`` kept running (None: all)."""
+
+    __slots__ = ("reqs", "done", "stop", "bar", "keep", "c_B", "c_host", "y_B", "trunk", "tw", "dw", "d2t_Vd")
+
+    def __init__(self, reqs: list[_Request], stop: set[int], bar):
+        self.reqs, self.stop, self.bar = reqs, stop, bar
+        self.done: list[_Request] = []
+        self.keep: list[int] | None = None
 
 
 class TorchRolloutEngine:
@@ -154,7 +168,7 @@ class TorchRolloutEngine:
         """K of every round of the last generate call, in order (all its batches)."""
         self.last_rounds: list[tuple[int, int]] = []
         """(K, rows) of the same rounds: what the call cost by any round-cost table
-        (rl/worker.py prices the baselines' calls with adaptive depth's, depth.RoundCosts)."""
+        (rl/baselines.py prices the baselines' calls with adaptive depth's, depth.RoundCosts)."""
         self._closed = False
         if config.compile:
             # Only the model math is compiled; index/mask building and sampling stay eager.
@@ -269,79 +283,103 @@ class TorchRolloutEngine:
     # --- one batch ----------------------------------------------------------------------
 
     def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator,
-                        est: AcceptanceEstimate | None = None, fixed_k: int | None = None,
-                        max_rounds: int = 0, round_s: list[float] | None = None) -> list[Rollout]:
-        """est: the call's acceptance estimate (adaptive depth); fixed_k: every round at this
-        K (calibration); max_rounds > 0: stop after that many rounds (calibration: the
-        unfinished requests are dropped); round_s: receives each round's seconds."""
+                        est: AcceptanceEstimate | None = None) -> list[Rollout]:
+        """One batch of a call, each round at the depth ``_depth`` picks (est: the call's
+        acceptance estimate, adaptive depth; it observes every round)."""
+        bar = self._progress_bar(len(prompts) * sp.max_new_tokens)
+        try:
+            batch = self._start_batch(prompts, sp, gen, bar)
+            while self._running(batch):
+                K = self._depth(batch.reqs, sp, est)
+                a_host = self._round(batch, K, sp, gen)
+                if est is not None:
+                    est.observe(K, a_host)
+                self.last_depths.append(K)
+                self.last_rounds.append((K, len(batch.reqs)))
+        finally:
+            self._end_batch()
+            if bar is not None:
+                bar.close()
+        return self._rollouts(batch.done)
+
+    def _timed_rounds(self, prompts, sp: SamplingParams, gen, k: int, rounds: int, round_s: list[float]) -> None:
+        """calibrate.py's measurement (``calibrate.RunRounds``): ``rounds`` rounds of a fresh
+        batch at fixed K = k, each round's seconds on ``round_clock`` appended to round_s
+        (the prefill untimed; unfinished requests are dropped). The rounds are
+        ``_generate_batch``'s, on the same scratch caches; no call state is touched."""
+        try:
+            batch = self._start_batch(prompts, sp, gen, None)
+            for _ in range(rounds):
+                if not self._running(batch):
+                    break
+                t0 = round_clock(self.device)
+                self._round(batch, k, sp, gen)
+                round_s.append(round_clock(self.device) - t0)
+        finally:
+            self._end_batch()
+
+    # --- a batch's rounds: prefill, drop finished rows, one round, caches released ---------
+
+    def _start_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator, bar) -> "_Batch":
+        """Fresh caches and the prefill: the whole prompt, logits at its last token -> each
+        row's first completion token."""
         dev, K_max, B = self.device, self.K, len(prompts)
-        reqs = [_Request(i, p) for i, p in enumerate(prompts)]
-        done: list[_Request] = []
+        batch = _Batch([_Request(i, p) for i, p in enumerate(prompts)], set(sp.stop_token_ids or ()), bar)
         P_B = torch.tensor([len(p) for p in prompts], device=dev)
         P = int(max(len(p) for p in prompts))
         # Slots: prompt + completion, plus room for a final verify window (or a draft block) that overshoots.
         ahead = max(K_max, self._draft.block_size - 1) if K_max else 0
         slots = P + sp.max_new_tokens + ahead + 1
-        tw, dw, d2t_Vd = self._new_batch(B, slots)
+        batch.tw, batch.dw, batch.d2t_Vd = self._new_batch(B, slots)
         tokens_BP = torch.zeros(B, P, dtype=torch.long, device=dev)  # right-padded
         for b, p in enumerate(prompts):
             tokens_BP[b, : len(p)] = torch.tensor(p, device=dev)
-        stop = set(sp.stop_token_ids or ())
-        bar = self._progress_bar(B * sp.max_new_tokens) if round_s is None else None
-        rounds = 0
-        try:
-            # Prefill: the whole prompt, logits at its last token -> the first completion token.
-            logits_BV, taps_BPCD = self._target.forward(tokens_BP, torch.zeros_like(P_B), P_B - 1, n_slots=P, fused=tw)
-            y_B = sample(logits_BV, sp, gen)[0]
-            lp_B1 = behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
-            keep, _ = self._emit(reqs, done, y_B[:, None], torch.zeros_like(P_B), lp_B1, stop, sp, bar, 0)
-            # Positions live twice: on the device (index math) and on the host (slot counts,
-            # so no forward needs a sync); the host copy advances from _emit's one transfer.
-            c_B, c_host = P_B, [len(p) for p in prompts]  # target positions processed; y_B sits at c_B
-            trunk = PendingTrunk(taps_BPCD, tokens_BP, P_B, y_B, P) if K_max else None
-            while reqs:
-                if keep is not None:
-                    reqs, c_host, c_B, y_B = self._drop_finished(keep, reqs, c_host, c_B, y_B, trunk)
-                    if not reqs:
-                        break
-                K = self._depth(reqs, sp, est, fixed_k)
-                t0 = round_clock(dev) if round_s is not None else 0.0
-                c_max = max(c_host)
-                # Propose K tokens, verify [y, d_1..d_K] in ONE target forward, accept a of them.
-                d_BK = d_idx_BK = q_BKVd = None
-                if K:
-                    d_BK, d_idx_BK, q_BKVd = self._propose(trunk, y_B, c_B, c_max, K, sp, gen, dw, d2t_Vd)
-                verify_BL = torch.cat([y_B[:, None], d_BK], dim=1) if K else y_B[:, None]
-                logits_BLV, taps_BLCD = self._target.forward(verify_BL, c_B, n_slots=c_max + K + 1, fused=tw)
-                a_B, new_BL = self._accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, d2t_Vd, sp, gen)
-                # Append the a+1 committed tokens; their taps feed the draft's next extend.
-                lp_BL = behaviour_logprobs(logits_BLV, new_BL, sp)
-                keep, a_host = self._emit(reqs, done, new_BL, a_B, lp_BL, stop, sp, bar, K)
-                if trunk is not None:
-                    trunk.add((taps_BLCD, new_BL, c_B, a_B + 1), K, c_max)
-                y_B = new_BL.gather(1, a_B[:, None])[:, 0]
-                c_B, c_host = c_B + a_B + 1, [c + a + 1 for c, a in zip(c_host, a_host)]
-                if est is not None:
-                    est.observe(K, a_host)
-                if round_s is not None:
-                    round_s.append(round_clock(dev) - t0)
-                else:
-                    self.last_depths.append(K)
-                    self.last_rounds.append((K, len(reqs)))
-                rounds += 1
-                if max_rounds and rounds >= max_rounds:
-                    break
-        finally:
-            self._target.cache = None
-            if K_max:
-                self._draft.cache = None
-            if bar is not None:
-                bar.close()
-        return self._rollouts(done)
+        logits_BV, taps_BPCD = self._target.forward(tokens_BP, torch.zeros_like(P_B), P_B - 1, n_slots=P,
+                                                    fused=batch.tw)
+        y_B = sample(logits_BV, sp, gen)[0]
+        lp_B1 = behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
+        batch.keep, _ = self._emit(batch.reqs, batch.done, y_B[:, None], torch.zeros_like(P_B), lp_B1, batch.stop,
+                                   sp, bar, 0)
+        # Positions live twice: on the device (index math) and on the host (slot counts,
+        # so no forward needs a sync); the host copy advances from _emit's one transfer.
+        batch.c_B, batch.c_host = P_B, [len(p) for p in prompts]  # target positions processed; y_B sits at c_B
+        batch.y_B = y_B
+        batch.trunk = PendingTrunk(taps_BPCD, tokens_BP, P_B, y_B, P) if K_max else None
+        return batch
 
-    def _timed_rounds(self, prompts, sp: SamplingParams, gen, k: int, rounds: int, round_s: list[float]):
-        """depth.calibrate's synthetic rounds: a batch at fixed K = k, each round timed."""
-        return self._generate_batch(prompts, sp, gen, fixed_k=k, max_rounds=rounds, round_s=round_s)
+    def _running(self, batch: "_Batch") -> bool:
+        """Drops the rows the last round finished (``_drop_finished``); whether any remain."""
+        if batch.keep is not None:
+            batch.reqs, batch.c_host, batch.c_B, batch.y_B = self._drop_finished(
+                batch.keep, batch.reqs, batch.c_host, batch.c_B, batch.y_B, batch.trunk)
+            batch.keep = None
+        return bool(batch.reqs)
+
+    def _round(self, batch: "_Batch", K: int, sp: SamplingParams, gen: torch.Generator) -> list[int]:
+        """One round at depth K for every running row: propose K tokens, verify [y, d_1..d_K]
+        in ONE target forward, accept a of them, append the a+1 committed tokens (their taps
+        feed the draft's next extend). Returns each row's accepted draft count."""
+        c_max = max(batch.c_host)
+        d_BK = d_idx_BK = q_BKVd = None
+        if K:
+            d_BK, d_idx_BK, q_BKVd = self._propose(batch.trunk, batch.y_B, batch.c_B, c_max, K, sp, gen, batch.dw,
+                                                   batch.d2t_Vd)
+        verify_BL = torch.cat([batch.y_B[:, None], d_BK], dim=1) if K else batch.y_B[:, None]
+        logits_BLV, taps_BLCD = self._target.forward(verify_BL, batch.c_B, n_slots=c_max + K + 1, fused=batch.tw)
+        a_B, new_BL = accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, batch.d2t_Vd, sp, gen)
+        lp_BL = behaviour_logprobs(logits_BLV, new_BL, sp)
+        batch.keep, a_host = self._emit(batch.reqs, batch.done, new_BL, a_B, lp_BL, batch.stop, sp, batch.bar, K)
+        if batch.trunk is not None:
+            batch.trunk.add((taps_BLCD, new_BL, batch.c_B, a_B + 1), K, c_max)
+        batch.y_B = new_BL.gather(1, a_B[:, None])[:, 0]
+        batch.c_B, batch.c_host = batch.c_B + a_B + 1, [c + a + 1 for c, a in zip(batch.c_host, a_host)]
+        return a_host
+
+    def _end_batch(self) -> None:
+        """Releases the batch's caches (also after an error)."""
+        self._target.cache = None
+        if self.K:
+            self._draft.cache = None
 
     # --- the batch's parts: caches, depth, proposals, emitted tokens ------------------------
 
@@ -374,10 +412,8 @@ class TorchRolloutEngine:
             for r in done
         ]
 
-    def _depth(self, reqs, sp: SamplingParams, est: AcceptanceEstimate | None, fixed_k: int | None) -> int:
-        """This round's K: fixed_k (calibration), adaptive depth's choice (depth.py) or K_max."""
-        if fixed_k is not None:
-            return fixed_k
+    def _depth(self, reqs, sp: SamplingParams, est: AcceptanceEstimate | None) -> int:
+        """This round's K: adaptive depth's choice (depth.py) or K_max."""
         if est is None:
             return self.K
         costs = self.costs.costs(sampling_mode(sp.greedy, sp.top_k, sp.top_p), len(reqs), self.K)
@@ -408,8 +444,6 @@ class TorchRolloutEngine:
             d_idx.append(idx_B)
             d.append(d2t_Vd[idx_B])
         return torch.stack(d, 1), torch.stack(d_idx, 1), (torch.stack(q, 1) if q else None)
-
-    _accept = staticmethod(accept)  # a name on the engine: bench/rollout_round.py times it
 
     def _emit(self, reqs, done, new_BL, a_B, lp_BL, stop: set[int], sp: SamplingParams, bar, k: int):
         """Appends each row's committed tokens (cut after a stop token or at the budget).
