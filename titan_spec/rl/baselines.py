@@ -36,7 +36,7 @@ import torch
 from titan_spec.rl.rollout_stats import RolloutStats
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.builtin.depth import RoundCosts, sampling_mode
-from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout.builtin.engine import TorchRolloutEngine
 
 __all__ = [
     "Baselines", "EngineBaselines", "ServerBaselines", "baseline_maxes", "baseline_metrics", "baseline_names",
