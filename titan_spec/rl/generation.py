@@ -10,8 +10,6 @@ rl.async_steps = N, keeps the batches of the next N steps in a RolloutQueue
 Invariant: the synchronous and the queued path make the same engine calls with the same
 prompts, seeds and batch shapes; only when the weights are pushed differs. The queue's
 finished batches are a checkpoint's ``rollout_queue_rank_<rank>`` value (``queue_state``).
-
-Shape legend: P = prompts, G = group size.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ trainer's log-probs of the label tokens. They replace the engine's in the miniba
 ``values_BL["behaviour_logp"]``; with rl.tis each token also gets its truncated importance
 weight ``values_BL["tis_weight"]`` from the engine's and the trainer's (rl/mismatch.py).
 The engine/trainer mismatch of this rank's tokens is returned as sums (rl/logp_mismatch_*).
-
-Shape legend: B = packed rows, L = row length, V = vocabulary.
 """
 
 from __future__ import annotations
