@@ -18,7 +18,6 @@ from titan_spec.models.registry import build_target_config, flavor_arch, with_vo
 from helpers.policy_loss import ppo_clip_loss
 from titan_spec.rl.grpo import group_advantages
 from titan_spec.training.co_training import CoTrainingLoss
-from titan_spec.rl.step_records import Minibatch
 from titan_spec.rl.step import RLTrainer
 from titan_spec.training.trainer import SpecTrainer
 from titan_spec.data.packing import Document, pack_documents
@@ -249,11 +248,8 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
         dt.zero_grad()
         fake.rl = RLConfig(enable=True, temperature=T, kl_beta=kl_beta)
         fake.reference, fake.co_loss = reference if kl_beta else None, CoTrainingLoss(dt, weight=0.5)
-        mb = Minibatch({"input": b.input_BL, "positions": b.positions_BL}, b.labels_BL,
-                       b.values_BL["behaviour_logp"], b.values_BL["advantages"])
         ref_logp = RLTrainer.reference_logprobs(fake, b.input_BL, b.labels_BL, extra)
-        values = {"behaviour_logp": mb.behaviour_logp_BL, "advantages": mb.advantages_BL}
-        policy_loss = RLTrainer.policy_loss(fake, values, {"tokens": N, "sequences": 1}, ref_logp)
+        policy_loss = RLTrainer.policy_loss(fake, b.values_BL, {"tokens": N, "sequences": 1}, ref_logp)
         terms = SpecTrainer.co_train_forward_backward(fake, b.input_BL, b.labels_BL, N, extra, policy_loss)
         draft_grads = [p.grad.clone() for p in dt.draft.parameters() if p.grad is not None]
         return [p.grad.clone() for p in model.parameters()], draft_grads, terms.policy_stats

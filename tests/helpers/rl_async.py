@@ -72,7 +72,7 @@ def main() -> None:
                 "wait_s": record.wait_s,
             })
     finally:
-        trainer.queue.close()
+        trainer.generation.close()
         trainer.close()
         torch.distributed.destroy_process_group()
     print("rl_async: " + json.dumps(steps), flush=True)

@@ -1,6 +1,6 @@
 """RL steps of a REAL RLTrainer with rl.dynamic_sampling on, printing one JSON line: per step
 every round's rewards as the trainer scored them (``score`` is wrapped, so the rounds a step
-ran are the calls it made), the seeds its generation used (``rollout_share`` is wrapped), the
+ran are the calls it made), the seeds its generation used (``RolloutGeneration.rollout_share`` is wrapped), the
 kept batch's rewards and what dynamic sampling recorded (tests/test_rl_dynamic_sampling.py).
 
     python -m torch.distributed.run --nproc_per_node=1 tests/helpers/rl_dynamic.py STEPS ARGS...
@@ -35,7 +35,7 @@ def main() -> None:
     trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2:])).build()
     rounds: list = []
     seeds: list = []
-    score, share = trainer.score, trainer.rollout_share
+    score, share = trainer.score, trainer.generation.rollout_share
 
     def recording_score(batch):
         rewards_PG = score(batch)
@@ -46,7 +46,7 @@ def main() -> None:
         seeds.append(seed)
         return share(prompts, seed, baselines, step)
 
-    trainer.score, trainer.rollout_share = recording_score, recording_share
+    trainer.score, trainer.generation.rollout_share = recording_score, recording_share
     out = []
     try:
         for _ in range(steps):

@@ -54,7 +54,7 @@ def _take(argv: list[str], flag: str, has_value: bool = True):
 
 def record(trainer, path: str) -> None:
     """Generate this step's rollouts for real and write them, rigged as the module says."""
-    batch = trainer.generate(0.0)
+    batch = trainer.generation.generate(trainer.step, trainer._policy_version(), 0.0)
     G, tok = trainer.rl.group_size, trainer.tokenizer
     problems = [{"prompt": p.prompt, "answer": tok.decode(batch.rollouts[i * G].output_ids)}
                 for i, p in enumerate(batch.problems)]
@@ -66,7 +66,7 @@ def record(trainer, path: str) -> None:
 
 
 def fixed_generate(trainer, path: str):
-    """A replacement for RLTrainer.generate: this data-parallel rank's share of FILE."""
+    """A replacement for RolloutGeneration.generate: this data-parallel rank's share of FILE."""
     with open(path) as f:
         data = json.load(f)
     G, dl = data["group_size"], trainer.dataloader
@@ -77,8 +77,8 @@ def fixed_generate(trainer, path: str):
     rollouts = [Rollout(r["prompt_ids"], r["output_ids"], r["logprobs"], r["finish_reason"])
                 for r in data["rollouts"][lo * G:hi * G]]
 
-    def generate(push_s: float) -> RolloutBatch:
-        return RolloutBatch(problems, rollouts, RolloutStats.of(rollouts, 0.0), {}, trainer._policy_version(), push_s)
+    def generate(step: int, version: int, push_s: float) -> RolloutBatch:
+        return RolloutBatch(problems, rollouts, RolloutStats.of(rollouts, 0.0), {}, version, push_s)
 
     return generate
 
@@ -104,11 +104,11 @@ def main() -> None:
         if rec:
             record(trainer, path)
         elif gen:
-            batch = trainer.generate(trainer.push_weights())
+            batch = trainer.generation.generate(trainer.step, trainer._policy_version(), trainer.push_weights())
             os.makedirs(out, exist_ok=True)
             with open(os.path.join(out, f"rollouts_rank{dist.get_rank()}.json"), "w") as f:
                 json.dump([[r.prompt_ids, r.output_ids, r.logprobs, r.finish_reason] for r in batch.rollouts], f)
-        trainer.generate = fixed_generate(trainer, path)
+        trainer.generation.generate = fixed_generate(trainer, path)
         trainer.train_step(None)
         policy, draft = trainer.full_weights()
         if dist.get_rank() != 0 and draft is not None:

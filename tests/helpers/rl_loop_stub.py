@@ -1,18 +1,18 @@
 """Stand-ins for RLTrainer's collaborators, so the REAL RLTrainer methods run in-process on a
 tiny model without torchrun or a torchtitan Trainer: ``rollout_step`` runs phases 2-5 of
-``RLTrainer.train_step`` (``generate``: prompts -> scripted completions; ``score``: rewards;
-group advantages; ``pack``: the packed minibatch). Only attributes those methods read are provided; a method that starts
+``RLTrainer.train_step`` (``RolloutGeneration.generate``: prompts -> scripted completions;
+``score``: rewards; group advantages; ``pack``: the packed minibatch). Only attributes those methods read are provided; a method that starts
 reading another one fails here with an AttributeError, not silently."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
 
 from titan_spec.config import RLConfig
 from titan_spec.data.rewards import exact_match
 from titan_spec.rl.grpo import group_advantages
+from titan_spec.rl.generation import RolloutGeneration
 from titan_spec.rl.step import RLTrainer
 from titan_spec.rollout.base import Rollout
 
@@ -73,21 +73,16 @@ def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, 
         prompt_ids=lambda problem: tok.encode(problem.prompt, add_bos=True),
     )
     fake = SimpleNamespace(
-        tokenizer=tok, rl=rl, step=1, model_parts=[torch.nn.Linear(2, 2)], draft_training=None, worker=worker,
-        dataloader=dataloader, parallel_dims=SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=pp_rows is not None),
-        _degenerate_steps=0, generation_group=None,  # one process: no generation shared
+        tokenizer=tok, rl=rl, step=1, dataloader=dataloader,
+        parallel_dims=SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=pp_rows is not None),
         reward=exact_match,
         config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0, reward="exact_match")),
                                training=SimpleNamespace(seq_len=seq_len, local_batch_size=pp_rows or 1)),
     )
-    # The real methods, bound to the stand-in.
-    fake._warn_if_degenerate = lambda rewards_PG: RLTrainer._warn_if_degenerate(fake, rewards_PG)
-    fake._policy_version = lambda: RLTrainer._policy_version(fake)
-    fake.rollout_share = lambda prompts, seed, baselines, step: RLTrainer.rollout_share(fake, prompts, seed, baselines, step)
-    fake.plan_generation = lambda step, first=True: RLTrainer.plan_generation(fake, step, first)
-    fake.run_generation = lambda plan, push_s, version: RLTrainer.run_generation(fake, plan, push_s, version)
-    batch = RLTrainer.generate(fake, 0.0)
+    # The real generation (one process: no generation shared) and the real methods, on the stand-in.
+    generation = RolloutGeneration(rl, 0, tok, dataloader, worker, None)
+    batch = generation.generate(fake.step, RLTrainer._policy_version(fake), 0.0)
     rewards_PG = RLTrainer.score(fake, batch)
     (mb,) = RLTrainer.pack(fake, batch, group_advantages(rewards_PG, rl.scale_advantages))
-    inputs = {**mb.inputs, "behaviour_logp": mb.behaviour_logp_BL, "advantages": mb.advantages_BL}
+    inputs = {**mb.inputs, "behaviour_logp": mb.values_BL["behaviour_logp"], "advantages": mb.values_BL["advantages"]}
     return inputs, mb.labels_BL, tok

@@ -9,11 +9,14 @@
                G completions each, speculative, with behaviour log-probs; at intervals
                the same prompts through the frozen draft and without speculation; the
                ranks of one data-parallel rank (its CP ranks, its pipeline stages) each
-               generate a share and exchange them (rl/sharing.py)
+               generate a share and exchange them (rl/generation.py, rl/sharing.py; with
+               rl.async_steps queued ahead, rl/rollout_queue.py)
   3 score      rewards (task.reward from the registry, data/rewards.py)
   4 advantages group-relative (rl/grpo.py)
   5 pack       prompt+completion documents into rl.minibatches packed minibatches carrying
-               labels, behaviour log-probs and advantages (data/packing.py)
+               labels, behaviour log-probs and advantages (data/packing.py); with
+               rl.behaviour_logprobs = "recompute" the trainer's log-probs replace the
+               engine's (rl/recompute.py)
   6 update     for each of rl.ppo_epochs x rl.minibatches (under CP: this rank's zigzag
                shard, the per-token values sharded with their tokens; under PP: the
                schedule's microbatches, each with its own PPO loss on the last stage,
@@ -50,23 +53,21 @@ from torchtitan.tools.logging import logger
 from titan_spec.data.packing import Document, pack_documents
 from titan_spec.data.rewards import reward_fn, score
 from titan_spec.models.registry import build_target_config
-from titan_spec.parallelisms.cp_batch import shard_values, unshard_values
+from titan_spec.parallelisms.cp_batch import shard_values
 from titan_spec.parallelisms.pipeline import broadcast_from_last_stage, gather_over_stages, pipeline_forward_backward
-from titan_spec.rl.baselines import is_baseline_step
 from titan_spec.rl.dapo import overlong_penalty
 from titan_spec.rl.drift import DriftMeter
 from titan_spec.rl.dynamic_sampling import dynamic_sample
+from titan_spec.rl.generation import RolloutGeneration
 from titan_spec.rl.grpo import group_advantages
 from titan_spec.rl.logprobs import token_logprobs
-from titan_spec.rl.mismatch import MismatchSums, tis_weights
 from titan_spec.rl.losses import POLICY_LOSSES
+from titan_spec.rl.recompute import recompute_behaviour
 from titan_spec.rl.step_metrics import rl_step_metrics
-from titan_spec.rl.step_records import Generation, Minibatch, RolloutBatch, StepRecord, UpdateStats
+from titan_spec.rl.step_records import Minibatch, RolloutBatch, StepRecord, UpdateStats
 from titan_spec.rl.report import write_report
-from titan_spec.rl.rollout_queue import RolloutQueue, batch_from_state, batch_to_state
-from titan_spec.rl.worker import RolloutStats, RolloutWorker, full_policy_state
-from titan_spec.rl.sharing import same_data_group, share_work
-from titan_spec.rollout.base import SamplingParams
+from titan_spec.rl.sharing import same_data_group
+from titan_spec.rl.worker import RolloutWorker, full_policy_state
 from titan_spec.training.trainer import SpecTrainer
 
 __all__ = ["RLTrainer"]
@@ -93,11 +94,11 @@ class RLTrainer(SpecTrainer):
         # start from it and the frozen-draft baseline keeps it (rebuilt identically on resume).
         self.worker = RolloutWorker(spec, config.arch, self.device, self.starting_draft,
                                     costs_dir=spec.job.dump_folder, resume_hint=self._resume_hint)
-        # The ranks that hold this rank's data-parallel rank (its CP ranks) share each
-        # step's generation (rl/sharing.py); None when it is alone.
-        self.generation_group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
-        self.queue = RolloutQueue(self.rl.async_steps) if self.rl.async_steps else None
-        """rl.async_steps: the batches generated ahead (rl/rollout_queue.py); None: synchronous."""
+        # The ranks of this rank's data-parallel rank (its CP ranks) share each step's
+        # generation (rl/sharing.py); collective over the world.
+        group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
+        self.generation = RolloutGeneration(self.rl, spec.task.seed, self.tokenizer, self.dataloader, self.worker, group)
+        """Phase 2, synchronous or queued (rl/generation.py)."""
         self._degenerate_steps = 0
         self.reward = reward_fn(spec.task.reward)
         # The starting policy, for the KL penalty and the drift metrics (rl/drift.py).
@@ -109,9 +110,9 @@ class RLTrainer(SpecTrainer):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         rank = dist.get_rank()
-        if self.queue is not None:
-            # First: it waits for the jobs in flight, which move the engines' estimates.
-            sd[f"rollout_queue_rank_{rank}"] = json.dumps([batch_to_state(b) for b in self.queue.state()])
+        queued = self.generation.queue_state()  # first: it waits for the jobs in flight
+        if queued is not None:
+            sd[f"rollout_queue_rank_{rank}"] = queued
         # Each rank's engines carry their own acceptance estimates (their own prompts): one
         # key per rank, as for ntokens_seen (DCP keeps one copy of a plain value per key).
         sd[f"rollout_depth_rank_{rank}"] = json.dumps(self.worker.state_dict())
@@ -125,10 +126,8 @@ class RLTrainer(SpecTrainer):
         super().load_state_dict(state_dict)
         if depth is not None:
             self.worker.load_state_dict(json.loads(depth))
-        if queued is not None and self.queue is not None:
-            n = self.rl.prompts_per_step
-            self.queue.restore([batch_from_state(b, self.dataloader.problems_at(b["problem_index"], n))
-                                for b in json.loads(queued)])
+        if queued is not None:
+            self.generation.restore_queue(queued)
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen full copy of the initial policy for the KL term and the drift metrics
@@ -153,24 +152,25 @@ class RLTrainer(SpecTrainer):
         rl = self.rl
         self.begin_step()
         lr_metrics = self.lr_schedulers.get_metrics()  # the LRs this step trains with
+        gen, version = self.generation, self._policy_version()
         t0 = time.perf_counter()
         wait_s = None
         if rl.async_steps:  # generated while earlier steps trained (rl/rollout_queue.py)
-            batch, wait_s = self.queued_generate()
+            batch, wait_s = gen.queued_generate(self.step, version, self.full_weights)
         else:
-            batch = self.generate(self.push_weights())
+            batch = gen.generate(self.step, version, self.push_weights())
         rewards_PG = self.score(batch)
         if rl.dynamic_sampling:  # DAPO: rounds of new prompts until every group has spread
-            batch, rewards_PG = dynamic_sample(batch, rewards_PG, lambda: self.generate(0.0, first=False), self.score,
-                                               rl.dynamic_sampling_rounds)
+            batch, rewards_PG = dynamic_sample(batch, rewards_PG, lambda: gen.generate(self.step, version, 0.0, first=False),
+                                               self.score, rl.dynamic_sampling_rounds)
         self._warn_if_degenerate(rewards_PG)  # once a step, on the batch trained on
         shaping_PG = self.reward_shaping(batch)
         advantages_PG = group_advantages(rewards_PG + shaping_PG, rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
-        mismatch = self.recompute_behaviour(minibatches) if rl.behaviour_logprobs == "recompute" else None
+        mismatch = recompute_behaviour(self, minibatches) if rl.behaviour_logprobs == "recompute" else None
         record = StepRecord(batch, rewards_PG, shaping_PG if rl.dapo.overlong_buffer > 0 else None,
                             rollout_done=time.perf_counter(), mismatch=mismatch, wait_s=wait_s,
-                            policy_version=self._policy_version())
+                            policy_version=version)
         # torchtitan's throughput account: the rollouts are this step's data loading.
         self.metrics_processor.count_data(record.rollout_done - t0, sum(mb.labels_BL.numel() for mb in minibatches))
         for _ in range(rl.ppo_epochs):
@@ -211,74 +211,6 @@ class RLTrainer(SpecTrainer):
         """Optimizer steps the weights have seen before this step: (step - 1) RL steps of
         rl.ppo_epochs x rl.minibatches updates each."""
         return (self.step - 1) * self.rl.ppo_epochs * self.rl.minibatches
-
-    def generate(self, push_s: float, first: bool = True) -> RolloutBatch:
-        """2: this rank's data-parallel share of the step's prompts, G completions each (and
-        the baselines), from the weights just pushed. ``first`` = False: a further round of
-        rl.dynamic_sampling (the dataloader's next problems, whose index gives its own
-        seeds; never the baselines, which measure the step's first round)."""
-        return self.run_generation(self.plan_generation(self.step, first), push_s, self._policy_version())
-
-    def plan_generation(self, step: int, first: bool = True) -> Generation:
-        """What step ``step`` generates: the dataloader's next problems (its state moves
-        here, in the trainer's thread), their prompts, seeds and whether it is a baseline step."""
-        rl = self.rl
-        index = self.dataloader.batch_index
-        problems = self.dataloader.next_problems(rl.prompts_per_step)
-        prompts = [self.dataloader.prompt_ids(p) for p in problems for _ in range(rl.group_size)]
-        baselines = first and is_baseline_step(step, rl.baseline_interval)
-        return Generation(step, index, problems, prompts, (self.config.spec.task.seed * 1_000_003 + index) * 4096, baselines)
-
-    def run_generation(self, plan: Generation, push_s: float, version: int) -> RolloutBatch:
-        """``plan`` through this rank's engine, which holds weights ``version``. The ranks that
-        hold the same data-parallel rank (its CP ranks) each generate a share of those
-        completions and exchange them (rl/sharing.py), so each ends with all of them: one
-        call of ``rollout_share`` per rank."""
-        n = 1 if self.generation_group is None else dist.get_world_size(self.generation_group)
-
-        def work(share: list[list[int]], k: int):
-            # Share k of data-parallel rank d is generation rank d * n + k: a dp = D x cp = C
-            # run's calls are a dp = D * C run's (the same prompts, seed and batch shape).
-            return self.rollout_share(share, plan.seed_base + self.dataloader.dp_rank * n + k, plan.baselines, plan.step)
-
-        shares = share_work(plan.prompts, work, self.generation_group)
-        rollouts = [r for share in shares for r in share[0]]
-        stats = RolloutStats.combined([share[1] for share in shares])
-        base = {name: RolloutStats.combined([share[2][name] for share in shares]) for name in shares[0][2]}
-        return RolloutBatch(plan.problems, rollouts, stats, base, version, push_s, problem_index=plan.problem_index)
-
-    def queued_generate(self) -> tuple[RolloutBatch, float]:
-        """2, asynchronous (rl.async_steps = N; rl/rollout_queue.py): the trainer's weights
-        now (after step t-1) are gathered (collective) and copied, and the generation of step
-        t+N is queued on them (at step 1 or after a resume without saved batches, those of
-        steps t .. t+N); then this step's batch, generated by the weights after step t-1-N,
-        is taken from the queue. Returns it and the seconds all this took."""
-        t0 = time.perf_counter()
-        policy_state, draft_state = self.full_weights()
-        # Copies: the job pushes them later, while the optimizer updates the tensors in place.
-        policy_state = {n: t.detach().clone() for n, t in policy_state.items()}
-        draft_state = None if draft_state is None else {n: t.detach().clone() for n, t in draft_state.items()}
-        version = self._policy_version()
-        for offset in range(len(self.queue), self.rl.async_steps + 1):
-            plan = self.plan_generation(self.step + offset)
-            self.queue.submit(lambda plan=plan: self._pushed_generation(plan, policy_state, draft_state, version))
-        batch = self.queue.next()
-        return batch, time.perf_counter() - t0
-
-    def _pushed_generation(self, plan: Generation, policy_state, draft_state, version: int) -> RolloutBatch:
-        """A queued job (the generation thread): push the weights, generate."""
-        t0 = time.perf_counter()
-        self.worker.push(policy_state, draft_state, version)
-        return self.run_generation(plan, time.perf_counter() - t0, version)
-
-    def rollout_share(self, prompts: list[list[int]], seed: int, baselines: bool, step: int):
-        """One rank's share of step ``step``'s generation: (rollouts, stats, baseline stats)."""
-        rl, tok = self.rl, self.tokenizer
-        sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-                                  stop_token_ids=tuple(tok.stop_ids), seed=seed)
-        if baselines:  # the step's call with the baselines around it (rl/baselines.py)
-            return self.worker.baselines.run(step, prompts, sampling, self.worker.generate)
-        return (*self.worker.generate(prompts, sampling), {})
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         """3: rewards_PG of the batch's completions (no collective: rl.dynamic_sampling scores
@@ -321,71 +253,9 @@ class RLTrainer(SpecTrainer):
                     f"{len(share)} completions fit: raise training.local_batch_size (a multiple of "
                     "parallelism.pipeline_parallel_microbatch_size), training.seq_len or rl.minibatches"
                 )
-            out.append(Minibatch(
-                {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
-                packed.values_BL["behaviour_logp"], packed.values_BL["advantages"],
-                {k: packed.values_BL[k] for k in ("seq_index", "truncated", "seq_tokens")},
-            ))
+            out.append(Minibatch({"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
+                                 packed.values_BL))
         return out
-
-    def recompute_behaviour(self, minibatches: list[Minibatch]) -> dict[str, float]:
-        """rl.behaviour_logprobs = "recompute": the trainer's log-probs of every minibatch at
-        the step's starting weights (one no-grad forward each, before any update, sharded as
-        the update is) replace the engine's as the ratio's denominator; with rl.tis each
-        token gets its truncated importance weight (rl/tis.py). Returns this rank's sums of
-        the engine/trainer mismatch over its shards' tokens (rl/logp_mismatch_*)."""
-        total = MismatchSums()
-        for mb in minibatches:
-            trainer_logp_BL, sums = self.trainer_logprobs(mb)
-            total = total + sums
-            if self.rl.tis != "off":
-                mb.values_BL["tis_weight"] = tis_weights(trainer_logp_BL, mb.behaviour_logp_BL, mb.values_BL["seq_index"],
-                                                         mb.labels_BL != IGNORE_INDEX, self.rl.tis, self.rl.tis_cap)
-            mb.behaviour_logp_BL = trainer_logp_BL
-        return total.as_dict()
-
-    def trainer_logprobs(self, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
-        """The policy's log-probs of the minibatch's labels (one no-grad forward; under CP of
-        this rank's shard, gathered back to the whole [B, L]) and the mismatch sums of this
-        rank's shard against the engine's."""
-        if self.parallel_dims.pp_enabled:
-            return self._pipelined_logprobs(mb)
-        inputs, labels, extra = self.post_dataloading_process(
-            {k: v.to(self.device) for k, v in mb.inputs.items()}, mb.labels_BL.to(self.device)
-        )
-        with self.train_context(), torch.no_grad():
-            out = self.model_parts[0](inputs, **extra)
-            logits = out[0] if isinstance(out, tuple) else out
-            logp = token_logprobs(logits, labels, self.rl.temperature)
-        engine = self.token_values(mb)["behaviour_logp"]
-        sums = MismatchSums.of(logp, engine, labels != IGNORE_INDEX, self.rl)
-        if self.parallel_dims.cp_enabled:
-            logp = unshard_values(logp, mb.inputs["positions"].to(self.device), self.parallel_dims.get_mesh("cp"))
-        return logp.to(mb.behaviour_logp_BL.device, mb.behaviour_logp_BL.dtype).view_as(mb.behaviour_logp_BL), sums
-
-    def _pipelined_logprobs(self, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
-        """``trainer_logprobs`` under pipeline parallelism: the schedule's forward alone over the
-        minibatch's microbatches (parallelisms/pipeline.py, forward_only), each microbatch's
-        log-probs recorded on the last stage. The other stages keep the engine's (they
-        compute no loss) and count no tokens."""
-        dev, rows = self.device, self.config.parallelism.pipeline_parallel_microbatch_size
-        parts = [slice(lo, lo + rows) for lo in range(0, mb.labels_BL.shape[0], rows)]
-        prepared = self.prepare_microbatches([{k: v[p].to(dev) for k, v in mb.inputs.items()} for p in parts],
-                                             [mb.labels_BL[p].to(dev) for p in parts])
-        recorders = [_LogprobRecorder(self.rl.temperature) for _ in parts]
-        run = self.pipeline_run()
-        pipeline_forward_backward(run, prepared, None, recorders, forward_only=True)
-        if not run.has_last_stage:
-            return mb.behaviour_logp_BL, MismatchSums()
-        sums, logp_parts = MismatchSums(), []
-        for p, (_, labels, _), rec in zip(parts, prepared, recorders):
-            engine = self.token_values(mb, p)["behaviour_logp"]
-            sums = sums + MismatchSums.of(rec.logp, engine, labels != IGNORE_INDEX, self.rl)
-            logp = rec.logp
-            if self.parallel_dims.cp_enabled:
-                logp = unshard_values(logp, mb.inputs["positions"][p].to(dev), self.parallel_dims.get_mesh("cp"))
-            logp_parts.append(logp.reshape(mb.labels_BL[p].shape))
-        return torch.cat(logp_parts).to(mb.behaviour_logp_BL.device, mb.behaviour_logp_BL.dtype), sums
 
     def update(self, mb: Minibatch) -> UpdateStats:
         """6: one forward/backward of a minibatch and the optimizer steps of both models.
@@ -425,9 +295,7 @@ class RLTrainer(SpecTrainer):
     def _forward_backward(self, mb: Minibatch, global_valid_tokens) -> tuple[torch.Tensor, float, dict]:
         """ONE forward of this rank's (shard of the) minibatch, the policy loss + lambda *
         the draft's, backward: (policy loss, this rank's completion tokens, PPO stats)."""
-        inputs, labels, extra = self.post_dataloading_process(
-            {k: v.to(self.device) for k, v in mb.inputs.items()}, mb.labels_BL.to(self.device)
-        )
+        inputs, labels, extra = self.on_device(mb)
         ref_logp_BL = self.reference_logprobs(inputs, labels, extra)
         values = self.token_values(mb)
         if ref_logp_BL is not None:  # the same forward measures the drift (rl/drift.py)
@@ -445,17 +313,11 @@ class RLTrainer(SpecTrainer):
         TapChannel brings) and normalized by the whole minibatch's counts, as
         ``_forward_backward`` is; the PPO stats token-weighted over the microbatches (on the
         last stage; empty elsewhere)."""
-        dev, rows = self.device, self.config.parallelism.pipeline_parallel_microbatch_size
         counts = self.loss_counts(mb)  # of the whole minibatch: every microbatch's loss uses them
-        input_mbs, label_mbs, loss_mbs = [], [], []
-        for lo in range(0, mb.labels_BL.shape[0], rows):
-            part = slice(lo, lo + rows)
-            input_mbs.append({k: v[part].to(dev) for k, v in mb.inputs.items()})
-            label_mbs.append(mb.labels_BL[part].to(dev))
-            loss_mbs.append(self.policy_loss(self.token_values(mb, part), counts, None))
+        parts = self.microbatch_rows(mb)
+        loss_mbs = [self.policy_loss(self.token_values(mb, p), counts, None) for p in parts]
         run = self.pipeline_run()
-        loss = pipeline_forward_backward(run, self.prepare_microbatches(input_mbs, label_mbs), global_valid_tokens,
-                                         loss_mbs)
+        loss = pipeline_forward_backward(run, [self.on_device(mb, p) for p in parts], global_valid_tokens, loss_mbs)
         got = list(run.loss.policy_stats.values())
         n = float(sum(count for _, count in got))
         weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
@@ -464,12 +326,23 @@ class RLTrainer(SpecTrainer):
                         else weighted(name)) for name in UpdateStats.POLICY_STATS}
         return loss, n, stats
 
+    def on_device(self, mb: Minibatch, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The minibatch's ``rows`` on the device through post_dataloading_process: (inputs,
+        labels, extra kwargs); under context parallelism this rank's zigzag shard of them."""
+        return self.post_dataloading_process({k: v[rows].to(self.device) for k, v in mb.inputs.items()},
+                                             mb.labels_BL[rows].to(self.device))
+
+    def microbatch_rows(self, mb: Minibatch) -> list[slice]:
+        """Under pipeline parallelism: the minibatch's rows of each of the schedule's
+        microbatches (parallelism.pipeline_parallel_microbatch_size rows each)."""
+        rows = self.config.parallelism.pipeline_parallel_microbatch_size
+        return [slice(lo, lo + rows) for lo in range(0, mb.labels_BL.shape[0], rows)]
+
     def token_values(self, mb: Minibatch, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
         """The per-token values the policy loss reads, of the minibatch's ``rows``, on the
         device; under context parallelism this rank's zigzag shard of them, exactly as
         post_dataloading_process shards the tokens and labels (cp_batch.shard_values)."""
-        values = {"behaviour_logp": mb.behaviour_logp_BL[rows], "advantages": mb.advantages_BL[rows],
-                  **{k: v[rows] for k, v in mb.values_BL.items()}}
+        values = {k: v[rows] for k, v in mb.values_BL.items()}
         if self.parallel_dims.cp_enabled:
             values = shard_values(values, mb.inputs["positions"][rows], self.parallel_dims.get_mesh("cp"))
         return {k: v.to(self.device) for k, v in values.items()}
@@ -478,8 +351,7 @@ class RLTrainer(SpecTrainer):
         """What a loss variant divides by, counted on the WHOLE (unsharded) minibatch and
         summed over the data-parallel ranks, like global_valid_tokens: DAPO's kept completion
         tokens (overlong filtering), GSPO's completions. Shards and microbatches then add up."""
-        values_BL = {"advantages": mb.advantages_BL, **mb.values_BL}
-        local = POLICY_LOSSES[self.rl.loss].counts(values_BL, mb.labels_BL != IGNORE_INDEX, self.rl)
+        local = POLICY_LOSSES[self.rl.loss].counts(mb.values_BL, mb.labels_BL != IGNORE_INDEX, self.rl)
         return {name: self._global_sum(n) for name, n in local.items()}
 
     def reference_logprobs(self, inputs, labels_BL, extra_kwargs) -> torch.Tensor | None:
@@ -530,6 +402,7 @@ class RLTrainer(SpecTrainer):
     def log_step(self, record: StepRecord, lr_metrics: dict) -> None:
         """torchtitan's step log (loss, max loss, grad norm, tokens seen, LRs), averaged over
         the step's updates; step_metrics adds the RL metrics of ``record``."""
+        # torchtitan's loss reduction is inline in Trainer.train_step (no function to call): the same, per update.
         pd = self.parallel_dims
         losses, max_losses = [], []
         for u in record.updates:
@@ -561,23 +434,9 @@ class RLTrainer(SpecTrainer):
 
     def train(self):
         super().train()
-        if self.queue is not None:  # the batches of steps after the last are not trained on
-            self.queue.close()
+        self.generation.close()  # the batches of steps after the last are not trained on
         self.worker.close()
         if dist.get_rank() == 0:
             summary = write_report(self.config.dump_folder)
             logger.info(f"RL summary\n{summary}")
-
-
-class _LogprobRecorder:
-    """A policy loss (``co_training.PolicyLoss``) that only keeps its microbatch's log-probs:
-    the pipelined recompute's, on the last stage."""
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.logp: torch.Tensor | None = None
-
-    def __call__(self, logits_BLV, labels_BL, global_valid_tokens):
-        self.logp = token_logprobs(logits_BLV, labels_BL, self.temperature)
-        return self.logp.sum() * 0.0, None
 

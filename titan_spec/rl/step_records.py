@@ -36,7 +36,7 @@ class DynamicSampling:
 
 @dataclass(frozen=True)
 class Generation:
-    """What one step generates, drawn in the trainer's thread (rl/step.py plan_generation)."""
+    """What one step generates, drawn in the trainer's thread (rl/generation.py plan_generation)."""
 
     step: int
     """The RL step the batch is for (its baseline schedule and baseline order)."""
@@ -46,7 +46,7 @@ class Generation:
     prompts: list[list[int]]
     """len P * G: each problem's prompt ids G times."""
     seed_base: int
-    """Seeds of the step's calls: seed_base + the generation rank (rl/step.py run_generation)."""
+    """Seeds of the step's calls: seed_base + the generation rank (rl/generation.py run_generation)."""
     baselines: bool
     """Whether the baselines run too (rl.baseline_interval)."""
 
@@ -82,16 +82,13 @@ class Minibatch:
     """Model inputs: "input" token ids and "positions" (document-relative), [B, L]."""
     labels_BL: torch.Tensor
     """Next-token labels on completion tokens, IGNORE_INDEX elsewhere."""
-    behaviour_logp_BL: torch.Tensor
-    """Log-prob of each label token under the behaviour policy: the engine's, or the
-    trainer's recomputed at the step's starting weights (rl.behaviour_logprobs)."""
-    advantages_BL: torch.Tensor
-    """The group advantage of the token's completion."""
-    values_BL: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-token values the losses read (rl/objective.py): "seq_index" (the token's
-    completion, 1-based within this rank's minibatch), "truncated" (1 on the tokens of a
-    completion cut at rl.max_new_tokens), "seq_tokens" (its completion's length) and, with
-    rl.tis, "tis_weight" (rl/mismatch.py); 0 off the completions."""
+    values_BL: dict[str, torch.Tensor]
+    """Per-token values the losses read (rl/objective.py), each [B, L], 0 off the completions:
+    "behaviour_logp" (the label token's log-prob under the behaviour policy: the engine's, or
+    the trainer's at the step's starting weights, rl/recompute.py), "advantages" (its
+    completion's group advantage), "seq_index" (its completion, 1-based within this rank's
+    minibatch), "truncated" (1 on a completion cut at rl.max_new_tokens), "seq_tokens" (its
+    completion's length) and, with rl.tis, "tis_weight" (rl/mismatch.py)."""
 
 
 @dataclass
