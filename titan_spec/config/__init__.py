@@ -16,7 +16,7 @@ live next to what they check; ``titan_spec.preflight.validate_run`` runs them al
 
 from titan_spec.config.errors import ConfigError
 from titan_spec.config.loader import load_config, locate, parse_overrides, quiet_torchtitan
-from titan_spec.config.mode import RunMode, run_mode
+from titan_spec.config.mode import RunMode, mode_of, run_mode
 from titan_spec.config.schema import (
     ActivationCheckpointConfig, DAPOConfig, DFlashConfig, DraftConfig, Eagle3Config, GeneratedTaskConfig, JobConfig,
     ModelConfig, OptimizerConfig, RLConfig, RolloutConfig, ServerEngineConfig, SGLangConfig, SpeculativeConfig,
@@ -26,7 +26,7 @@ from titan_spec.config.validate import check_paths, document_multiple, validate
 
 __all__ = [
     "ConfigError", "TitanSpecConfig", "load_config", "parse_overrides", "locate", "quiet_torchtitan",
-    "RunMode", "run_mode", "validate", "check_paths", "document_multiple",
+    "RunMode", "mode_of", "run_mode", "validate", "check_paths", "document_multiple",
     "ActivationCheckpointConfig", "DraftConfig", "JobConfig", "ModelConfig", "OptimizerConfig", "RLConfig",
     "RolloutConfig", "SGLangConfig", "SpeculativeConfig", "TaskConfig", "TokenizerConfig", "TrainingConfig", "VLLMConfig",
     "DAPOConfig", "DFlashConfig", "Eagle3Config", "GeneratedTaskConfig", "ServerEngineConfig",

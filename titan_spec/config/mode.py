@@ -27,7 +27,7 @@ from typing import Literal
 
 from titan_spec.config.errors import ConfigError
 
-__all__ = ["RunMode", "run_mode"]
+__all__ = ["RunMode", "mode_of", "run_mode"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,13 @@ class RunMode:
     def trains_draft(self) -> bool:
         """The draft has its own optimizer and trains from the policy's forward."""
         return self.draft == "trained"
+
+
+def mode_of(cfg) -> RunMode:
+    """The mode of a config holding the rl, draft and speculative sections (a TitanSpecConfig
+    or the trainer's SpecTrainer.Config), derived each time it is read."""
+    return run_mode(rl=cfg.rl.enable, draft=cfg.draft.enable, offline=cfg.draft.offline,
+                    co_train=cfg.draft.co_train, speculative=cfg.speculative.enabled)
 
 
 def run_mode(*, rl: bool, draft: bool, offline: bool, co_train: bool, speculative: bool) -> RunMode:

@@ -23,7 +23,7 @@ from torchtitan.config import CommConfig, CompileConfig, DebugConfig, Parallelis
 from torchtitan.config import TrainingConfig as _TorchtitanTrainingConfig
 from torchtitan.tools.profiler import Profiler
 
-from titan_spec.config.mode import RunMode, run_mode
+from titan_spec.config.mode import RunMode, mode_of
 
 __all__ = [
     "TrainingConfig", "JobConfig", "ModelConfig", "TokenizerConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
@@ -602,5 +602,4 @@ class TitanSpecConfig:
         """The run's mode (config/mode.py), derived from the five keys that select it each time
         it is read (so an edited config answers for its current keys); a ConfigError where
         they contradict each other (a loaded config has passed that check)."""
-        return run_mode(rl=self.rl.enable, draft=self.draft.enable, offline=self.draft.offline,
-                        co_train=self.draft.co_train, speculative=self.speculative.enabled)
+        return mode_of(self)

@@ -116,7 +116,8 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     with quiet_torchtitan():
         checkpoint = VerifiedCheckpointManager.from_config(cfg.checkpoint)
     return trainer_cls.Config(
-        spec=cfg,
+        job=cfg.job, model=cfg.model, task=cfg.task, draft=cfg.draft,
+        speculative=cfg.speculative, rollout=cfg.rollout, rl=cfg.rl,
         arch=arch,
         draft_arch=draft_arch if cfg.mode.has_draft else None,
         model_spec=spec,

@@ -88,19 +88,18 @@ class RLTrainer(SpecTrainer):
 
     def __init__(self, config):
         super().__init__(config)
-        spec = config.spec
-        self.rl = spec.rl
+        self.rl = config.rl
         # The draft as it was before RL (SpecTrainer's starting draft): the rollout engines
         # start from it and the frozen-draft baseline keeps it (rebuilt identically on resume).
-        self.worker = RolloutWorker(spec, config.arch, self.device, self.starting_draft,
-                                    costs_dir=spec.job.dump_folder, resume_hint=self._resume_hint)
+        self.worker = RolloutWorker(config, config.arch, self.device, self.starting_draft,
+                                    costs_dir=config.dump_folder, resume_hint=self._resume_hint)
         # The ranks of this rank's data-parallel rank (its CP ranks) share each step's
         # generation (rl/sharing.py); collective over the world.
         group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
-        self.generation = RolloutGeneration(self.rl, spec.task.seed, self.tokenizer, self.dataloader, self.worker, group)
+        self.generation = RolloutGeneration(self.rl, config.task.seed, self.tokenizer, self.dataloader, self.worker, group)
         """Phase 2, synchronous or queued (rl/generation.py)."""
         self._degenerate_steps = 0
-        self.reward = reward_fn(spec.task.reward)
+        self.reward = reward_fn(config.task.reward)
         # The starting policy, for the KL penalty and the drift metrics (rl/drift.py).
         self.reference = self._build_reference() if self.rl.kl_beta > 0 or self.rl.drift_metrics else None
         self.drift = DriftMeter()
@@ -216,7 +215,7 @@ class RLTrainer(SpecTrainer):
         """3: rewards_PG of the batch's completions (no collective: rl.dynamic_sampling scores
         each round, and the data-parallel ranks may run different numbers of rounds)."""
         G, tok = self.rl.group_size, self.tokenizer
-        rewards = score(self.reward, self.config.spec.task.reward, [tok.decode(r.output_ids) for r in batch.rollouts],
+        rewards = score(self.reward, self.config.task.reward, [tok.decode(r.output_ids) for r in batch.rollouts],
                         [batch.problems[i // G] for i in range(len(batch.rollouts))])
         return torch.tensor(rewards, dtype=torch.float32).view(len(batch.problems), G)
 
@@ -429,7 +428,7 @@ class RLTrainer(SpecTrainer):
         """torchtitan's step metrics, the draft's, and the RL step's (rl/step_metrics.py)."""
         out = super().step_metrics()
         if self.last_step is not None:
-            out.update(rl_step_metrics(self.last_step, self.config.spec, self.mode, self.parallel_dims))
+            out.update(rl_step_metrics(self.last_step, self.config, self.mode, self.parallel_dims))
         return out
 
     def train(self):

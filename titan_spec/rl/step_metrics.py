@@ -28,13 +28,14 @@ def _length_counts(rollouts, max_new_tokens: int) -> dict[str, float]:
     return counts
 
 
-def rl_step_metrics(record: StepRecord, spec, mode, pd) -> dict[str, float]:
+def rl_step_metrics(record: StepRecord, cfg, mode, pd) -> dict[str, float]:
     """The metrics of the RL step ``record`` (collective over ``pd``'s batch and loss meshes:
-    every rank calls it). ``spec``: the run's TitanSpecConfig; ``mode``: its RunMode (the
+    every rank calls it). ``cfg``: the trainer's config (its rl, speculative and rollout
+    sections); ``mode``: its RunMode (the
     trainer's, read once); ``pd``: torchtitan's ParallelDims."""
-    rl = spec.rl
+    rl = cfg.rl
     out: dict[str, float] = {}
-    K = spec.speculative.num_draft_tokens
+    K = cfg.speculative.num_draft_tokens
     b = record.batch
     stats = b.stats
     # The rollouts are the same on every rank of a data-parallel rank (its CP ranks hold
@@ -101,7 +102,7 @@ def rl_step_metrics(record: StepRecord, spec, mode, pd) -> dict[str, float]:
     if mode.trains_draft:
         drafted_by = min((r.draft_version for r in b.rollouts), default=record.policy_version)
         out["rl/draft_lag"] = (record.policy_version - drafted_by) / updates_per_step
-    if spec.rollout.engine != "sglang":  # SGLang does not report its rounds' depths
+    if cfg.rollout.engine != "sglang":  # SGLang does not report its rounds' depths
         # Mean draft tokens proposed per verify round (speculative.depth = "adaptive" varies it).
         out["rollout/draft_k"] = sums["drafted"] / max(sums["rounds"], 1)
     if len(record.updates) > 1:

@@ -30,7 +30,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torchtitan.tools.logging import logger
 
-from titan_spec.config import TitanSpecConfig
 from titan_spec.models.registry import build_target_config
 from titan_spec.rl.baselines import Baselines, build_baselines
 from titan_spec.rl.rollout_stats import RolloutStats
@@ -55,14 +54,16 @@ def full_policy_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
 class RolloutWorker:
     def __init__(
         self,
-        cfg: TitanSpecConfig,
+        cfg,
         arch,
         device: torch.device,
         draft: torch.nn.Module | None,
         costs_dir: str | None = None,
         resume_hint: Callable[[], str] | None = None,
     ):
-        """``draft``: the draft before RL (unsharded; None without speculation; any draft kind
+        """``cfg``: the run's config sections (the trainer's SpecTrainer.Config, or a
+        TitanSpecConfig: both carry mode, rollout, speculative, rl, model and draft).
+        ``draft``: the draft before RL (unsharded; None without speculation; any draft kind
         whose ``DraftKind.cached_proposer`` gives one).
         ``costs_dir``: where adaptive depth's round-cost table lives
         (rollout_costs.rank<R>.json): read when it exists (a resumed run makes the

@@ -110,7 +110,7 @@ class ServerRolloutEngine:
 
     @classmethod
     def from_config(cls, cfg, draft_path: str | None = None, connect=None) -> Self:
-        """From a TitanSpecConfig: config = rollout.<section>, policy = model.hf_checkpoint,
+        """From the run's config sections (a TitanSpecConfig or the trainer's config): config = rollout.<section>, policy = model.hf_checkpoint,
         draft = draft_path or draft.init_from, K = speculative.num_draft_tokens (0 when
         speculation is off); the server's batch limit (SGLang's max_running_requests, vLLM's
         max_num_seqs) defaults to one step's requests, rl.prompts_per_step x rl.group_size."""

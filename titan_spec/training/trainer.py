@@ -54,7 +54,8 @@ from torchtitan.trainer import Trainer
 
 from titan_spec import platform
 from titan_spec.training.co_training import CoTrainingLoss, LossTerms
-from titan_spec.config import TitanSpecConfig
+from titan_spec.config import RunMode, mode_of
+from titan_spec.config.schema import DraftConfig, JobConfig, ModelConfig, RLConfig, RolloutConfig, SpeculativeConfig, TaskConfig
 from titan_spec.training.draft import DraftTraining, initial_draft, under_dump_folder
 from titan_spec.training.finite import fault, global_grad_norm, inject_nan_grad
 from titan_spec.training.joint_step import JointStep, TorchtitanCalls
@@ -70,8 +71,26 @@ __all__ = ["SpecTrainer"]
 class SpecTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        spec: TitanSpecConfig = field(default_factory=TitanSpecConfig)
-        """The titan_spec config this trainer config was made from (draft, rl, ... sections)."""
+        job: JobConfig = field(default_factory=JobConfig)
+        """[job]: what the run exports and which runs come first (config/schema.py)."""
+
+        model: ModelConfig = field(default_factory=ModelConfig)
+        """[model]: the policy/target (its flavor or HF checkpoint)."""
+
+        task: TaskConfig = field(default_factory=TaskConfig)
+        """[task]: the problems and their reward."""
+
+        draft: DraftConfig = field(default_factory=DraftConfig)
+        """[draft]: the draft (EAGLE-3 or DFlash) and its training."""
+
+        speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+        """[speculative]: speculative decoding in rollouts."""
+
+        rollout: RolloutConfig = field(default_factory=RolloutConfig)
+        """[rollout]: the rollout engine."""
+
+        rl: RLConfig = field(default_factory=RLConfig)
+        """[rl]: GRPO post-training."""
 
         arch: Any = None
         """The target's resolved architecture (titan_spec.models.registry.Arch)."""
@@ -79,10 +98,14 @@ class SpecTrainer(Trainer):
         draft_arch: Any = None
         """The draft's architecture (its draft kind's arch, titan_spec.models.draft), None without a draft."""
 
+        @property
+        def mode(self) -> RunMode:
+            """What the run trains and serves (config/mode.py)."""
+            return mode_of(self)
+
         def to_dict(self) -> dict[str, Any]:
-            # The parent logs and saves this; the nested titan_spec config is plain data.
+            # The parent logs and saves this.
             out = Trainer.Config.to_dict(self)
-            out["spec"] = dataclasses.asdict(self.spec)
             out["metrics"].pop("step_metrics", None)  # the trainer's method, not configuration
             for name in ("arch", "draft_arch"):
                 value = getattr(self, name)
@@ -93,22 +116,21 @@ class SpecTrainer(Trainer):
         # torchtitan builds the metrics processor; this trainer's step metrics join its every log.
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, step_metrics=self.step_metrics))
         super().__init__(config)
-        spec = config.spec
         platform.init_like_unsharded(self.model_parts, self.model_config, config.debug.seed)
         if torch.distributed.get_rank() == 0:
             self.tokenizer.save(config.dump_folder)
-        if spec.model.hf_checkpoint:
+        if config.model.hf_checkpoint:
             # A resumed run restores its own weights over these in train() (checkpointer.load).
             for part in self.model_parts:
-                load_hf_into(part, spec.model.hf_checkpoint, config.arch, stage=self.parallel_dims.pp_enabled)
-            logger.info(f"Loaded HF weights from {spec.model.hf_checkpoint}")
-        if spec.draft.data == "regenerated":
+                load_hf_into(part, config.model.hf_checkpoint, config.arch, stage=self.parallel_dims.pp_enabled)
+            logger.info(f"Loaded HF weights from {config.model.hf_checkpoint}")
+        if config.draft.data == "regenerated":
             self.dataloader.use_regenerator(Regenerator(
-                spec.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device))
+                config.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device))
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         # The schedule's loss (parallelisms/pipeline.py PipelineLoss), kept by the pipelining_fn.
         self.pp_loss = config.model_spec.pipelining_fn.loss if self.parallel_dims.pp_enabled else None
-        self.mode = spec.mode
+        self.mode = config.mode
         """What the run trains and serves (config/mode.py), read once."""
         on_draft_stage = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
         trains_draft_here = self.mode.trains_draft and on_draft_stage
@@ -118,7 +140,7 @@ class SpecTrainer(Trainer):
         """The draft before training (unsharded), kept where ``keeps_starting_draft``."""
         self.draft_training = (self._build_draft_training(copy.deepcopy(start) if keep else start)
                                if trains_draft_here else None)
-        self.co_loss = CoTrainingLoss(self.draft_training, spec.draft.loss_weight, trains_policy=self.mode.trains != "draft")
+        self.co_loss = CoTrainingLoss(self.draft_training, config.draft.loss_weight, trains_policy=self.mode.trains != "draft")
         # The joint update (training/joint_step.py) over torchtitan's containers of the policy.
         self.joint_step = JointStep(self.optimizers, self.lr_schedulers, self.draft_training,
                                     max_consecutive_skips=config.training.max_consecutive_skips,
@@ -139,22 +161,22 @@ class SpecTrainer(Trainer):
 
     def _starting_draft(self) -> torch.nn.Module:
         """The draft before training, built once (training/draft.py initial_draft)."""
-        spec = self.config.spec
+        cfg = self.config
         counts = None
-        if not spec.draft.init_from and self.config.draft_arch.draft_vocab_size < self.config.arch.vocab_size:
+        if not cfg.draft.init_from and self.config.draft_arch.draft_vocab_size < self.config.arch.vocab_size:
             # The draft vocabulary: the most frequent targets of the first batches.
-            counts = self.dataloader.token_counts(spec.draft.vocab_count_batches, self.config.arch.vocab_size)
-        return initial_draft(spec.draft, self.config.draft_arch, counts, self.config.debug.seed or 0)
+            counts = self.dataloader.token_counts(cfg.draft.vocab_count_batches, self.config.arch.vocab_size)
+        return initial_draft(cfg.draft, self.config.draft_arch, counts, self.config.debug.seed or 0)
 
     def _build_draft_training(self, start: torch.nn.Module) -> DraftTraining:
-        spec, pd = self.config.spec, self.parallel_dims
+        pd = self.parallel_dims
         if self.mode.trains == "draft":
             # Offline draft training: the policy is a frozen teacher.
             for part in self.model_parts:
                 part.requires_grad_(False)
         dp_mesh = pd.get_optional_mesh("fsdp") if pd.dp_shard_enabled or pd.cp_enabled else None
         return DraftTraining(
-            spec.draft,
+            self.config.draft,
             self.config.draft_arch,
             device=self.device,
             dp_mesh=dp_mesh,
@@ -281,17 +303,17 @@ class SpecTrainer(Trainer):
 
     def export(self) -> None:
         """End-of-run exports: the policy as an HF checkpoint, the draft for SGLang."""
-        job, spec = self.config.spec.job, self.config.spec
+        job, draft = self.config.job, self.config.draft
         if job.export_hf:
             path = under_dump_folder(self.config.dump_folder, job.export_hf)
             for part in self.model_parts:
                 save_hf(part, path, self.config.arch, tokenizer=self.tokenizer)
             logger.info(f"Exported the policy (HF format) to {path}")
-        if self.draft_training is not None and spec.draft.export_dir:
-            path = under_dump_folder(self.config.dump_folder, spec.draft.export_dir)
+        if self.draft_training is not None and draft.export_dir:
+            path = under_dump_folder(self.config.dump_folder, draft.export_dir)
             # One writer: the first rank of the last stage (all its other mesh coordinates 0).
             self.draft_training.export(path, write=self.metrics_processor.is_writer())
-            logger.info(f"Exported the draft ({spec.draft.kind}) to {path}")
+            logger.info(f"Exported the draft ({draft.kind}) to {path}")
 
     def _cp_max_loss(self) -> float:
         """max_loss under context parallelism: the largest mean loss of one data-parallel
