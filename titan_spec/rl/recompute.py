@@ -7,11 +7,10 @@ trainer's log-probs of the label tokens. They replace the engine's in the miniba
 ``values_BL["behaviour_logp"]``; with rl.tis each token also gets its truncated importance
 weight ``values_BL["tis_weight"]`` from the engine's and the trainer's (rl/mismatch.py).
 The engine/trainer mismatch of this rank's tokens is returned as sums (rl/logp_mismatch_*).
+``trainer`` is the step's RLTrainer (rl/step.py; not imported: step.py calls this module).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
@@ -22,13 +21,10 @@ from titan_spec.rl.logprobs import token_logprobs
 from titan_spec.rl.mismatch import MismatchSums, tis_weights
 from titan_spec.rl.step_records import Minibatch
 
-if TYPE_CHECKING:
-    from titan_spec.rl.step import RLTrainer
-
 __all__ = ["recompute_behaviour", "trainer_logprobs"]
 
 
-def recompute_behaviour(trainer: RLTrainer, minibatches: list[Minibatch]) -> dict[str, float]:
+def recompute_behaviour(trainer, minibatches: list[Minibatch]) -> dict[str, float]:
     """The trainer's log-probs of every minibatch replace the engine's (and, with rl.tis,
     set each token's truncated importance weight). Returns this rank's sums of the
     engine/trainer mismatch over its shards' tokens."""
@@ -44,7 +40,7 @@ def recompute_behaviour(trainer: RLTrainer, minibatches: list[Minibatch]) -> dic
     return total.as_dict()
 
 
-def trainer_logprobs(trainer: RLTrainer, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
+def trainer_logprobs(trainer, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
     """The policy's log-probs of the minibatch's labels (one no-grad forward; under CP of
     this rank's shard, gathered back to the whole [B, L]) and the mismatch sums of this
     rank's shard against the engine's."""
@@ -63,7 +59,7 @@ def trainer_logprobs(trainer: RLTrainer, mb: Minibatch) -> tuple[torch.Tensor, M
     return logp.to(engine_BL.device, engine_BL.dtype).view_as(engine_BL), sums
 
 
-def _pipelined_logprobs(trainer: RLTrainer, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
+def _pipelined_logprobs(trainer, mb: Minibatch) -> tuple[torch.Tensor, MismatchSums]:
     """``trainer_logprobs`` under pipeline parallelism: the schedule's forward alone over the
     minibatch's microbatches (parallelisms/pipeline.py, forward_only), each microbatch's
     log-probs recorded on the last stage. The other stages keep the engine's (they
