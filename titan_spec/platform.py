@@ -175,7 +175,7 @@ def exit_process(status: int) -> NoReturn:
     interpreter's finalization. A native thread that asks for the GIL then is ended by Python
     with pthread_exit, and the unwinding through a noexcept C++ frame calls std::terminate:
     a process whose work is all done exits with SIGABRT ("terminate called without an active
-    exception"). CI saw it on rank 1 of a finished dp = 2 run, 60 ms after its last export;
+    exception"), on any rank, after its last export;
     tests/helpers/exit_after_collective.py makes it happen every time (a collective's Python
     callback run by the gloo worker). So the process ends here, after what finalization does
     that matters, done as Python does it: the non-daemon threads joined, the atexit handlers

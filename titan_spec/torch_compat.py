@@ -1,7 +1,7 @@
 """What torchtitan 0.3.0 and titan_spec need of torch that torch < 2.14 lacks.
 
-The project pins torch 2.14.1; the GPU machine that may be lent to a session runs an image with
-torch 2.11 and no package registry, and 2.14.1 cannot travel with a call. Each backfill below
+The project pins torch 2.14.1; the GPU image it is checked on has torch 2.11 and no package
+registry, so 2.14.1 cannot be installed there. Each backfill below
 gives 2.11 the one 2.14 symbol or behaviour a path titan_spec runs needs, with its reason, and
 does nothing on torch >= 2.14. What cannot be backfilled faithfully is refused by the preflight
 on torch < 2.14 instead (preflight/torch_support.py: pipeline and expert parallelism).

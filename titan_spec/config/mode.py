@@ -4,8 +4,8 @@
 
 Every other module reads ``cfg.mode`` (a ``RunMode``) instead of combining those keys
 itself. ``run_mode`` is total over the 32 combinations: each gives a mode or one of the
-three contradiction errors below, the same one-line messages, checked in the same order,
-as before the mode existed (tests/test_run_mode.py enumerates all 32).
+three contradiction errors below, each one line, checked in a fixed order
+(tests/test_run_mode.py enumerates all 32).
 
     trains   draft     speculates   from
     "lm"     "none"    False        rl off, draft off (SFT; offline, co_train, speculative ignored)

@@ -5,7 +5,7 @@ the prompt is the messages [system (task.system_prompt)] + the record's chat mes
 one user message, rendered with the generation prompt and ``task.chat_template_kwargs``
 (e.g. enable_thinking = false), and encoded WITHOUT an added BOS (the template writes its
 own, as transformers' apply_chat_template(tokenize=True) does). Without one the prompt
-text is encoded with BOS, the embedded task's ids exactly as before.
+text is encoded with BOS (the embedded task's ids).
 """
 
 from __future__ import annotations

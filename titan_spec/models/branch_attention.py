@@ -38,7 +38,7 @@ def _heads_split(x_TNHd: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 # The branch math is a handful (J <= TTT steps) of per-row dot products. As
 # einsum it lowers to a bmm over T*K tiny (G x H) @ (H x J) matrices, which on
-# CPU was ~100x slower than the flash trunk; a short loop over J of broadcast
+# CPU is far slower than the flash trunk; a short loop over J of broadcast
 # multiply + reduce is fast everywhere and keeps temporaries at q's size.
 
 

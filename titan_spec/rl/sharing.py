@@ -1,7 +1,7 @@
 """How the ranks that hold the same data-parallel rank share one step's rollout generation.
 
 The ranks of one data-parallel group (the same batch-mesh coordinate: the product of the
-non-batch mesh dims, cp now, pp and tp as they join) get the same problems from the
+non-batch mesh dims: its CP and TP ranks and pipeline stages) get the same problems from the
 dataloader and must pack the same documents: under context parallelism every CP rank
 zigzag-shards the same packed minibatch. Generating them all on every rank would repeat the
 work n times; generating on one rank would idle the others through a whole generation. So:

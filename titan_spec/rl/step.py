@@ -1,41 +1,40 @@
 """One RL step: GRPO on the policy and the draft co-trained from ONE forward.
 
-``RLTrainer.train_step`` is the step, top to bottom:
+``RLTrainer.train_step`` is the step, top to bottom (docs/ARCHITECTURE.md lists the files
+and calls; this is the one telling of what each phase does):
 
   1 push       the trainer's full weights to this rank's engine, versioned by the
                optimizer steps they have seen (rl/worker.py; under PP gathered over
                the stages, the draft from the last one)
   2 generate   this rank's prompts of the step (deterministic in seed, step and rank),
-               G completions each, speculative, with behaviour log-probs; at intervals
-               the same prompts through the frozen draft and without speculation; the
-               ranks of one data-parallel rank (its CP ranks, its pipeline stages) each
-               generate a share and exchange them (rl/generation.py, rl/sharing.py; with
-               rl.async_steps queued ahead, rl/rollout_queue.py)
-  3 score      rewards (task.reward from the registry, data/rewards.py)
-  4 advantages group-relative (rl/grpo.py)
+               G completions each, speculative, with behaviour log-probs; at
+               rl.baseline_interval steps the same prompts through the baselines
+               (rl/baselines.py); the ranks of one data-parallel rank (its CP ranks, its
+               pipeline stages) each generate a share and exchange them (rl/generation.py,
+               rl/sharing.py; with rl.async_steps queued ahead, rl/rollout_queue.py)
+  3 score      rewards (task.reward from the registry, data/rewards.py); with
+               rl.dynamic_sampling, new prompts until every group has spread
+  4 advantages group-relative (rl/grpo.py) of the rewards + reward_shaping (DAPO's
+               overlong punishment, rl/dapo.py)
   5 pack       prompt+completion documents into rl.minibatches packed minibatches carrying
                labels, behaviour log-probs and advantages (data/packing.py); with
                rl.behaviour_logprobs = "recompute" the trainer's log-probs replace the
                engine's (rl/recompute.py)
   6 update     for each of rl.ppo_epochs x rl.minibatches (under CP: this rank's zigzag
                shard, the per-token values sharded with their tokens; under PP: the
-               schedule's microbatches, each with its own PPO loss on the last stage,
-               _pipelined_forward_backward): ONE forward; PPO-clip loss
-               (importance ratio against the behaviour log-probs) + lambda * the draft's
-               loss from the same forward's detached taps and logits (co_training.py);
-               backward; clip; the guarded optimizer steps of the policy and the draft
-  7 schedule   the LR schedules of both, once per RL step
+               schedule's microbatches, each with its own policy loss on the last stage,
+               _pipelined_forward_backward): ONE forward; the policy loss of kind rl.loss
+               (rl/losses.py) + lambda * the draft's loss from the same forward's detached
+               taps and logits (training/co_training.py); backward; clip; JointStep.step
+               with the clip's norm: the guarded policy step, then the draft's
+               (training/joint_step.py)
+  7 schedule   JointStep.step_schedules: the LR schedules of both, once per RL step
   8 metrics    reward, PPO stats, acceptance length, tokens/s, time split, from the
                step's StepRecord (rl/step_metrics.py)
 
-How it uses torchtitan: ``Trainer.train`` runs the loop (steps, checkpoints through
-titan_spec/training/checkpoint.py, profiler, GC) and calls this ``train_step`` once per step; the
-mesh, FSDP2, compile, activation checkpointing, the optimizers and LR schedulers, the
-gradient clipping (``dist_utils.clip_grad_norm_``), the loss reductions and the
-MetricsProcessor are torchtitan's. The data iterator it passes is not used: an RL step
-makes its own batch. What passes between the phases is typed (rl/step_records.py).
-
-Shape legend: B = packed rows, L = row length, P = prompts, G = group size.
+torchtitan's ``Trainer.train`` runs the loop and calls this ``train_step`` once per step; the
+data iterator it passes is not used: an RL step makes its own batch. What passes between
+the phases is typed (rl/step_records.py); shape letters: titan_spec/shapes.py.
 """
 
 from __future__ import annotations

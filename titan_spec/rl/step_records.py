@@ -1,9 +1,7 @@
-"""What passes between the phases of one RL step (titan_spec/rl/step.py), as typed records.
-
-Shape legend: P = prompts of this rank, G = group size, B = packed rows, L = row length.
-
-    push -> generate -> RolloutBatch -> score -> advantages -> pack -> [Minibatch]
-         -> update (per minibatch and PPO epoch) -> UpdateStats -> StepRecord -> metrics
+"""What passes between the phases of one RL step, as typed records (the phases:
+titan_spec/rl/step.py): generate gives a ``RolloutBatch``, pack its ``Minibatch`` list,
+each update an ``UpdateStats``, and the step's ``StepRecord`` holds them all for the
+metrics. The records are plain data: nothing here computes or communicates.
 """
 
 from __future__ import annotations

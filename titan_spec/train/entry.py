@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from titan_spec.training.trainer import SpecTrainer
 
 # The preflight, the models and the trainer are imported once the config has loaded (in
-# main and train_and_close): they are most of titan_spec's import time (3-4 s of a ~7 s
-# start here), which a typo in a key or value should not wait for. Their errors and stops
+# main and train_and_close): they are most of titan_spec's import time, which a typo in a
+# key or value should not wait for. Their errors and stops
 # are still raised and reported here.
 
 __all__ = ["main", "train_and_close"]

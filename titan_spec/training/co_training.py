@@ -1,7 +1,5 @@
 """The ONE co-training loss: total = policy loss + lambda * draft loss, from one forward.
 
-Shape legend: B = rows, L = row length, V = vocab.
-
 Every training forward goes through ``CoTrainingLoss``: SFT (the policy loss is
 torchtitan's cross-entropy), offline draft training (the policy is a frozen teacher: its
 loss is reported, not trained), RL (the policy loss is PPO-clip, titan_spec/rl/grpo.py),

@@ -76,7 +76,7 @@ def global_grad_norm(params: list[torch.nn.Parameter], device: torch.device, pp_
     shards over their mesh, then the pipeline stages), so every rank gets the same value.
     Under expert parallelism the experts' gradients live on another mesh than the rest:
     each mesh's norm is reduced on its own and the two combined, as torchtitan's
-    ``_clip_grad_norm_with_ep`` does (one mesh: the single reduction, as before)."""
+    ``_clip_grad_norm_with_ep`` does (one mesh: a single reduction)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)

@@ -1,40 +1,19 @@
 """The SFT / offline-draft trainer: torchtitan's ``Trainer`` with titan_spec's seams.
 
-``SpecTrainer`` SUBCLASSES torchtitan's ``Trainer`` rather than composing its parts:
-the parent already wires the mesh, FSDP2/compile/AC, optimizers, LR schedule, DCP
-checkpointer, metrics and the train loop exactly as a torchtitan user expects, and
-each capability titan_spec adds hooks in at one of the parent's seams:
+``SpecTrainer`` subclasses torchtitan's ``Trainer`` rather than composing its parts: the
+parent wires the mesh, FSDP2/compile/AC, optimizers, LR schedules, DCP checkpointer, metrics
+and the loop as a torchtitan user expects, and each capability titan_spec adds enters at one
+of the parent's hooks (``post_dataloading_process``, ``forward_backward_step``,
+``_forward_backward_body``, ``pp_forward_backward_step``, ``state_dict``). Its config,
+``SpecTrainer.Config``, is torchtitan's ``Trainer.Config`` with titan_spec's sections
+(built by preflight/trainer_config.py).
 
-- ``__init__``: translate the TOML config (``titan_spec.config``) into torchtitan's
-  ``Trainer.Config`` (``to_trainer_config``), build the tapped target from a flavor or
-  an HF checkpoint, save the tokenizer with the run;
-- ``post_dataloading_process``: attach titan_spec's document-attention metadata;
-- ``_forward_backward_body``: the ONE training forward (``co_train_forward_backward``);
-  with ``[draft] enable`` its detached taps and logits also give the draft's loss, and
-  policy + lambda * draft is backpropagated (titan_spec/training/co_training.py);
-- ``pp_forward_backward_step`` (pipeline parallelism): the same per microbatch on the last
-  stage, the taps brought by the TapChannel (parallelisms/pipeline.py, tap_channel.py);
-- ``forward_backward_step``: the guard's bookkeeping (the step's loss and, after the last
-  call, the global pre-clip gradient norm);
-- the joint update (training/joint_step.py ``JointStep``: the guarded policy step, the
-  draft's step, both LR schedules) over torchtitan's containers of the policy; torchtitan's
-  ``train_step`` reaches it under the names ``optimizers`` and ``lr_schedulers``;
-- ``metrics_processor`` (training/metrics.py: metrics.jsonl and this trainer's ``step_metrics``);
-- ``post_dataloading_process`` under context parallelism: the packed batch is zigzag-
-  sharded over the cp ranks (parallelisms/cp_batch.py);
-- ``state_dict``: the draft, its optimizer and schedule join the DCP checkpoint (and each
-  rank's token count goes under its own key);
-- ``step_metrics``: the draft's loss and per-step accuracy join the step's metrics;
-- ``checkpoint``: torchtitan's DCP checkpointer with an integrity manifest
-  (titan_spec/training/checkpoint.py).
-
-One LM/SFT step: TaskDataLoader -> train_step (torchtitan) -> forward_backward_step
--> post_dataloading_process -> _forward_backward_body (policy loss + lambda * draft
-loss) -> clip -> the joint step (policy, then draft) -> both schedules -> metrics.
-
-One RL step (titan_spec/rl/step.py) has its own ``train_step`` and uses the same
-pieces: ``begin_step``, ``post_dataloading_process``, ``co_train_forward_backward``,
-``account_loss``, ``joint_step.step`` and ``joint_step.step_schedules``.
+Invariant: every training forward goes through ``co_train_forward_backward`` (ONE forward;
+training/co_training.py: policy loss + lambda * draft loss) and every update through
+``joint_step`` (training/joint_step.py: the guarded policy step, the draft's, both
+schedules), which torchtitan's SFT ``train_step`` reaches under the names ``optimizers`` and
+``lr_schedulers``. The SFT step's files and calls: docs/ARCHITECTURE.md; the RL step
+(titan_spec/rl/step.py) has its own ``train_step`` over the same pieces.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class CachedTarget:
 
     def compile(self, backend: str = "inductor") -> None:
         # fullgraph: a graph break would make dynamo run the whole forward eager (correct but
-        # 4x slower, silently); a clear error is better.
+        # much slower, silently); a clear error is better.
         self._core = torch.compile(self._forward_core, dynamic=True, backend=backend, fullgraph=True)
 
     def new_cache(self, batch: int, slots: int) -> None:

@@ -42,8 +42,8 @@ def round_clock(device: torch.device) -> float:
     needs); this thread takes part in every parallel region and waits for the others,
     so its CPU time follows the round's wall time. Not the process's CPU time: OpenMP's
     other threads spin through the small ops of a round and bill it for time nobody
-    waits for (at 2 threads, 8 rows: a plain step 7.6 ms of process time for 3.6 ms of
-    wall time, so deeper rounds looked 15% cheaper relative to it than they are). The
+    waits for, more for a plain step than for a deeper round, so deeper rounds would look
+    cheaper relative to it than they are. The
     round ends with a host transfer, so all its work is done when the clock is read.
     GPU: wall time (the same transfer synchronizes the stream)."""
     return time.thread_time() if device.type == "cpu" else time.perf_counter()

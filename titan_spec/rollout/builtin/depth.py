@@ -1,41 +1,17 @@
 """Adaptive speculation depth for the built-in engine: how many draft tokens (K in 0..K_max)
 the next round proposes.
 
-A round at depth K costs the draft's K proposals plus one target forward over K+1 tokens
-(K = 0 is a plain decode step), and yields 1 + (accepted drafts) tokens per request. The
-engine picks, before every round, the K that maximises expected tokens per second:
+Before every round the engine picks the K that maximises expected tokens per second,
 
     K* = argmax_K  sum_b E_b[tokens | K] / cost(K, B)
 
-  - E_b[tokens | K] = sum_{i=0..min(K, R_b - 1)} alpha_1 ... alpha_i, with alpha_j the
-    conditional acceptance rate of draft j given drafts 1..j-1 were accepted and R_b the
-    request's remaining token budget (tokens past the budget are not worth drafting);
-  - alpha_j: ``AcceptanceEstimate``, counts of past rounds (reached depth j, accepted at
-    depth j; each round weighs 1 whatever its rows) decayed by ``decay`` per round, smoothed
-    by a Beta prior. A slower decay applies in K = 0 rounds, so the prior regains weight,
-    and while the choice stays K = 0 one round in ``PROBE_EVERY`` drafts anyway (a probe:
-    a K = 0 round observes nothing, so without it an estimate written off by a bad draft
-    would not see a better draft or policy pushed later). The estimate is carried from
-    call to call (``AcceptanceState``, one per sampling setting), so a call does not
-    decide from its own first round alone;
-  - cost(K, B): ``RoundCosts``, the engine's own measured cost of a round, measured ONCE
-    per (sampling mode, batch-size bucket) on first use (calibrate.py: synthetic rounds at
-    each fixed K, read on ``round_clock``), then frozen.
-
-Reproducibility: the choice is a deterministic function of (the frozen cost table, the
-acceptance state the call starts from, the acceptance counts of this call, the remaining
-budgets), so a call's rollouts are a function of (weights, prompts, SamplingParams and
-seed, the cost table, the starting acceptance state): two engines given the same table and
-state make the same choices and the same samples, a call repeated from the same state
-repeats exactly (the RL worker restores it for a retried step; a resumed run loads it from
-the checkpoint and its table from the dump folder). The measurement itself runs on scratch
-caches with its own RNG, so it changes no state a call reads (a call that calibrates
-samples what the same call does later with the table in place). What is NOT exact: two
-fresh runs measure their own tables, so their sampled rollouts may differ (greedy ones
-never do: greedy output is the policy's argmax chain whatever K is).
-
-Losslessness does not depend on the choice: K is fixed before the round from the past only,
-and speculative sampling emits each token from the target's distribution for any K.
+with E_b from ``AcceptanceEstimate`` (decayed acceptance counts of past rounds over a Beta
+prior, carried from call to call in ``AcceptanceState``) and cost from ``RoundCosts`` (the
+engine's own round costs, measured once per sampling mode and batch bucket by calibrate.py,
+then frozen). Invariant: the choice is a deterministic function of the frozen cost table,
+the acceptance state the call starts from, the call's own outcomes and the budgets, and K is
+fixed from the past only, so speculative sampling stays lossless for any choice. The
+reference (probes, the table, what is reproducible): docs/rollout_engine.md, "Adaptive depth".
 """
 
 from __future__ import annotations
@@ -50,26 +26,14 @@ __all__ = [
 
 PROBE_EVERY = 64
 """While the choice is K = 0, one round in this many drafts PROBE_DEPTH tokens instead (a
-probe: the round after PROBE_EVERY - 1 K = 0 rounds in a row, counted across calls;
-``AcceptanceEstimate.depth``). A K = 0 round observes nothing, so an estimate that a bad
-draft drove to K = 0 only recovers through the idle decay's return to the prior, which
-waits until the counts fall below the choice's threshold: ~190 rounds after one rejected
-round where a K = 4 round costs 2.35 plain steps (0.995^n < 0.39), ~190 more after each
-rejected re-probe, and never where the prior alone does not pay for a round; a good draft
-or policy pushed meanwhile went unseen (tests/test_rollout_engine.py: 189 K = 0 rounds
-after the push, 54 with probes). What probes cost with a useless draft: (cost(probe) /
-cost(0) - 1) / PROBE_EVERY of plain decoding; bench/depth_revisit.py (tiny Qwen3, batch
-8, CPU) measured a probe round at 1.84-1.96 plain steps (a K = 1 round, 1.3, plus the
-draft's extend over the ~64 positions it has not seen), i.e. 1.3-1.5%; the probes replace the
-idle decay's own re-probes (their rejections keep the counts above the threshold). 64
-rounds is half of the default run's 128-token call: a draft pushed before a call is tried
-within it."""
+probe, counted across calls; ``AcceptanceEstimate.depth``). A K = 0 round observes nothing,
+so without probes an estimate that a bad draft drove to K = 0 would not see a better draft
+or policy pushed later; half of the default run's 128-token call, so a draft pushed before
+a call is tried within it (docs/rollout_engine.md, "Adaptive depth", says what probes cost)."""
 PROBE_DEPTH = 1
 """K of a probe. Depth 1 is the estimate that puts a round at K = 0 (a bad draft's rows
-are rejected at depth 1, so its deeper counts stay near the prior, and a written-off
-deeper estimate returns to the prior within ~20 drafting rounds at their 0.9 decay), and
-it is the cheapest probe: a probe round at K_max = 4 measured 2.35-2.8 plain steps against
-1.84-1.96 at K = 1 (batch 8, CPU), 2.5% of plain decoding against 1.4% at PROBE_EVERY = 64."""
+are rejected at depth 1, so its deeper counts stay near the prior and return to it within a
+few drafting rounds at their decay), and it is the cheapest probe round."""
 
 
 def sampling_mode(greedy: bool, top_k: int, top_p: float) -> str:
@@ -209,8 +173,7 @@ class AcceptanceEstimate:
         next rounds decode. (Weighing a row 1 / (the rows the batch started with), the
         decay scaled to match, speculates more in the next call, and loses where the
         longest rows of a batch are the ones the draft cannot predict, as at the default's
-        start: 1.036x plain decoding per call against 1.012x, docs/PERFORMANCE.md
-        "Adaptive depth".)"""
+        start: docs/PERFORMANCE.md "Adaptive depth".)"""
         d = self.decay if k else self.idle_decay
         self.idle = 0 if k else self.idle + 1
         self.reached = [x * d for x in self.reached]
@@ -244,9 +207,9 @@ class AcceptanceState:
     T = 1's), carried from generate call to generate call: RL calls the engine once per step
     with a draft that changes a little between them, so the last call's estimate is the
     best start for the next one; a call that had to learn it afresh would decide from its
-    first round alone, which sees the completions' first tokens only (measured on the
-    default task at batch 64, T = 1: 58% acceptance at depth 1 in the first round, 77-91%
-    in the next ten, enough to keep K = 0 for the whole call when a round is expensive).
+    first round alone, which sees the completions' first tokens only (their acceptance is
+    lower than the later rounds', enough to keep K = 0 for a whole call when a round is
+    expensive).
     ``state_dict`` / ``load_state_dict``: JSON-ready, for a retried call and a resumed run."""
 
     def __init__(self, k_max: int):

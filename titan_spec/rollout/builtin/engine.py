@@ -1,22 +1,11 @@
 """The built-in PyTorch rollout engine: batched, KV-cached, lossless speculative decoding with a
 chain draft (EAGLE-3) or a block draft (DFlash).
 
-Shape legend: B = active requests, P = longest prompt, K = draft tokens per round,
-L = K + 1 verified tokens, V = target vocab, Vd = draft vocab, C = tap layers, D = dim.
-
-One round for every active request (all requests of the batch together):
-
-  1. propose (the draft kind's cached proposer, ``DraftKind.cached_proposer``): the trunk
-     rows of the positions committed by the last rounds (one batched ``extend``, trunk.py),
-     then K-1 chain ``step``s, proposing d_1..d_K with distributions q_1..q_K (a block
-     draft: one ``propose`` forward gives q_1..q_{J-1}, the first K are drafted from)
-  2. verify (cached_target.py): ONE target forward over [y, d_1..d_K] (y = the pending,
-     not yet processed token) gives p_1..p_{K+1} and the tap features of those positions
-  3. accept (sampling.py): d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first
-     rejection sample from normalize(max(0, p_i - q_i)); if all K pass, sample a bonus
-     token from p_{K+1}. Greedy (T = 0) is the one-hot case: accept iff d_i == argmax p_i.
-  4. append a+1 tokens (``_emit``: the round's one host transfer); the taps of the a+1
-     verified-and-kept positions feed the next round's draft trunk.
+One round for every active request: propose (the draft kind's cached proposer, after one
+batched ``extend`` of the trunk rows committed since, trunk.py), verify (ONE target forward
+over the pending token and d_1..d_K, cached_target.py, which also gives the next round's
+taps), accept (speculative sampling, sampling.py), append (``_emit``: the round's one host
+transfer). The round in full: docs/rollout_engine.md, "How one round works".
 
 This is Leviathan et al. / Chen et al. speculative sampling, so the output follows the
 target's (tempered, top-k/top-p filtered) distribution exactly, whatever the draft; the

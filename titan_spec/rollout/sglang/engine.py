@@ -7,27 +7,15 @@
 
 The server is started from the policy's HF directory and an exported draft directory
 (``speculative_algorithm = "EAGLE3"``); after that both weight sets are pushed live with
-``update_weights_from_tensor``. Each push is one bracket:
+``update_weights_from_tensor``, the policy with selector "target", the draft with "draft",
+each push one pause / update / flush / continue bracket.
 
-    pause_generation("retract") -> begin_weight_update(selector) ->
-    update_weights_from_tensor(load_format = our loader, weight_version, selector) ->
-    end_weight_update -> flush_cache -> continue_generation
-
-The policy goes with selector "target" and ``load_target_weights``, the draft with
-selector "draft" and ``load_draft_weights`` (sglang_loaders.py says why both guards).
-sglang 0.5.23 has no ``disable_draft_model`` argument; the request's ``selector`` is
-what it offers instead (io_struct.UpdateWeightsFromTensorReqInput).
-
-Every push is checked here first, against the names, shapes and dtypes of the server's
-start files and the draft's start ``d2t``: SGLang 0.5.23 does not catch an exception in a
-custom loader (model_runner_components/weight_updater.py), its scheduler dies and takes the
-server with it, so a push the loaders would refuse must never be sent.
-
-Faults: a server that exits or stops answering is restarted and both weight sets are
-pushed again from host copies of the last GOOD pushes (a push becomes the host copy, and
-its version the engine's, only once SGLang has taken it), then the call is retried; the
-trainer only sees an error after ``max_restarts`` failed restarts in a row, and even then
-the next call starts from the last good weights.
+Invariants: every push is checked here first against the names, shapes and dtypes of the
+server's start files (SGLang's scheduler dies on an exception in a custom loader, so a push
+its loaders would refuse is never sent); a push becomes the engine's host copy and version
+only once SGLang has taken it, and a server that exits or stops answering is restarted with
+the last good weights before the call is retried (``max_restarts``). The bracket, the
+checks and the faults in full: docs/rollout_engine.md, "SGLang engine".
 
 One server per trainer rank (docs/rollout_engine.md, "One server per rank"): each rank's
 server runs on that rank's GPU (``base_gpu_id`` = LOCAL_RANK), so its pushes are CUDA IPC

