@@ -45,7 +45,7 @@ import titan_spec  # noqa: E402,F401
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft  # noqa: E402
 from titan_spec.models.draft.eagle3.ttt import ttt_inputs_for_sequences  # noqa: E402
 from titan_spec.models.registry import build_target_config, flavor_arch  # noqa: E402
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine  # noqa: E402
 from titan_spec.rollout.builtin.depth import PROBE_DEPTH, PROBE_EVERY, RoundCosts  # noqa: E402
 
 TAPS = (1, 3, 4)
@@ -86,7 +86,7 @@ def new_draft(arch, seed: int) -> Eagle3Draft:
 
 def fit_draft(target, arch, prompts, max_new_tokens: int, steps: int, seed: int) -> Eagle3Draft:
     """TTT (3 steps deep) on the target's greedy completions of ``prompts``."""
-    plain = TorchRolloutEngine(target, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0))
     done = plain.generate(prompts, SamplingParams(0.0, max_new_tokens=max_new_tokens))
     seqs = [r.prompt_ids + r.output_ids for r in done]
     draft = new_draft(arch, seed)
@@ -140,14 +140,14 @@ def main(argv=None) -> int:
     t_fit = time.perf_counter() - t_start
     sp = SamplingParams(0.0, max_new_tokens=args.max_new_tokens)
     costs = RoundCosts()
-    adaptive = TorchEngineConfig(num_draft_tokens=K, depth="adaptive")
+    adaptive = BuiltinEngineConfig(num_draft_tokens=K, depth="adaptive")
     random_draft = new_draft(arch, args.seed + 7)
     engines = {
-        "plain": TorchRolloutEngine(target, None, TorchEngineConfig(num_draft_tokens=0)),
-        "random_adaptive": TorchRolloutEngine(target, random_draft, adaptive, costs=costs),
-        "random_noprobe": TorchRolloutEngine(target, random_draft, adaptive, costs=costs),
-        "random_fixed": TorchRolloutEngine(target, random_draft, TorchEngineConfig(num_draft_tokens=K)),
-        "fitted_adaptive": TorchRolloutEngine(target, fitted, adaptive, costs=costs),
+        "plain": BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0)),
+        "random_adaptive": BuiltinRolloutEngine(target, random_draft, adaptive, costs=costs),
+        "random_noprobe": BuiltinRolloutEngine(target, random_draft, adaptive, costs=costs),
+        "random_fixed": BuiltinRolloutEngine(target, random_draft, BuiltinEngineConfig(num_draft_tokens=K)),
+        "fitted_adaptive": BuiltinRolloutEngine(target, fitted, adaptive, costs=costs),
     }
     engines["random_noprobe"].acceptance.of(sp).depth = lambda k: k  # this estimate never probes
     rounds_s: list[tuple[int, float]] = []  # random_adaptive's (K, thread CPU s) per round

@@ -65,7 +65,7 @@ import torch  # noqa: E402
 import titan_spec  # noqa: E402,F401
 from titan_spec.data.tokenizer import CharTokenizer  # noqa: E402
 from titan_spec.models.draft import draft_kind  # noqa: E402
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine  # noqa: E402
 from titan_spec.rollout.builtin.depth import RoundCosts  # noqa: E402
 from titan_spec.config import load_config  # noqa: E402
 from titan_spec.data.tasks import build_task  # noqa: E402
@@ -128,7 +128,7 @@ def task_of(config_path: str):
     return build_task(load_config(config_path).task)
 
 
-def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, seed: int,
+def distill(engine: BuiltinRolloutEngine, tok: CharTokenizer, task, steps: int, seed: int,
             max_new_tokens: int = 64, stop: tuple[int, ...] = ()) -> dict:
     """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1, on
     prompts other than the benchmark's): the distribution co-training keeps the draft on.
@@ -137,7 +137,7 @@ def distill(engine: TorchRolloutEngine, tok: CharTokenizer, task, steps: int, se
 
     rng = random.Random(seed + 7)
     prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(64)]
-    plain = TorchRolloutEngine(engine.target, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(engine.target, None, BuiltinEngineConfig(num_draft_tokens=0))
     seqs = []
     for T in (0.0, 1.0):
         out = plain.generate(prompts, SamplingParams(T, max_new_tokens=max_new_tokens, stop_token_ids=stop, seed=seed))
@@ -199,8 +199,8 @@ def main(argv=None) -> int:
     costs = RoundCosts()  # shared by the adaptive engines (same model shapes)
 
     def engine(k, depth="fixed", draft_dir_=draft_dir, kind=args.draft_kind, costs_=costs):
-        cfg = TorchEngineConfig(num_draft_tokens=k, depth=depth, compile=args.compile)
-        e = TorchRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg, draft_kind_name=kind,
+        cfg = BuiltinEngineConfig(num_draft_tokens=k, depth=depth, compile=args.compile)
+        e = BuiltinRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg, draft_kind_name=kind,
                                                max_seq_len=max(512, 64 + args.max_new_tokens + 2 * K + 16), device=args.device)
         e.costs = costs_
         return e

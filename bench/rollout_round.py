@@ -31,7 +31,7 @@ import titan_spec.rollout.builtin.engine as torch_engine  # noqa: E402
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft  # noqa: E402
 from titan_spec.models.draft.vocab import build_vocab_mapping  # noqa: E402
 from titan_spec.models.registry import build_target_config, flavor_arch  # noqa: E402
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine  # noqa: E402
 
 
 def _parse_args(argv=None):
@@ -45,7 +45,7 @@ def _parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", action="store_true", help="TorchEngineConfig(compile=True) (minutes of compile on CPU)")
+    p.add_argument("--compile", action="store_true", help="BuiltinEngineConfig(compile=True) (minutes of compile on CPU)")
     return p.parse_args(argv)
 
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     engines, timers = {}, {}
     for k in (0, K):
         t = timers[k] = Timers()
-        e = engines[k] = TorchRolloutEngine(target, draft if k else None, TorchEngineConfig(num_draft_tokens=k, compile=args.compile))
+        e = engines[k] = BuiltinRolloutEngine(target, draft if k else None, BuiltinEngineConfig(num_draft_tokens=k, compile=args.compile))
         t.wrap(e._target, "forward", "target forward")
         if k:
             t.wrap(e._draft, "extend", "draft extend")

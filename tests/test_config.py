@@ -7,7 +7,7 @@ import pytest
 
 import titan_spec  # noqa: F401
 from titan_spec.config import ConfigError, load_config, parse_overrides
-from titan_spec.rollout.builtin.engine import TorchEngineConfig
+from titan_spec.rollout.builtin.engine import BuiltinEngineConfig
 
 DEFAULT = "train_configs/debug_cpu_sft.toml"  # the default RL run reads its outputs
 
@@ -22,18 +22,18 @@ def test_default_config_loads_and_overrides_apply():
 
 def test_engine_config_from_sections():
     cfg = load_config(DEFAULT, ["--speculative.num_draft_tokens", "3", "--rollout.max_batch_size", "8"])
-    e = TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative)
+    e = BuiltinEngineConfig.from_sections(cfg.rollout, cfg.speculative)
     assert (e.num_draft_tokens, e.max_batch_size) == (3, 8)
     assert e.depth == "adaptive"  # the default (docs/rollout_engine.md, "Adaptive depth")
     cfg = load_config(DEFAULT, ["--speculative.enabled", "false"])
-    assert TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative).num_draft_tokens == 0
+    assert BuiltinEngineConfig.from_sections(cfg.rollout, cfg.speculative).num_draft_tokens == 0
     # The servers run their fixed chain: the default's effective depth is "fixed" there (an
     # explicit "adaptive" is an error, MALFORMED), while the config keeps what was set.
     for engine in ("sglang", "vllm"):
         spec = load_config(DEFAULT, ["--rollout.engine", engine], check_paths=False).speculative
         assert (spec.depth, spec.effective_depth(engine)) == ("adaptive", "fixed")
     cfg = load_config(DEFAULT, ["--speculative.depth", "fixed"])
-    assert TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative).depth == "fixed"
+    assert BuiltinEngineConfig.from_sections(cfg.rollout, cfg.speculative).depth == "fixed"
 
 
 def test_validate_changes_nothing():
@@ -43,13 +43,13 @@ def test_validate_changes_nothing():
 
     from titan_spec.config import validate
 
-    for engine in ("torch", "sglang", "vllm"):
+    for engine in ("builtin", "sglang", "vllm"):
         cfg = load_config("train_configs/debug_cpu.toml", ["--rollout.engine", engine], check_paths=False)
         before = copy.deepcopy(cfg)
         validate(cfg, world_size=1)
         assert cfg == before, engine
         assert cfg.speculative.depth == "adaptive"
-        assert cfg.speculative.effective_depth(engine) == ("adaptive" if engine == "torch" else "fixed")
+        assert cfg.speculative.effective_depth(engine) == ("adaptive" if engine == "builtin" else "fixed")
 
 
 def test_every_moved_key_is_refused_in_one_line_naming_its_new_key(tmp_path):
@@ -148,7 +148,10 @@ MALFORMED = [
     ("", ["--draft.loss_decay", "0"], 1, ["draft.loss_decay", "(0, 1]"]),
     ("[metrics]\nlog_freq = 0\n", [], 1, ["metrics.log_freq"]),
     ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
-    ("[rollout]\nengine = 'vlm'\n", [], 1, ["rollout.engine", "'torch', 'sglang', 'vllm'"]),
+    ("[rollout]\nengine = 'vlm'\n", [], 1, ["rollout.engine", "'builtin', 'sglang', 'vllm'"]),
+    ("[rollout]\nengine = 'torch'\n", [], 1, ["rollout.engine = 'torch' was renamed: use rollout.engine = 'builtin'",
+                                            "'builtin', 'sglang', 'vllm'"]),
+    ("", ["--rollout.engine", "torch"], 1, ["--rollout.engine", "was renamed: use rollout.engine = 'builtin'"]),
     ("[speculative]\ndepth = 'auto'\n", [], 1, ["speculative.depth", "'fixed', 'adaptive'"]),
     ("[speculative]\ndepth = 'adaptive'\n[rollout]\nengine = 'sglang'\n", [], 1,
      ["speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'", "must be 'fixed'"]),

@@ -22,7 +22,7 @@ from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft import draft_kind
 from titan_spec.models.draft.dflash.io import MASK_FILE, export_keys
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
 
 from test_rollout_engine import (  # noqa: F401  (_one_thread: the module's autouse fixture, shared)
     _one_thread, assert_follows_the_policy, check_stats, random_prompts, sampled_tokens_distribution_check,
@@ -252,7 +252,7 @@ def train_dflash(model, draft, cfg: DraftConfig, seqs: list[list[int]], steps: i
 
 def fit_draft(model, arch, block_size: int, steps: int = 60, seed: int = 0):
     """A DFlash draft fitted by its own loss on the target's greedy completions (and a few sampled)."""
-    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
     prompts = random_prompts(24, seed + 100)
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=40))]
     seqs += [r.prompt_ids + r.output_ids for r in plain.generate(prompts[:6], SamplingParams(1.0, max_new_tokens=40, seed=seed))]
@@ -270,8 +270,8 @@ def fitted():
 def test_greedy_speculation_with_a_block_draft_equals_plain(fitted, which, K):
     model, arch, good = fitted
     draft = good if which == "fitted" else make_draft(arch, 7, block_size=3, draft_vocab=20)[0].eval()
-    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
-    spec = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K))
+    plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
+    spec = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=K))
     tokens = steps = 0
     for seed in (3, 4):
         prompts = random_prompts(6, seed)
@@ -293,8 +293,8 @@ def test_adaptive_depth_with_a_block_draft_equals_plain(fitted):
     model, _, draft = fitted
     prompts = random_prompts(5, 11)
     sp = SamplingParams(temperature=0.0, max_new_tokens=24)
-    want = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0)).generate(prompts, sp)
-    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=7, depth="adaptive"))
+    want = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0)).generate(prompts, sp)
+    engine = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=7, depth="adaptive"))
     got = engine.generate(prompts, sp)
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert set(engine.last_depths) <= set(range(8)) and engine.last_depths
@@ -312,7 +312,7 @@ def test_sampled_tokens_with_a_block_draft_follow_the_policy(fitted, K, sp):
 def test_more_draft_tokens_than_the_block_is_one_line(fitted):
     model, _, draft = fitted
     with pytest.raises(ValueError) as e:
-        TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=8))
+        BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=8))
     assert "\n" not in str(e.value) and "<= 7 (block_size 8 - 1)" in str(e.value)
 
 
@@ -350,7 +350,7 @@ def test_export_is_vllms_layout_and_round_trips(tmp_path):
     with safe_open(str(tmp_path / "full" / "model.safetensors"), "pt") as f:
         assert "d2t" not in f.keys() and "t2d" not in f.keys()
     # The engine loads it from the directories alone, as the rollout worker does.
-    engine = TorchRolloutEngine(model, copy, TorchEngineConfig(num_draft_tokens=5))
+    engine = BuiltinRolloutEngine(model, copy, BuiltinEngineConfig(num_draft_tokens=5))
     assert engine.generate([[1, 2, 3]], SamplingParams(0.0, max_new_tokens=4))[0].output_ids
 
 
@@ -438,9 +438,9 @@ def test_compiled_block_proposer_matches_eager(fitted):
     model, _, draft = fitted
     prompts = random_prompts(3, seed=6)
     sp = SamplingParams(1.0, max_new_tokens=12, seed=0)
-    ref = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=4)).generate(prompts, sp)
-    cfg = TorchEngineConfig(num_draft_tokens=4, compile=True, compile_backend="aot_eager")
-    got = TorchRolloutEngine(model, draft, cfg).generate(prompts, sp)
+    ref = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=4)).generate(prompts, sp)
+    cfg = BuiltinEngineConfig(num_draft_tokens=4, compile=True, compile_backend="aot_eager")
+    got = BuiltinRolloutEngine(model, draft, cfg).generate(prompts, sp)
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert [r.accepted_tokens for r in got] == [r.accepted_tokens for r in ref]
 

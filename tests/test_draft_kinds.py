@@ -257,7 +257,7 @@ def test_models_draft_imports_form_no_cycle_and_none_is_function_local():
 
 def test_builtin_engine_names_a_draft_kind_it_cannot_serve():
     from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
-    from titan_spec.rollout.builtin.engine import TorchRolloutEngine
+    from titan_spec.rollout.builtin.engine import BuiltinRolloutEngine
 
     arch = with_vocab(flavor_arch("qwen3", "tiny"), 40)
     target = build_target_config(arch, max_seq_len=64).build()
@@ -270,5 +270,5 @@ def test_builtin_engine_names_a_draft_kind_it_cannot_serve():
     draft = _FakeDraft(Arch(dim=arch.dim, vocab_size=40, draft_vocab_size=40))
     draft.register_buffer("d2t", torch.zeros(40, dtype=torch.long))
     with pytest.raises(ValueError, match=r"no cached proposer for draft kind 'fake' \(it has 'eagle3'") as e:
-        TorchRolloutEngine(target, draft)
+        BuiltinRolloutEngine(target, draft)
     assert "\n" not in str(e.value)

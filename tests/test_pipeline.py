@@ -105,7 +105,7 @@ BAD = [
      "layers.3 is on pipeline stages 0 and 1; every module must be on exactly one stage"),
     # RL runs under PP; what it does not support there says what it does.
     (["--rl.enable", "true", "--rl.kl_beta", "0.1"], "rl.kl_beta = 0.1 is not supported"),
-    (["--rl.enable", "true", "--rollout.engine", "sglang"], "use rollout.engine = 'torch' under PP"),
+    (["--rl.enable", "true", "--rollout.engine", "sglang"], "use rollout.engine = 'builtin' under PP"),
 ]
 
 

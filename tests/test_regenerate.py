@@ -15,7 +15,7 @@ from titan_spec.config import ConfigError, GeneratedTaskConfig, TaskConfig, load
 from titan_spec.data.loader import TaskDataLoader
 from titan_spec.data.tokenizer import CharTokenizer
 from titan_spec.training.regenerate import Regenerator
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers.hf_assets import write_tiny_qwen3  # noqa: E402
@@ -55,7 +55,7 @@ def _documents(packed):
 def test_regenerated_batches_are_the_policys_greedy_completions(policy):
     tok = CharTokenizer()
     regen = Regenerator(policy, tok.stop_ids, ROW)
-    plain = TorchRolloutEngine.from_pretrained(policy, None, TorchEngineConfig(num_draft_tokens=0), max_seq_len=ROW)
+    plain = BuiltinRolloutEngine.from_pretrained(policy, None, BuiltinEngineConfig(num_draft_tokens=0), max_seq_len=ROW)
     loader = _loader(tok, regen)
     packed = loader._global_batch(0)
     checked = 0

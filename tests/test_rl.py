@@ -314,9 +314,9 @@ def test_baseline_schedule_which_steps_and_which_order():
 
 
 def _dead_engine(worker):
-    from titan_spec.rollout.builtin.engine import TorchRolloutEngine
+    from titan_spec.rollout.builtin.engine import BuiltinRolloutEngine
 
-    e = TorchRolloutEngine(worker.target, worker.draft, worker.engine_config)
+    e = BuiltinRolloutEngine(worker.target, worker.draft, worker.engine_config)
 
     def dead(*a, **k):
         raise RuntimeError("simulated engine crash")

@@ -1,5 +1,5 @@
 """The rollout worker's weight push (rl/worker.py RolloutWorker.push ->
-TorchRolloutEngine.update_*_weights): a pushed draft really reaches the main engine and only
+BuiltinRolloutEngine.update_*_weights): a pushed draft really reaches the main engine and only
 it, so the co-trained draft is what serves the rollouts while the frozen baseline keeps the
 draft as it was before RL.
 
@@ -21,7 +21,7 @@ from titan_spec.training.draft import initial_draft
 from titan_spec.models.draft.eagle3.model import DraftArch
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rollout import SamplingParams
-from titan_spec.rollout.builtin.engine import TorchRolloutEngine
+from titan_spec.rollout.builtin.engine import BuiltinRolloutEngine
 from titan_spec.rl.worker import RolloutWorker
 
 TAPS = (1, 3, 4)
@@ -88,7 +88,7 @@ def test_pushed_draft_reaches_the_main_engine_only_and_changes_its_acceptance(se
     assert all(r.draft_version == 5 and r.policy_version == 5 for r in main)
     # The policy push reached all three engines (they share one target): identical greedy tokens,
     # those of a plain engine over the trainer's policy.
-    plain = TorchRolloutEngine(copy.deepcopy(policy), None, dataclasses.replace(worker.engine_config, num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(copy.deepcopy(policy), None, dataclasses.replace(worker.engine_config, num_draft_tokens=0))
     want = [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
     assert [r.output_ids for r in main] == [r.output_ids for r in frozen] == [r.output_ids for r in nospec] == want
 
@@ -97,7 +97,7 @@ def test_pushed_draft_reaches_the_main_engine_only_and_changes_its_acceptance(se
     def fresh(draft_state):
         d = copy.deepcopy(draft)
         d.load_state_dict(draft_state)
-        return _acceptance(TorchRolloutEngine(copy.deepcopy(policy), d, worker.engine_config).generate(PROMPTS, GREEDY))
+        return _acceptance(BuiltinRolloutEngine(copy.deepcopy(policy), d, worker.engine_config).generate(PROMPTS, GREEDY))
 
     assert _acceptance(main) == fresh(pushed)
     assert _acceptance(frozen) == fresh(draft.state_dict())

@@ -18,7 +18,7 @@ from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.io import EXPORT_KEYS
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.models.draft.eagle3.ttt import ttt_inputs_for_sequences
-from titan_spec.rollout import RolloutEngine, SamplingParams, TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout import RolloutEngine, SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
 
 from helpers.chi2 import chi2_groups, chi2_pvalue
 
@@ -66,7 +66,7 @@ def random_prompts(n: int, seed: int, lo: int = 1, hi: int = 9) -> list[list[int
 def fit_draft(model, arch, steps: int = 40, seed: int = 0) -> Eagle3Draft:
     """A draft fitted to the target by TTT on the target's own completions (greedy ones,
     which the greedy tests follow, and a few sampled ones), in a few seconds."""
-    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
     prompts = random_prompts(32, seed + 100)
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=40))]
     sampled = plain.generate(prompts[:8], SamplingParams(1.0, max_new_tokens=40, seed=seed))
@@ -169,7 +169,7 @@ def test_cached_target_and_draft_mirror_the_training_forward_and_ttt():
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
 def test_plain_greedy_equals_naive_full_forwards(family):
     model, _ = make_target(1, family)
-    engine = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    engine = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
     prompts = random_prompts(4, seed=2)
     out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=24))
     for p, r in zip(prompts, out):
@@ -188,8 +188,8 @@ def _with_stops(plain_out):
 def test_greedy_speculative_equals_plain(pair, which, K):
     model, arch, fitted = pair
     draft = fitted if which == "fitted" else make_draft(arch, 7, draft_vocab=20)
-    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
-    spec = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K))
+    plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
+    spec = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=K))
     total_tokens = total_steps = 0
     for seed in (3, 4, 5):
         prompts = random_prompts(6, seed)
@@ -222,9 +222,9 @@ def test_batching_and_chunking_do_not_change_greedy_output(pair):
     model, _, draft = pair
     prompts = random_prompts(5, seed=9)
     sp = SamplingParams(temperature=0.0, max_new_tokens=20)
-    whole = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3)).generate(prompts, sp)
-    chunked = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3, max_batch_size=2)).generate(prompts, sp)
-    single = [TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3)).generate([p], sp)[0] for p in prompts]
+    whole = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3)).generate(prompts, sp)
+    chunked = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3, max_batch_size=2)).generate(prompts, sp)
+    single = [BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3)).generate([p], sp)[0] for p in prompts]
     for a, b, c in zip(whole, chunked, single):
         assert a.output_ids == b.output_ids == c.output_ids
 
@@ -241,7 +241,7 @@ def policy_probs(model, contexts: list[list[int]], sp: SamplingParams) -> torch.
 def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17, 5), depth="fixed", costs=None):
     """Tokens 1..3 of n completions of one prompt against the policy's distributions.
     ``sp.max_new_tokens`` may exceed 3 (adaptive depth then has a budget to choose K for)."""
-    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K, depth=depth), costs=costs)
+    engine = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=K, depth=depth), costs=costs)
     out = engine.generate([list(prompt)] * n, sp)
     toks = torch.tensor([r.output_ids[:3] for r in out])  # [n, 3]
     prompt = list(prompt)
@@ -314,7 +314,7 @@ def test_sampled_tokens_follow_the_policy(pair, which, K, sp):
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_behaviour_logprobs_equal_a_full_forward(pair, temperature):
     model, _, draft = pair
-    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3))
+    engine = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3))
     prompts = random_prompts(4, seed=21)
     out = engine.generate(prompts, SamplingParams(temperature, top_k=12, max_new_tokens=25, seed=3))
     check_stats(out, 3)
@@ -327,14 +327,14 @@ def test_behaviour_logprobs_equal_a_full_forward(pair, temperature):
 
 def test_engine_stats_edges_and_protocol(pair):
     model, _, draft = pair
-    engine = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    engine = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
     assert isinstance(engine, RolloutEngine)
     out = engine.generate(random_prompts(3, seed=1), SamplingParams(1.0, max_new_tokens=7, seed=0))
     for r in out:
         assert r.verify_steps == 7 and r.accepted_tokens == 0 and r.acceptance_length == 1.0
     assert engine.generate([], SamplingParams()) == []
     # One new token (the prefill's), and a bar that reports progress.
-    spec = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=3, progress=True))
+    spec = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3, progress=True))
     for n in (1, 2):
         out = spec.generate(random_prompts(3, seed=2), SamplingParams(0.0, max_new_tokens=n))
         assert [len(r.output_ids) for r in out] == [n] * 3
@@ -352,9 +352,9 @@ def test_compiled_engine_matches_eager(pair, temperature):
     model, _, draft = pair
     prompts = random_prompts(3, seed=6)
     sp = SamplingParams(temperature, max_new_tokens=12, seed=0)
-    ref = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=2)).generate(prompts, sp)
-    cfg = TorchEngineConfig(num_draft_tokens=2, compile=True, compile_backend="aot_eager")
-    got = TorchRolloutEngine(model, draft, cfg).generate(prompts, sp)
+    ref = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=2)).generate(prompts, sp)
+    cfg = BuiltinEngineConfig(num_draft_tokens=2, compile=True, compile_backend="aot_eager")
+    got = BuiltinRolloutEngine(model, draft, cfg).generate(prompts, sp)
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
 
 
@@ -367,13 +367,13 @@ def test_weight_updates_change_outputs_and_bump_versions(pair):
     prompts = random_prompts(4, seed=31)
     sp = SamplingParams(temperature=0.0, max_new_tokens=20)
     own_target, _ = make_target(0)
-    engine = TorchRolloutEngine(own_target, make_draft(arch, 3), TorchEngineConfig(num_draft_tokens=3))
+    engine = BuiltinRolloutEngine(own_target, make_draft(arch, 3), BuiltinEngineConfig(num_draft_tokens=3))
     before = engine.generate(prompts, sp)
     assert {(r.policy_version, r.draft_version) for r in before} == {(0, 0)}
 
     engine.update_policy_weights(other.state_dict(), version=3)
     after = engine.generate(prompts, sp)
-    fresh = TorchRolloutEngine(other, None, TorchEngineConfig(num_draft_tokens=0)).generate(prompts, sp)
+    fresh = BuiltinRolloutEngine(other, None, BuiltinEngineConfig(num_draft_tokens=0)).generate(prompts, sp)
     assert [r.output_ids for r in after] == [r.output_ids for r in fresh]
     assert [r.output_ids for r in after] != [r.output_ids for r in before]
     assert {r.policy_version for r in after} == {3}
@@ -407,7 +407,7 @@ def test_weight_updates_change_outputs_and_bump_versions(pair):
 
 def test_bad_inputs_give_clear_errors_and_the_engine_keeps_working(pair):
     model, arch, draft = pair
-    engine = TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=2))
+    engine = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=2))
     prompts = random_prompts(3, seed=41)
     sp = SamplingParams(temperature=0.0, max_new_tokens=12)
     ref = engine.generate(prompts, sp)
@@ -423,17 +423,17 @@ def test_bad_inputs_give_clear_errors_and_the_engine_keeps_working(pair):
         (lambda: SamplingParams(top_p=0.0), "top_p"),
         (lambda: SamplingParams(top_k=-3), "top_k"),
         (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
-        (lambda: TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=-1)), "num_draft_tokens"),
-        (lambda: TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=2)), "needs a draft"),
+        (lambda: BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=-1)), "num_draft_tokens"),
+        (lambda: BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=2)), "needs a draft"),
     ]
     wrong_vocab = Eagle3Draft(DraftArch.from_target(with_vocab(arch, V + 8), TAPS, 16))
     wrong_hidden = Eagle3Draft(dataclasses.replace(DraftArch.from_target(arch, TAPS, 16), hidden=48, target_hidden=48))
     bad_d2t = make_draft(arch, 1, draft_vocab=8)
     bad_d2t.d2t.fill_(V - 4)  # draft ids 4..7 land past the target vocabulary
     cases += [
-        (lambda: TorchRolloutEngine(model, bad_d2t, TorchEngineConfig(num_draft_tokens=2)), "d2t maps draft ids outside"),
-        (lambda: TorchRolloutEngine(model, wrong_vocab, TorchEngineConfig(num_draft_tokens=2)), "draft vocab_size 40 != target vocab 32"),
-        (lambda: TorchRolloutEngine(model, wrong_hidden, TorchEngineConfig(num_draft_tokens=2)), "target_hidden 48 != target dim 64"),
+        (lambda: BuiltinRolloutEngine(model, bad_d2t, BuiltinEngineConfig(num_draft_tokens=2)), "d2t maps draft ids outside"),
+        (lambda: BuiltinRolloutEngine(model, wrong_vocab, BuiltinEngineConfig(num_draft_tokens=2)), "draft vocab_size 40 != target vocab 32"),
+        (lambda: BuiltinRolloutEngine(model, wrong_hidden, BuiltinEngineConfig(num_draft_tokens=2)), "target_hidden 48 != target dim 64"),
     ]
     for fn, msg in cases:
         with pytest.raises(ValueError, match=msg) as e:
@@ -457,7 +457,7 @@ def pinned_costs(ratios=(1.0, 1.15, 1.3, 1.45, 1.6), modes=("greedy", "sample", 
 
 
 def _adaptive(model, draft, costs, K=4, **kw):
-    return TorchRolloutEngine(model, draft, TorchEngineConfig(num_draft_tokens=K, depth="adaptive", **kw), costs=costs)
+    return BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=K, depth="adaptive", **kw), costs=costs)
 
 
 @pytest.mark.parametrize("which", ["random", "fitted"])
@@ -470,7 +470,7 @@ def test_adaptive_depth_greedy_equals_plain_and_follows_the_draft(pair, which):
     test_greedy_speculative_equals_plain pair's > 1.6)."""
     model, arch, fitted = pair
     draft = fitted if which == "fitted" else make_draft(arch, 7, draft_vocab=20)
-    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
     spec = _adaptive(model, draft, pinned_costs(), max_batch_size=4)
     depths = []
     for seed in (3, 4):
@@ -657,7 +657,7 @@ def test_adaptive_depth_drafts_from_every_position_after_plain_rounds(pair, monk
     assert spec.last_depths[:6] == [0, 0, 0, 0, 0, 3]
     # The prefill and 5 plain rounds committed 6 tokens: the reference prompt holds 5 of them
     # (the 6th is the pending token its prefill emits).
-    ref = TorchRolloutEngine(model, fitted, TorchEngineConfig(num_draft_tokens=3))
+    ref = BuiltinRolloutEngine(model, fitted, BuiltinEngineConfig(num_draft_tokens=3))
     ref_seen = first_extend(ref)
     ref.generate([p + r.output_ids[:5] for p, r in zip(prompts, got)], sp)
     torch.testing.assert_close(seen[0], ref_seen[0], atol=1e-4, rtol=0)
@@ -690,7 +690,7 @@ def test_adaptive_depth_probes_a_written_off_draft_and_recovers_after_a_push(pai
     # random draft's 1.04 do not; the prior alone needs alpha_1 > 0.28 to draft again.
     costs = pinned_costs((1.0, 1.3, 1.5, 1.7, 1.9), modes=("greedy",))
     engine = _adaptive(model, make_draft(arch, 7), costs)
-    plain = TorchRolloutEngine(model, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
     sp = SamplingParams(0.0, max_new_tokens=30)
     prompts = random_prompts(32, 100)[:6]  # fit_draft's prompts: the fitted draft knows them
     want = [r.output_ids for r in plain.generate(prompts, sp)]

@@ -4,7 +4,7 @@ Shape legend: N = rows (independent requests), K = draft tokens, L = K + 1 verif
 positions, V = target vocab, Vd = draft vocab.
 
 test_acceptance_rule_emits_the_target_distribution_at_every_position calls the engine's
-acceptance rule (torch_engine.speculative_accept, what TorchRolloutEngine._accept runs) ONCE
+acceptance rule (torch_engine.speculative_accept, what BuiltinRolloutEngine._accept runs) ONCE
 on a large batch of rows with fixed target distributions p_1..p_{K+1} and draft
 distributions q_1..q_K, and checks it against what speculative sampling must produce
 (Leviathan et al. 2023, Thm. 1; Chen et al. 2023), written from p and q directly:

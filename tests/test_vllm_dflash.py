@@ -22,7 +22,7 @@ import titan_spec  # noqa: F401
 from titan_spec.config import DFlashConfig, DraftConfig
 from titan_spec.config.schema import VLLMConfig
 from titan_spec.models.draft import draft_kind
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
 from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
 from titan_spec.rollout.vllm.serving import ENV_SCRIPT
 
@@ -55,7 +55,7 @@ def served(tmp_path_factory):
     target, arch = load_target(policy, taps=TAPS)
     cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=K + 1, anchors_per_doc=0))
     rand = KIND.initial(KIND.arch_from_target(arch, TAPS, V, cfg), None, seed=3)
-    plain = TorchRolloutEngine(target, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0))
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(_prompts(48, 11), SamplingParams(0.0, max_new_tokens=24))]
     fitted = KIND.build(rand.arch)
     fitted.load_state_dict(rand.state_dict())
@@ -68,8 +68,8 @@ def served(tmp_path_factory):
     assert engine._client.process.poll() is not None, "the vLLM server outlived close()"
 
 
-def _builtin(served, draft, k: int = K) -> TorchRolloutEngine:
-    return TorchRolloutEngine(served.target, draft, TorchEngineConfig(num_draft_tokens=k))
+def _builtin(served, draft, k: int = K) -> BuiltinRolloutEngine:
+    return BuiltinRolloutEngine(served.target, draft, BuiltinEngineConfig(num_draft_tokens=k))
 
 
 def _same_as_builtin(served, draft, prompts):

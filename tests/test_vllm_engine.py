@@ -25,7 +25,7 @@ from titan_spec.config.schema import VLLMConfig
 from titan_spec.models.draft.eagle3.io import save_draft
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.ttt import ttt_inputs_for_sequences
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
 from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
 from titan_spec.rollout.vllm.serving import ENV_SCRIPT
 
@@ -59,15 +59,15 @@ def _hf_greedy(path: str, prompts, n: int) -> list[list[int]]:
     return out
 
 
-def _builtin(path: str, draft=None, k: int = 0) -> TorchRolloutEngine:
+def _builtin(path: str, draft=None, k: int = 0) -> BuiltinRolloutEngine:
     target, _ = load_target(path, taps=TAPS if draft is not None else ())
-    return TorchRolloutEngine(target, draft, TorchEngineConfig(num_draft_tokens=k))
+    return BuiltinRolloutEngine(target, draft, BuiltinEngineConfig(num_draft_tokens=k))
 
 
 def _fit_draft(policy_path: str, draft: Eagle3Draft, steps: int = 150) -> Eagle3Draft:
     """TTT on the policy's own greedy completions: the draft co-training keeps up to date."""
     target, _ = load_target(policy_path, taps=TAPS)
-    plain = TorchRolloutEngine(target, None, TorchEngineConfig(num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0))
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(_prompts(48, seed=11), SamplingParams(0.0, max_new_tokens=NEW))]
     torch.manual_seed(0)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
@@ -415,7 +415,7 @@ def test_config_checks_before_any_process_starts(tmp_path):
     assert _vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", "").speculative.enabled
     plain = _vllm_cfg(tmp_path, pol, "", "--rollout.vllm.python", "", "--speculative.enabled", "false", "--draft.enable", "false")
     assert plain.rollout.vllm.python == "" and not plain.speculative.enabled
-    with pytest.raises(ConfigError, match="'torch', 'sglang', 'vllm'"):
+    with pytest.raises(ConfigError, match="'builtin', 'sglang', 'vllm'"):
         _vllm_cfg(tmp_path, pol, draft, "--rollout.engine", "vlm")
     # A full-vocabulary draft written with its maps (an older export): vLLM refuses it.
     f = os.path.join(draft, "model.safetensors")
@@ -429,11 +429,11 @@ def test_result_parsing_counts():
 
     # 10 tokens: prefill (1) + 3 verify steps accepting 3, 2, 1 drafts (each emits accepted + 1).
     r = rollout_from_result([1], {"output_ids": list(range(10)), "logprobs": [-1.0] * 10, "finish_reason": "length",
-                                  "spec": {"histogram": [0, 1, 1, 1], "num_draft_tokens": 9}}, (2, 3))
+                                  "spec_decode": {"histogram": [0, 1, 1, 1], "num_draft_tokens": 9}}, (2, 3))
     assert (r.verify_steps, r.accepted_tokens, r.drafted_tokens, r.policy_version, r.draft_version) == (4, 6, 9, 2, 3)
     # A stop token cut the last verify: vLLM counted 3 accepted there, 1 was emitted.
     r = rollout_from_result([1], {"output_ids": list(range(5)), "logprobs": [-1.0] * 5, "finish_reason": "stop",
-                                  "spec": {"histogram": [0, 0, 0, 2], "num_draft_tokens": 6}}, (0, 0))
+                                  "spec_decode": {"histogram": [0, 0, 0, 2], "num_draft_tokens": 6}}, (0, 0))
     assert (r.verify_steps, r.accepted_tokens) == (3, 2) and r.verify_steps + r.accepted_tokens == 5
     ps = sampling_to_vllm(SamplingParams(1.0, max_new_tokens=4, seed=7), 3)
     assert len({p["seed"] for p in ps}) == 3 and all(p["max_tokens"] == 4 for p in ps)

@@ -32,7 +32,7 @@ from titan_spec.config.schema import TitanSpecConfig
 from titan_spec.config.validate import check_paths as _check_paths
 from titan_spec.config.validate import validate
 
-__all__ = ["load_config", "parse_overrides", "locate", "quiet_torchtitan", "MOVED"]
+__all__ = ["load_config", "parse_overrides", "locate", "quiet_torchtitan", "MOVED", "RENAMED"]
 
 _CLI = "command line"
 _DOTTED = re.compile(r"\b[a-z_]+(?:\.[a-z_]+)+\b")
@@ -47,6 +47,9 @@ MOVED: dict[str, str] = {
 }
 """Keys that moved into a variant's own table: old dotted key -> new dotted key. The loader
 refuses the old spelling (file or command line) in one line that names the new one."""
+
+RENAMED: dict[tuple[str, str], str] = {("rollout.engine", "torch"): "builtin"}
+"""Values that were renamed: (dotted key, old value) -> new value, refused likewise."""
 
 
 def _moved(where: str, dotted: str) -> ConfigError:
@@ -180,6 +183,10 @@ def _assign(obj: Any, table: dict, where: str, path: str, origins: dict[str, str
             continue
         tp = hints[key]
         out = _coerce(value, tp)
+        if isinstance(value, str) and (dotted, value) in RENAMED:
+            new = RENAMED[dotted, value]
+            raise ConfigError(f"{here}: {dotted} = {value!r} was renamed: use {dotted} = {new!r} "
+                              f"(allowed: {_type_name(tp)})", key=dotted)
         if out is _NO and typing.get_origin(tp) is Literal:  # a value of the right type, not one of the allowed
             near = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""

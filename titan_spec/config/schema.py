@@ -302,7 +302,7 @@ class SpeculativeConfig:
     def effective_depth(self, engine: str) -> Literal["fixed", "adaptive"]:
         """The depth rollout.engine runs: adaptive depth is the built-in engine's, so the servers
         (SGLang, vLLM) run the fixed chain; setting "adaptive" for them is a config error."""
-        return self.depth if engine == "torch" else "fixed"
+        return self.depth if engine == "builtin" else "fixed"
 
 
 @dataclass(kw_only=True)
@@ -420,8 +420,8 @@ class VLLMConfig(ServerEngineConfig):
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    engine: Literal["torch", "sglang", "vllm"] = "torch"
-    """Rollout engine: "torch" (the built-in engine), "sglang" or "vllm"."""
+    engine: Literal["builtin", "sglang", "vllm"] = "builtin"
+    """Rollout engine: "builtin" (titan_spec's own, rollout/builtin/), "sglang" or "vllm"."""
 
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """The SGLang engine's settings (used when engine = 'sglang')."""

@@ -108,7 +108,7 @@ def _draft_block(cfg: TitanSpecConfig, world_size: int) -> None:
         return
     if cfg.rl.enable and cfg.rollout.engine == "sglang" and cfg.speculative.enabled:
         raise ConfigError("draft.kind = 'dflash' is not served by rollout.engine = 'sglang' (titan_spec drives "
-                          "SGLang's EAGLE-3 only); allowed: rollout.engine = 'torch' or 'vllm'", key="rollout.engine")
+                          "SGLang's EAGLE-3 only); allowed: rollout.engine = 'builtin' or 'vllm'", key="rollout.engine")
     if cfg.speculative.enabled and cfg.speculative.num_draft_tokens > block - 1:
         raise ConfigError(f"speculative.num_draft_tokens = {cfg.speculative.num_draft_tokens} is not allowed with "
                           f"draft.kind = 'dflash' and draft.dflash.block_size = {block}; it must be <= "

@@ -61,11 +61,11 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
             "pipeline parallelism: rl.drift_metrics = true is not supported (the drift measure needs the frozen "
             "starting policy's logits on the last stage, as the KL term does); set rl.drift_metrics = false under PP"
         )
-    if cfg.mode.trains == "rl" and cfg.rollout.engine != "torch":
+    if cfg.mode.trains == "rl" and cfg.rollout.engine != "builtin":
         raise ConfigError(
             f"pipeline parallelism: rollout.engine = {cfg.rollout.engine!r} is not supported with rl.enable "
             "(every stage's rank pushes the gathered weights into its own built-in engine); use "
-            "rollout.engine = 'torch' under PP"
+            "rollout.engine = 'builtin' under PP"
         )
     if cfg.job.export_hf:
         raise ConfigError("pipeline parallelism: job.export_hf is not supported (each stage holds part of the "

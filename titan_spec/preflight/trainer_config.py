@@ -92,7 +92,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     if cfg.parallelism.pipeline_parallel_degree > 1:
         check_pipeline_config(cfg, model_config, taps)
 
-    spec = ModelSpec(
+    model_spec = ModelSpec(
         name=arch.family,
         flavor="hf" if cfg.model.hf_checkpoint else cfg.model.flavor,
         model=model_config,
@@ -120,7 +120,7 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         speculative=cfg.speculative, rollout=cfg.rollout, rl=cfg.rl,
         arch=arch,
         draft_arch=draft_arch if cfg.mode.has_draft else None,
-        model_spec=spec,
+        model_spec=model_spec,
         hf_assets_path=cfg.model.hf_checkpoint or cfg.job.dump_folder,
         dump_folder=cfg.job.dump_folder,
         profiler=cfg.profiler,

@@ -36,7 +36,7 @@ import torch
 from titan_spec.rl.rollout_stats import RolloutStats
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.builtin.depth import RoundCosts, sampling_mode
-from titan_spec.rollout.builtin.engine import TorchRolloutEngine
+from titan_spec.rollout.builtin.engine import BuiltinRolloutEngine
 
 __all__ = [
     "Baselines", "EngineBaselines", "ServerBaselines", "baseline_maxes", "baseline_metrics", "baseline_names",
@@ -105,7 +105,7 @@ class EngineBaselines(Baselines):
     """The built-in engine's baselines (the module docstring's table), sharing the worker's
     target and step's draft modules and its round-cost table."""
 
-    def __init__(self, interval: int, engines: dict[str, TorchRolloutEngine], costs: RoundCosts, k_max: int,
+    def __init__(self, interval: int, engines: dict[str, BuiltinRolloutEngine], costs: RoundCosts, k_max: int,
                  main: Callable[[], object], save_costs: Callable[[], None]):
         """``engines``: by name, "frozen" and "nospec" first (the turned-over pair), then the
         fixed-depth ones in their call order; ``costs``: the table every call is priced by;
@@ -116,7 +116,7 @@ class EngineBaselines(Baselines):
         self.costs, self.k_max, self._main, self._save_costs = costs, k_max, main, save_costs
 
     @property
-    def frozen(self) -> TorchRolloutEngine | None:
+    def frozen(self) -> BuiltinRolloutEngine | None:
         return self.engines.get("frozen")
 
     def measure(self, prompts, sampling, reverse=False):
@@ -207,22 +207,22 @@ def build_baselines(cfg, worker, draft: torch.nn.Module | None) -> Baselines:
         return ServerBaselines(interval, lambda: worker.main, draft.state_dict())
     quiet = dataclasses.replace(worker.engine_config, progress=False)
     target, costs = worker.target, worker.costs
-    engines: dict[str, TorchRolloutEngine] = {}
+    engines: dict[str, BuiltinRolloutEngine] = {}
     # The frozen-draft engine shares the cost table: it makes the main engine's depth choices
     # from the same acceptance.
     if cfg.mode.trains_draft:
-        engines["frozen"] = TorchRolloutEngine(target, copy.deepcopy(draft).to(worker.device), quiet, costs=costs)
-    engines["nospec"] = TorchRolloutEngine(target, None, dataclasses.replace(quiet, num_draft_tokens=0))
+        engines["frozen"] = BuiltinRolloutEngine(target, copy.deepcopy(draft).to(worker.device), quiet, costs=costs)
+    engines["nospec"] = BuiltinRolloutEngine(target, None, dataclasses.replace(quiet, num_draft_tokens=0))
     # At fixed depth the acceptance measures the drafts; under adaptive depth the main and
     # frozen engines' is the depth policy's result (a draft kept at K = 0 "accepts" 1.00).
     # The fused decode weights follow the shared modules' version counters (models/fused.py).
     fixed = dataclasses.replace(quiet, depth="fixed")
-    engines["fixed"] = TorchRolloutEngine(target, worker.draft, fixed)
+    engines["fixed"] = BuiltinRolloutEngine(target, worker.draft, fixed)
     if "frozen" in engines:
-        engines["frozen_fixed"] = TorchRolloutEngine(target, engines["frozen"].draft, fixed)
+        engines["frozen_fixed"] = BuiltinRolloutEngine(target, engines["frozen"].draft, fixed)
     if cfg.speculative.depth == "adaptive":  # K = 0 is no-spec, K = K_max "fixed"
         for k in range(1, fixed.num_draft_tokens):
-            engines[f"fixed_k{k}"] = TorchRolloutEngine(target, worker.draft,
+            engines[f"fixed_k{k}"] = BuiltinRolloutEngine(target, worker.draft,
                                                         dataclasses.replace(fixed, num_draft_tokens=k))
     return EngineBaselines(interval, engines, costs, worker.engine_config.num_draft_tokens,
                            lambda: worker.main, worker.save_costs)

@@ -55,8 +55,8 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
+def _fmt(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def _baseline_rows(rows: list[dict]) -> list[dict]:
@@ -78,8 +78,8 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     b_head, b_tail = base[:1], base[-1:]
     k_fixed = next((int(r["rollout/fixed_k"]) for r in base if r.get("rollout/fixed_k") is not None), "K")
 
-    def row(name, key, src=(head, tail), spec=".3f"):
-        return f"| {name} | {_fmt(_mean(src[0], key), spec)} | {_fmt(_mean(src[1], key), spec)} |"
+    def row(name, key, src=(head, tail), fmt=".3f"):
+        return f"| {name} | {_fmt(_mean(src[0], key), fmt)} | {_fmt(_mean(src[1], key), fmt)} |"
 
     lines = [
         f"RL steps {rl[0]['step']}..{rl[-1]['step']} (start = first {len(head)}, end = last {len(tail)}; "
@@ -94,17 +94,17 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
         row(f"acceptance at fixed K = {k_fixed}, frozen draft (same prompts)", "rollout/accept_len_frozen_fixed",
             (b_head, b_tail)),
         row("acceptance length, co-trained draft (every step)", "rollout/accept_len"),
-        row("completion length, mean tokens", "rollout/completion_len", spec=".1f"),
-        row("completion length, p90 tokens", "rollout/completion_len_p90", spec=".1f"),
-        row("completion length, max tokens", "rollout/completion_len_max", spec=".0f"),
-        row("KL(policy || start) per token, sampled log-ratio", "drift/kl", spec=".4f"),
-        row("KL(policy || start) per token, k3", "drift/kl_k3", spec=".4f"),
+        row("completion length, mean tokens", "rollout/completion_len", fmt=".1f"),
+        row("completion length, p90 tokens", "rollout/completion_len_p90", fmt=".1f"),
+        row("completion length, max tokens", "rollout/completion_len_max", fmt=".0f"),
+        row("KL(policy || start) per token, sampled log-ratio", "drift/kl", fmt=".4f"),
+        row("KL(policy || start) per token, k3", "drift/kl_k3", fmt=".4f"),
     ]
     if any(r.get("rollout/draft_k") is not None for r in rl):  # absent without speculation
-        lines.append(row("draft tokens per round (adaptive K)", "rollout/draft_k", spec=".2f"))
+        lines.append(row("draft tokens per round (adaptive K)", "rollout/draft_k", fmt=".2f"))
     if any(r.get("rollout/depth_regret") is not None for r in base):  # absent at fixed depth
         lines.append(row("adaptive depth's regret vs the best fixed K (same prompts)", "rollout/depth_regret",
-                         (b_head, b_tail), spec="+.3f"))
+                         (b_head, b_tail), fmt="+.3f"))
     if not any(r.get("rollout/accept_len_fixed") is not None for r in base):  # older runs, co_train off
         lines = [ln for ln in lines if "at fixed K" not in ln]
     for key, name in (("time/push_s", "weight push"), ("time/rollout_s", "rollout"), ("time/train_s", "train"),
@@ -115,7 +115,7 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
         # only its wait for them (bench/rl_async.py sets this against a synchronous run).
         lines.append(row("wait for the batch s/step (async; push and rollout overlapped)", "time/rollout_wait_s",
                          (warm, tail)))
-        lines.append(row("policy lag, steps (async)", "rl/policy_lag", spec=".1f"))
+        lines.append(row("policy lag, steps (async)", "rl/policy_lag", fmt=".1f"))
     headline = _headline(b_tail[0] if b_tail else {}, k_fixed)
     regret = _regret_line(base)
     return "\n".join(lines + [x for x in (headline, regret) if x])

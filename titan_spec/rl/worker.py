@@ -35,7 +35,7 @@ from titan_spec.rl.baselines import Baselines, build_baselines
 from titan_spec.rl.rollout_stats import RolloutStats
 from titan_spec.rollout.base import Rollout, SamplingParams
 from titan_spec.rollout.builtin.depth import RoundCosts
-from titan_spec.rollout.builtin.engine import TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout.builtin.engine import BuiltinEngineConfig, BuiltinRolloutEngine
 from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
 
@@ -73,14 +73,14 @@ class RolloutWorker:
         self.cfg = cfg
         self.resume_hint: Callable[[], str] = resume_hint or (
             lambda: "whether a checkpoint exists to resume from is unknown here")
-        spec = cfg.mode.speculates
+        speculates = cfg.mode.speculates
         self.co_train = cfg.mode.trains_draft
         self.device = device
         # One cost table for the main engine, its rebuilds and the frozen-draft baseline (same
         # models, same shapes): they make the same depth choices from the same acceptance.
         self.costs = RoundCosts()
         self._costs_file = None
-        if costs_dir is not None and cfg.rollout.engine == "torch":
+        if costs_dir is not None and cfg.rollout.engine == "builtin":
             rank = dist.get_rank() if dist.is_initialized() else 0
             self._costs_file = os.path.join(costs_dir, f"rollout_costs.rank{rank}.json")
             if os.path.isfile(self._costs_file):
@@ -92,22 +92,22 @@ class RolloutWorker:
             self.main = engine.from_config(cfg)
             self._rebuild = None  # the server engines restart their server themselves
         else:
-            taps = tuple(draft.arch.tap_layer_ids) if spec else ()
+            taps = tuple(draft.arch.tap_layer_ids) if speculates else ()
             with torch.device(device):
                 target = build_target_config(arch, tap_layer_ids=taps).build()
             target.init_weights(buffer_device=None)  # overwritten by the first push
             self.target = target
             """The policy module every built-in engine of this rank shares (a push reaches all)."""
-            self.draft = copy.deepcopy(draft).to(device) if spec else None
+            self.draft = copy.deepcopy(draft).to(device) if speculates else None
             """The step's draft module, shared likewise."""
-            self.engine_config = TorchEngineConfig.from_sections(cfg.rollout, cfg.speculative)
+            self.engine_config = BuiltinEngineConfig.from_sections(cfg.rollout, cfg.speculative)
             self.main = self._build_main()
             self._rebuild = self._build_main
         self.baselines: Baselines = build_baselines(cfg, self, draft)
         """The frozen-draft / no-spec / fixed-K measurements (rl/baselines.py)."""
 
-    def _build_main(self) -> TorchRolloutEngine:
-        return TorchRolloutEngine(self.target, self.draft, self.engine_config, costs=self.costs)
+    def _build_main(self) -> BuiltinRolloutEngine:
+        return BuiltinRolloutEngine(self.target, self.draft, self.engine_config, costs=self.costs)
 
     def save_costs(self) -> None:
         """Writes the cost table when a call measured new entries (atomically: a kill leaves

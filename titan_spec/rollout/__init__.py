@@ -10,11 +10,11 @@ loaders) and must not pull in the built-in engine and torchtitan with it
 
 import importlib
 
-__all__ = ["Rollout", "RolloutEngine", "SamplingParams", "TorchEngineConfig", "TorchRolloutEngine"]
+__all__ = ["Rollout", "RolloutEngine", "SamplingParams", "BuiltinEngineConfig", "BuiltinRolloutEngine"]
 
 _HOME = {
     "Rollout": "base", "RolloutEngine": "base", "SamplingParams": "base",
-    "TorchEngineConfig": "builtin.engine", "TorchRolloutEngine": "builtin.engine",
+    "BuiltinEngineConfig": "builtin.engine", "BuiltinRolloutEngine": "builtin.engine",
 }
 
 

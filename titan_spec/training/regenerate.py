@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_spec.rollout import SamplingParams, TorchEngineConfig, TorchRolloutEngine
+from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
 
 __all__ = ["Regenerator"]
 
@@ -31,8 +31,8 @@ class Regenerator:
     stopped; the tokenizer's ``stop_ids``)."""
 
     def __init__(self, hf_dir: str, stop_ids: tuple[int, ...], row_len: int, device: torch.device | str = "cpu"):
-        self.engine = TorchRolloutEngine.from_pretrained(
-            hf_dir, None, TorchEngineConfig(num_draft_tokens=0), max_seq_len=row_len, device=device)
+        self.engine = BuiltinRolloutEngine.from_pretrained(
+            hf_dir, None, BuiltinEngineConfig(num_draft_tokens=0), max_seq_len=row_len, device=device)
         self.stop_ids, self.row_len = tuple(stop_ids), row_len
         self.memo: dict[tuple[int, ...], list[int]] = {}
 

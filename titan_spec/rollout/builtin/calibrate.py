@@ -2,7 +2,7 @@
 rounds of the engine at each fixed K, per sampling mode and batch bucket, read on
 ``round_clock``; measured once per entry, on first use, then frozen.
 
-The rounds are the engine's own (``TorchRolloutEngine._timed_rounds``: the decode loop's
+The rounds are the engine's own (``BuiltinRolloutEngine._timed_rounds``: the decode loop's
 prefill and rounds, at a fixed K, on scratch caches with a private RNG), so a call that
 calibrates samples what the same call samples later with the table in place.
 """

@@ -12,7 +12,7 @@ target's (tempered, top-k/top-p filtered) distribution exactly, whatever the dra
 draft only changes how many tokens one target forward yields. K = 0 is plain
 autoregressive decoding in the same code path (verify a single token, no draft).
 
-Depth: ``TorchEngineConfig.depth = "fixed"`` runs every round at K = num_draft_tokens;
+Depth: ``BuiltinEngineConfig.depth = "fixed"`` runs every round at K = num_draft_tokens;
 "adaptive" picks K in 0..num_draft_tokens before each round (depth.py: live acceptance
 estimates of the call and the engine's measured, then frozen, cost of a round at the
 current batch size; calibrate.py measures it, ``_timed_rounds``: the same rounds at fixed K).
@@ -42,11 +42,11 @@ from titan_spec.rollout.builtin.depth import AcceptanceEstimate, AcceptanceState
 from titan_spec.rollout.builtin.sampling import accept, behaviour_logprobs, sample
 from titan_spec.rollout.builtin.trunk import PendingTrunk
 
-__all__ = ["TorchEngineConfig", "TorchRolloutEngine"]
+__all__ = ["BuiltinEngineConfig", "BuiltinRolloutEngine"]
 
 
 @dataclass
-class TorchEngineConfig:
+class BuiltinEngineConfig:
     """Settings of the built-in engine (sampling settings come per call, in SamplingParams)."""
 
     num_draft_tokens: int = 4
@@ -55,7 +55,7 @@ class TorchEngineConfig:
     depth: Literal["fixed", "adaptive"] = "fixed"
     """"fixed": every round proposes num_draft_tokens. "adaptive": each round picks K in
     0..num_draft_tokens maximising expected tokens per second (rollout/builtin/depth.py);
-    its choices are a deterministic function of the cost table (``TorchRolloutEngine.costs``),
+    its choices are a deterministic function of the cost table (``BuiltinRolloutEngine.costs``),
     so engines sharing a table make the same choices."""
     max_batch_size: int = 0
     """Requests decoded together; larger calls are split. 0 = the whole call at once."""
@@ -68,7 +68,7 @@ class TorchEngineConfig:
     """Show a tqdm bar per batch (tokens/s and the running acceptance length)."""
 
     @classmethod
-    def from_sections(cls, rollout: RolloutConfig, speculative: SpeculativeConfig) -> "TorchEngineConfig":
+    def from_sections(cls, rollout: RolloutConfig, speculative: SpeculativeConfig) -> "BuiltinEngineConfig":
         """The built-in engine's settings from the [rollout] and [speculative] sections
         (K = 0 when speculative.enabled is off)."""
         return cls(
@@ -92,7 +92,7 @@ class _Request:
 
 
 class _Batch:
-    """One batch's decode state between rounds (``TorchRolloutEngine._start_batch`` makes it,
+    """One batch's decode state between rounds (``BuiltinRolloutEngine._start_batch`` makes it,
     ``_round`` advances it): the running and finished requests, the rows' positions on the
     device (c_B) and the host (c_host), the pending token y_B, the draft's pending trunk rows,
     the batch's fused weights and the rows ``_emit`` kept running (None: all)."""
@@ -105,7 +105,7 @@ class _Batch:
         self.keep: list[int] | None = None
 
 
-class TorchRolloutEngine:
+class BuiltinRolloutEngine:
     """Engine protocol (rollout/base.py) over a torchtitan target and a draft (EAGLE-3; any
     draft kind whose ``DraftKind.cached_proposer`` gives one, models/draft/base.py).
 
@@ -113,11 +113,11 @@ class TorchRolloutEngine:
     them; the trainer pushes new weights with update_*_weights). Both are put in eval mode.
     """
 
-    def __init__(self, target: nn.Module, draft: nn.Module | None = None, config: TorchEngineConfig | None = None,
+    def __init__(self, target: nn.Module, draft: nn.Module | None = None, config: BuiltinEngineConfig | None = None,
                  costs: RoundCosts | None = None):
         """costs: the round-cost table of adaptive depth, shared with other engines over the
         same models (measured into on first use; a new, empty one when None)."""
-        config = config or TorchEngineConfig()
+        config = config or BuiltinEngineConfig()
         if int(config.num_draft_tokens) != config.num_draft_tokens or config.num_draft_tokens < 0:
             raise ValueError(
                 f"num_draft_tokens = {config.num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)"
@@ -167,9 +167,9 @@ class TorchRolloutEngine:
 
     @classmethod
     def from_pretrained(
-        cls, policy_path: str, draft_path: str | None = None, config: TorchEngineConfig | None = None,
+        cls, policy_path: str, draft_path: str | None = None, config: BuiltinEngineConfig | None = None,
         max_seq_len: int | None = None, device: str | torch.device = "cpu", draft_kind_name: str = "eagle3",
-    ) -> "TorchRolloutEngine":
+    ) -> "BuiltinRolloutEngine":
         """An engine over an HF policy directory and a draft directory of kind ``draft_kind_name``
         (EAGLE-3: SpecForge/SGLang's format)."""
         kind = draft_kind(draft_kind_name)
@@ -315,15 +315,15 @@ class TorchRolloutEngine:
         dev, K_max, B = self.device, self.K, len(prompts)
         batch = _Batch([_Request(i, p) for i, p in enumerate(prompts)], set(sp.stop_token_ids or ()), bar)
         P_B = torch.tensor([len(p) for p in prompts], device=dev)
-        P = int(max(len(p) for p in prompts))
+        Lp = int(max(len(p) for p in prompts))
         # Slots: prompt + completion, plus room for a final verify window (or a draft block) that overshoots.
         ahead = max(K_max, self._draft.block_size - 1) if K_max else 0
-        slots = P + sp.max_new_tokens + ahead + 1
+        slots = Lp + sp.max_new_tokens + ahead + 1
         batch.tw, batch.dw, batch.d2t_Vd = self._new_batch(B, slots)
-        tokens_BP = torch.zeros(B, P, dtype=torch.long, device=dev)  # right-padded
+        tokens_BLp = torch.zeros(B, Lp, dtype=torch.long, device=dev)  # right-padded
         for b, p in enumerate(prompts):
-            tokens_BP[b, : len(p)] = torch.tensor(p, device=dev)
-        logits_BV, taps_BPCD = self._target.forward(tokens_BP, torch.zeros_like(P_B), P_B - 1, n_slots=P,
+            tokens_BLp[b, : len(p)] = torch.tensor(p, device=dev)
+        logits_BV, taps_BLpCD = self._target.forward(tokens_BLp, torch.zeros_like(P_B), P_B - 1, n_slots=Lp,
                                                     fused=batch.tw)
         y_B = sample(logits_BV, sp, gen)[0]
         lp_B1 = behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
@@ -333,7 +333,7 @@ class TorchRolloutEngine:
         # so no forward needs a sync); the host copy advances from _emit's one transfer.
         batch.c_B, batch.c_host = P_B, [len(p) for p in prompts]  # target positions processed; y_B sits at c_B
         batch.y_B = y_B
-        batch.trunk = PendingTrunk(taps_BPCD, tokens_BP, P_B, y_B, P) if K_max else None
+        batch.trunk = PendingTrunk(taps_BLpCD, tokens_BLp, P_B, y_B, Lp) if K_max else None
         return batch
 
     def _running(self, batch: "_Batch") -> bool:

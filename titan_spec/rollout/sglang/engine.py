@@ -1,7 +1,7 @@
 """SGLang as a rollout engine: EAGLE-3 speculative serving behind the engine protocol.
 
     engine = SGLangRolloutEngine.from_config(cfg)           # rollout.engine = "sglang"
-    out = engine.generate(prompts, SamplingParams(...))     # list[Rollout], as TorchRolloutEngine
+    out = engine.generate(prompts, SamplingParams(...))     # list[Rollout], as BuiltinRolloutEngine
     engine.update_policy_weights(model.state_dict(), version=step)   # torchtitan names
     engine.update_draft_weights(draft.state_dict(), version=step)    # export names
 
@@ -168,7 +168,7 @@ def _first(meta: dict, keys) -> int | None:
     return None
 
 
-def rollout_from_result(prompt: list[int], result: dict, spec: bool, versions: tuple[int, int]) -> Rollout:
+def rollout_from_result(prompt: list[int], result: dict, speculates: bool, versions: tuple[int, int]) -> Rollout:
     """One SGLang /generate result -> Rollout.
 
     Tokens and behaviour log-probs both come from ``meta_info.output_token_logprobs``
@@ -197,7 +197,7 @@ def rollout_from_result(prompt: list[int], result: dict, spec: bool, versions: t
         msg = fin.get("message") if isinstance(fin, dict) else fin
         raise SGLangError(f"SGLang did not finish a request (finish_reason {kind!r}: {msg})")
     n = int(meta.get("completion_tokens", len(ids)))
-    if not spec:
+    if not speculates:
         verify, accepted = n, 0
     else:
         vct = _first(meta, _VERIFY_KEYS)

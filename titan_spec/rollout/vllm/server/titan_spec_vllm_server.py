@@ -57,11 +57,11 @@ def _result(out) -> dict:
     lps = []
     for tok, entry in zip(ids, c.logprobs or []):
         lps.append(float(entry[tok].logprob))
-    spec = None
+    spec_decode = None
     m = c.spec_decode_metrics
     if m is not None:
-        spec = {"histogram": list(m.histogram), "num_draft_tokens": int(m.num_draft_tokens)}
-    return {"output_ids": ids, "logprobs": lps, "finish_reason": c.finish_reason, "spec": spec}
+        spec_decode = {"histogram": list(m.histogram), "num_draft_tokens": int(m.num_draft_tokens)}
+    return {"output_ids": ids, "logprobs": lps, "finish_reason": c.finish_reason, "spec_decode": spec_decode}
 
 
 class Server:
