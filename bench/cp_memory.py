@@ -116,7 +116,7 @@ def _allgather_attention():
             parts = [torch.empty_like(torch.cat([k0, v0], 1)) for _ in range(cp)]
             dist.all_gather(parts, torch.cat([k0, v0], 1), group=group)
             kv = torch.cat(parts)[order]
-            k, v = kv[:, : k0.shape[1]], kv[:, k0.shape[1]:]
+            k, v = kv[:, : k0.shape[1]], kv[:, k0.shape[1] :]
             parts = [blocks_fwd(q, k, v, bl, scale) for bl in blocks(layout, rank)]
             parts.append(branch_part(q, kb, vb, scale))
             out, lse = merge_partials([o for o, _ in parts], [lse for _, lse in parts])
@@ -238,12 +238,32 @@ def _dense_row(S: int, args: argparse.Namespace) -> dict:
     import ttt_attention as dense_bench  # bench/ttt_attention.py
 
     targs = dense_bench._parse_args(
-        ["--steps", str(args.steps), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-         "--head-dim", str(args.head_dim), "--doc-len", str(args.doc_len), "--iters", "1",
-         "--threads", "1", "--mem-limit-gib", str(args.mem_limit_gib)]
+        [
+            "--steps",
+            str(args.steps),
+            "--heads",
+            str(args.heads),
+            "--kv-heads",
+            str(args.kv_heads),
+            "--head-dim",
+            str(args.head_dim),
+            "--doc-len",
+            str(args.doc_len),
+            "--iters",
+            "1",
+            "--threads",
+            "1",
+            "--mem-limit-gib",
+            str(args.mem_limit_gib),
+        ]
     )
     row = dense_bench._run_config("dense", S, targs)
-    return {"variant": "dense", "seqlen": S, "cp": 1, **{k: v for k, v in row.items() if k not in ("variant", "seqlen")}}
+    return {
+        "variant": "dense",
+        "seqlen": S,
+        "cp": 1,
+        **{k: v for k, v in row.items() if k not in ("variant", "seqlen")},
+    }
 
 
 def _run_config(variant: str, S: int, cp: int, args: argparse.Namespace) -> dict:
@@ -251,9 +271,25 @@ def _run_config(variant: str, S: int, cp: int, args: argparse.Namespace) -> dict
         return _dense_row(S, args)
     row = {"variant": variant, "seqlen": S, "cp": cp}
     cmd = [
-        sys.executable, __file__, "--worker", "--variant", variant, "--seqlen", str(S), "--cp", str(cp),
-        "--steps", str(args.steps), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-        "--head-dim", str(args.head_dim), "--doc-len", str(args.doc_len),
+        sys.executable,
+        __file__,
+        "--worker",
+        "--variant",
+        variant,
+        "--seqlen",
+        str(S),
+        "--cp",
+        str(cp),
+        "--steps",
+        str(args.steps),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--doc-len",
+        str(args.doc_len),
     ]
     sys.path.insert(0, str(Path(__file__).parent))
     from ttt_attention import run_worker  # bench/ttt_attention.py
@@ -289,12 +325,20 @@ def _plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [("ring", 1, "titan_spec, cp=1 (local TTT attention)"), ("ring", 2, "titan_spec ring, cp=2"),
-              ("ring", 4, "titan_spec ring, cp=4"), ("allgather", 2, "all-gather K/V, cp=2"),
-              ("allgather", 4, "all-gather K/V, cp=4"), ("dense", 1, "dense (S x S(j+1)) bias, 1 process")]
+    series = [
+        ("ring", 1, "titan_spec, cp=1 (local TTT attention)"),
+        ("ring", 2, "titan_spec ring, cp=2"),
+        ("ring", 4, "titan_spec ring, cp=4"),
+        ("allgather", 2, "all-gather K/V, cp=2"),
+        ("allgather", 4, "all-gather K/V, cp=4"),
+        ("dense", 1, "dense (S x S(j+1)) bias, 1 process"),
+    ]
     for variant, cp, label in series:
-        pts = sorted((r["seqlen"], r["peak_mem_gib"] if r["status"] == "ok" else r.get("est_gib"))
-                     for r in rows if r["variant"] == variant and r["cp"] == cp)
+        pts = sorted(
+            (r["seqlen"], r["peak_mem_gib"] if r["status"] == "ok" else r.get("est_gib"))
+            for r in rows
+            if r["variant"] == variant and r["cp"] == cp
+        )
         pts = [(x, y) for x, y in pts if y]
         if not pts:
             continue

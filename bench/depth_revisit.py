@@ -122,9 +122,14 @@ def one_call(engine, prompts, sp) -> dict:
     t0, c0 = time.perf_counter(), time.thread_time()
     out = engine.generate(prompts, sp)
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    return {"wall": wall, "cpu": cpu, "tokens": sum(len(r.output_ids) for r in out),
-            "forwards": sum(r.verify_steps for r in out), "depths": list(engine.last_depths),
-            "outputs": [r.output_ids for r in out]}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "tokens": sum(len(r.output_ids) for r in out),
+        "forwards": sum(r.verify_steps for r in out),
+        "depths": list(engine.last_depths),
+        "outputs": [r.output_ids for r in out],
+    }
 
 
 def main(argv=None) -> int:
@@ -134,8 +139,10 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     target, arch = build_target(args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
-    prompts = [torch.randint(0, arch.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, 17, (args.requests,), generator=g)]
+    prompts = [
+        torch.randint(0, arch.vocab_size, (int(n),), generator=g).tolist()
+        for n in torch.randint(4, 17, (args.requests,), generator=g)
+    ]
     fitted = fit_draft(target, arch, prompts, args.max_new_tokens, args.fit_steps, args.seed)
     t_fit = time.perf_counter() - t_start
     sp = SamplingParams(0.0, max_new_tokens=args.max_new_tokens)
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
     probe_pairs: list[float] = []  # per call: random_adaptive / random_noprobe, thread CPU
     rounds_s.clear()
     for rep in range(args.repeats):
-        order = names[rep % len(names):] + names[: rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         calls = {n: [] for n in names}
         for c in chunks:
             for n in order:
@@ -172,11 +179,16 @@ def main(argv=None) -> int:
         for n in names:
             cs = calls[n]
             depths = [k for x in cs for k in x["depths"]]
-            passes[n].append({"tok_s": sum(x["tokens"] for x in cs) / sum(x["wall"] for x in cs),
-                              "tok_cpu_s": sum(x["tokens"] for x in cs) / sum(x["cpu"] for x in cs),
-                              "accept_len": sum(x["tokens"] for x in cs) / sum(x["forwards"] for x in cs),
-                              "draft_k": sum(depths) / len(depths), "rounds": len(depths),
-                              "drafting_rounds": sum(k > 0 for k in depths)})
+            passes[n].append(
+                {
+                    "tok_s": sum(x["tokens"] for x in cs) / sum(x["wall"] for x in cs),
+                    "tok_cpu_s": sum(x["tokens"] for x in cs) / sum(x["cpu"] for x in cs),
+                    "accept_len": sum(x["tokens"] for x in cs) / sum(x["forwards"] for x in cs),
+                    "draft_k": sum(depths) / len(depths),
+                    "rounds": len(depths),
+                    "drafting_rounds": sum(k > 0 for k in depths),
+                }
+            )
         for n in names:
             for x, y in zip(calls[n], calls["plain"]):
                 pairs[n]["tok_s"].append((x["tokens"] / x["wall"]) / (y["tokens"] / y["wall"]))
@@ -195,26 +207,40 @@ def main(argv=None) -> int:
     rows = []
     for n in names:
         ps = passes[n]
-        rows.append({"engine": n, "tok_s": statistics.median(p["tok_s"] for p in ps),
-                     "tok_cpu_s": statistics.median(p["tok_cpu_s"] for p in ps),
-                     "vs_plain": vs_plain(n, "tok_s"), "vs_plain_cpu": vs_plain(n, "tok_cpu_s"),
-                     "accept_len": statistics.median(p["accept_len"] for p in ps),
-                     "draft_k": statistics.median(p["draft_k"] for p in ps),
-                     "drafting_rounds_share": sum(p["drafting_rounds"] for p in ps) / sum(p["rounds"] for p in ps),
-                     "pass_tok_s": [p["tok_s"] for p in ps], "pass_tok_cpu_s": [p["tok_cpu_s"] for p in ps],
-                     "call_vs_plain": pairs[n]["tok_s"], "call_vs_plain_cpu": pairs[n]["tok_cpu_s"]})
+        rows.append(
+            {
+                "engine": n,
+                "tok_s": statistics.median(p["tok_s"] for p in ps),
+                "tok_cpu_s": statistics.median(p["tok_cpu_s"] for p in ps),
+                "vs_plain": vs_plain(n, "tok_s"),
+                "vs_plain_cpu": vs_plain(n, "tok_cpu_s"),
+                "accept_len": statistics.median(p["accept_len"] for p in ps),
+                "draft_k": statistics.median(p["draft_k"] for p in ps),
+                "drafting_rounds_share": sum(p["drafting_rounds"] for p in ps) / sum(p["rounds"] for p in ps),
+                "pass_tok_s": [p["tok_s"] for p in ps],
+                "pass_tok_cpu_s": [p["tok_cpu_s"] for p in ps],
+                "call_vs_plain": pairs[n]["tok_s"],
+                "call_vs_plain_cpu": pairs[n]["tok_cpu_s"],
+            }
+        )
     table = costs.state_dict()["greedy"]
-    print(f"qwen3/tiny (vocab {arch.vocab_size}), greedy, batch {args.batch}, {args.requests} prompts a pass, "
-          f"{args.max_new_tokens} new tokens, K_max = {K}, PROBE_EVERY = {PROBE_EVERY}, {args.repeats} passes, "
-          f"{torch.get_num_threads()} thread(s); fit {t_fit:.0f} s")
-    print("| engine          |  tok/s | vs plain | tok/CPU-s | vs plain (CPU) | accept len | draft_k "
-          "| drafting rounds |")
-    print("|-----------------|--------|----------|-----------|----------------|------------|---------"
-          "|-----------------|")
+    print(
+        f"qwen3/tiny (vocab {arch.vocab_size}), greedy, batch {args.batch}, {args.requests} prompts a pass, "
+        f"{args.max_new_tokens} new tokens, K_max = {K}, PROBE_EVERY = {PROBE_EVERY}, {args.repeats} passes, "
+        f"{torch.get_num_threads()} thread(s); fit {t_fit:.0f} s"
+    )
+    print(
+        "| engine          |  tok/s | vs plain | tok/CPU-s | vs plain (CPU) | accept len | draft_k | drafting rounds |"
+    )
+    print(
+        "|-----------------|--------|----------|-----------|----------------|------------|---------|-----------------|"
+    )
     for r in rows:
-        print(f"| {r['engine']:<15} | {r['tok_s']:>6.0f} | {r['vs_plain']:>7.3f}x | {r['tok_cpu_s']:>9.0f} "
-              f"| {r['vs_plain_cpu']:>13.3f}x | {r['accept_len']:>10.2f} | {r['draft_k']:>7.2f} "
-              f"| {100 * r['drafting_rounds_share']:>14.1f}% |")
+        print(
+            f"| {r['engine']:<15} | {r['tok_s']:>6.0f} | {r['vs_plain']:>7.3f}x | {r['tok_cpu_s']:>9.0f} "
+            f"| {r['vs_plain_cpu']:>13.3f}x | {r['accept_len']:>10.2f} | {r['draft_k']:>7.2f} "
+            f"| {100 * r['drafting_rounds_share']:>14.1f}% |"
+        )
     print("round costs (x plain step, K = 0..K_max, measured by the engine):")
     ratios = {}
     for b, row in sorted(table.items(), key=lambda kv: int(kv[0])):
@@ -222,20 +248,38 @@ def main(argv=None) -> int:
         print(f"  batch {b:>3}: {[round(x, 2) for x in ratios[b]]}")
     probe = statistics.median(t for k, t in rounds_s if k) / statistics.median(t for k, t in rounds_s if not k)
     n_probes = sum(k > 0 for k, _ in rounds_s)
-    print(f"random_adaptive: {n_probes} probe rounds (K = {PROBE_DEPTH}) of {len(rounds_s)}; a probe round = "
-          f"{probe:.2f} K = 0 rounds (median, thread CPU), so probes cost (that - 1) / PROBE_EVERY = "
-          f"{100 * (probe - 1) / PROBE_EVERY:.2f}% of plain decoding")
-    print(f"random_adaptive / random_noprobe (what the probes cost, per call, thread CPU): median "
-          f"{statistics.median(probe_pairs):.3f}x over {len(probe_pairs)} calls")
-    result = {"benchmark": "depth_revisit", "num_draft_tokens": K, "batch": args.batch, "requests": args.requests,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "probe_every": PROBE_EVERY,
-              "fit_steps": args.fit_steps, "threads": torch.get_num_threads(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
-              "probe_depth": PROBE_DEPTH, "rows": rows, "round_cost_ratios": ratios,
-              "probe_round_vs_plain_round": probe, "probe_rounds": n_probes, "random_adaptive_rounds": len(rounds_s),
-              "probe_cost_estimate": (probe - 1) / PROBE_EVERY,
-              "adaptive_vs_noprobe_cpu": statistics.median(probe_pairs), "call_adaptive_vs_noprobe_cpu": probe_pairs,
-              "seconds": time.perf_counter() - t_start}
+    print(
+        f"random_adaptive: {n_probes} probe rounds (K = {PROBE_DEPTH}) of {len(rounds_s)}; a probe round = "
+        f"{probe:.2f} K = 0 rounds (median, thread CPU), so probes cost (that - 1) / PROBE_EVERY = "
+        f"{100 * (probe - 1) / PROBE_EVERY:.2f}% of plain decoding"
+    )
+    print(
+        f"random_adaptive / random_noprobe (what the probes cost, per call, thread CPU): median "
+        f"{statistics.median(probe_pairs):.3f}x over {len(probe_pairs)} calls"
+    )
+    result = {
+        "benchmark": "depth_revisit",
+        "num_draft_tokens": K,
+        "batch": args.batch,
+        "requests": args.requests,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "probe_every": PROBE_EVERY,
+        "fit_steps": args.fit_steps,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "probe_depth": PROBE_DEPTH,
+        "rows": rows,
+        "round_cost_ratios": ratios,
+        "probe_round_vs_plain_round": probe,
+        "probe_rounds": n_probes,
+        "random_adaptive_rounds": len(rounds_s),
+        "probe_cost_estimate": (probe - 1) / PROBE_EVERY,
+        "adaptive_vs_noprobe_cpu": statistics.median(probe_pairs),
+        "call_adaptive_vs_noprobe_cpu": probe_pairs,
+        "seconds": time.perf_counter() - t_start,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

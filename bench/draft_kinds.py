@@ -45,8 +45,13 @@ def main(argv=None) -> int:
     if not steps:
         raise SystemExit("the runs share no baseline step")
     result = {"runs": runs, "steps": steps, "rows": []}
-    head = "| step | " + " | ".join(f"{n}: {c}" for n in runs for _, c in COLUMNS) + " | " + \
-        " | ".join(f"{n}: co-trained tok/s vs plain" for n in runs) + " |"
+    head = (
+        "| step | "
+        + " | ".join(f"{n}: {c}" for n in runs for _, c in COLUMNS)
+        + " | "
+        + " | ".join(f"{n}: co-trained tok/s vs plain" for n in runs)
+        + " |"
+    )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for s in steps:
@@ -58,7 +63,13 @@ def main(argv=None) -> int:
             row[n]["tok_s_vs_plain"] = r["rollout/tokens_per_s"] / r["rollout/tokens_per_s_nospec"]
             cells += [f"{r[key]:.2f}" for key, _ in COLUMNS]
         result["rows"].append(row)
-        print(f"| {s} | " + " | ".join(cells) + " | " + " | ".join(f"{row[n]['tok_s_vs_plain']:.2f}x" for n in runs) + " |")
+        print(
+            f"| {s} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{row[n]['tok_s_vs_plain']:.2f}x" for n in runs)
+            + " |"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

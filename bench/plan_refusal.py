@@ -39,12 +39,20 @@ def refuse(root: str, args: list[str]) -> float:
     with exactly one config-error line."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root), HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "titan_spec.train", "--plan", "--config", "train_configs/debug_cpu.toml",
-                          *args], capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "titan_spec.train", "--plan", "--config", "train_configs/debug_cpu.toml", *args],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=300,
+    )
     wall = time.perf_counter() - t0
     ours = [ln for ln in out.stderr.splitlines() if ln.startswith("titan_spec: config error:")]
     if out.returncode != 2 or len(ours) != 1:
-        raise SystemExit(f"{root} {' '.join(args)}: exit {out.returncode}, not one config-error line:\n{out.stderr[-2000:]}")
+        raise SystemExit(
+            f"{root} {' '.join(args)}: exit {out.returncode}, not one config-error line:\n{out.stderr[-2000:]}"
+        )
     return wall
 
 

@@ -85,6 +85,7 @@ class _Timed:
                 return getattr(self.channel, name)(*args)
             finally:
                 self.seconds += time.perf_counter() - t
+
         return call
 
     begin_step, put, take, end_step = _timed("begin_step"), _timed("put"), _timed("take"), _timed("end_step")
@@ -108,16 +109,41 @@ def _worker(args) -> None:
 
     rows = []
     for n in [int(x) for x in args.microbatches.split(",")]:
-        cfg = load_config(str(REPO_ROOT / "train_configs/debug_cpu_pp.toml"), [
-            "--model.name", "llama3", "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(n),
-            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-            "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.pipeline_parallel_schedule", "1F1B",
-            "--draft.enable", "true", "--draft.eagle3.ttt_steps", "7", "--draft.draft_vocab_size", "0",
-            "--checkpoint.enable", "false",
-            "--metrics.log_freq", "1000000", "--metrics.enable_tensorboard", "false",
-            "--job.dump_folder", f"/tmp/titan_spec_bench_pp_taps/{n}",
-            "--training.steps", str(10**6),
-        ])
+        cfg = load_config(
+            str(REPO_ROOT / "train_configs/debug_cpu_pp.toml"),
+            [
+                "--model.name",
+                "llama3",
+                "--training.seq_len",
+                str(args.seq_len),
+                "--training.local_batch_size",
+                str(n),
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "1",
+                "--parallelism.pipeline_parallel_schedule",
+                "1F1B",
+                "--draft.enable",
+                "true",
+                "--draft.eagle3.ttt_steps",
+                "7",
+                "--draft.draft_vocab_size",
+                "0",
+                "--checkpoint.enable",
+                "false",
+                "--metrics.log_freq",
+                "1000000",
+                "--metrics.enable_tensorboard",
+                "false",
+                "--job.dump_folder",
+                f"/tmp/titan_spec_bench_pp_taps/{n}",
+                "--training.steps",
+                str(10**6),
+            ],
+        )
         trainer = to_trainer_config(cfg).build()
         real = _Timed(trainer.pp_loss.channel)
         control = _LocalFeatures(real)
@@ -145,27 +171,34 @@ def _worker(args) -> None:
         run("channel", args.warmup, False)
         run("control", args.warmup, False)
         for i in range(0, args.steps, args.block):
-            for mode in (("channel", "control") if i // args.block % 2 == 0 else ("control", "channel")):
+            for mode in ("channel", "control") if i // args.block % 2 == 0 else ("control", "channel"):
                 run(mode, args.block, True)
         # Time inside channel calls per step, on the slower of the two ranks.
         spent = torch.tensor([statistics.median(in_channel)], dtype=torch.float64)
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
             ch, ct = statistics.median(times["channel"]), statistics.median(times["control"])
-            rows.append({
-                "microbatches": n, "channel_ms": 1e3 * ch, "control_ms": 1e3 * ct,
-                "overhead_pct": 100 * (ch - ct) / ct,
-                "channel_min_ms": 1e3 * min(times["channel"]), "control_min_ms": 1e3 * min(times["control"]),
-                "min_overhead_pct": 100 * (min(times["channel"]) - min(times["control"])) / min(times["control"]),
-                "cpu_channel_ms": 1e3 * statistics.median(cpu["channel"]),
-                "cpu_control_ms": 1e3 * statistics.median(cpu["control"]),
-                "cpu_overhead_pct": 100 * (statistics.median(cpu["channel"]) - statistics.median(cpu["control"]))
-                / statistics.median(cpu["control"]),
-                "in_channel_ms": 1e3 * float(spent), "in_channel_pct": 100 * float(spent) / ct,
-                "tap_bytes_per_step": n * len(real.layout.keys) * args.seq_len * real.layout.shape_BLD[2] * 4,
-                "channel_all_ms": [1e3 * t for t in times["channel"]],
-                "control_all_ms": [1e3 * t for t in times["control"]],
-            })
+            rows.append(
+                {
+                    "microbatches": n,
+                    "channel_ms": 1e3 * ch,
+                    "control_ms": 1e3 * ct,
+                    "overhead_pct": 100 * (ch - ct) / ct,
+                    "channel_min_ms": 1e3 * min(times["channel"]),
+                    "control_min_ms": 1e3 * min(times["control"]),
+                    "min_overhead_pct": 100 * (min(times["channel"]) - min(times["control"])) / min(times["control"]),
+                    "cpu_channel_ms": 1e3 * statistics.median(cpu["channel"]),
+                    "cpu_control_ms": 1e3 * statistics.median(cpu["control"]),
+                    "cpu_overhead_pct": 100
+                    * (statistics.median(cpu["channel"]) - statistics.median(cpu["control"]))
+                    / statistics.median(cpu["control"]),
+                    "in_channel_ms": 1e3 * float(spent),
+                    "in_channel_pct": 100 * float(spent) / ct,
+                    "tap_bytes_per_step": n * len(real.layout.keys) * args.seq_len * real.layout.shape_BLD[2] * 4,
+                    "channel_all_ms": [1e3 * t for t in times["channel"]],
+                    "control_all_ms": [1e3 * t for t in times["control"]],
+                }
+            )
         trainer.close()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
@@ -179,31 +212,46 @@ def main(argv=None) -> None:
         return
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     load_before = os.getloadavg()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", *(argv if argv is not None else sys.argv[1:])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        "--worker",
+        *(argv if argv is not None else sys.argv[1:]),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
-    rows = json.loads(lines[-1][len("RESULT "):])
+    rows = json.loads(lines[-1][len("RESULT ") :])
     load_after = os.getloadavg()
 
     print(f"pp=2, 1F1B, llama3/tiny, seq_len {args.seq_len}, 1-row microbatches, 2 gloo processes on CPU")
     print("step ms: median (min) over the measured steps; CPU: both ranks' CPU ms per step, median;")
     print("in-channel: time inside TapChannel calls per step")
-    print(f"{'microbatches':>12} {'channel ms':>16} {'control ms':>16} {'overhead med (min)':>19} "
-          f"{'CPU channel':>11} {'CPU control':>11} {'CPU overhead':>12} "
-          f"{'in-channel ms':>14} {'in-channel %':>13} {'tap MB/step':>11}")
+    print(
+        f"{'microbatches':>12} {'channel ms':>16} {'control ms':>16} {'overhead med (min)':>19} "
+        f"{'CPU channel':>11} {'CPU control':>11} {'CPU overhead':>12} "
+        f"{'in-channel ms':>14} {'in-channel %':>13} {'tap MB/step':>11}"
+    )
     for r in rows:
-        print(f"{r['microbatches']:>12} {r['channel_ms']:>8.1f} ({r['channel_min_ms']:>5.0f}) "
-              f"{r['control_ms']:>8.1f} ({r['control_min_ms']:>5.0f}) "
-              f"{r['overhead_pct']:>9.1f}% ({r['min_overhead_pct']:>5.1f}%) "
-              f"{r['cpu_channel_ms']:>11.1f} {r['cpu_control_ms']:>11.1f} {r['cpu_overhead_pct']:>11.1f}% "
-              f"{r['in_channel_ms']:>14.2f} {r['in_channel_pct']:>12.2f}% {r['tap_bytes_per_step'] / 1e6:>11.2f}")
+        print(
+            f"{r['microbatches']:>12} {r['channel_ms']:>8.1f} ({r['channel_min_ms']:>5.0f}) "
+            f"{r['control_ms']:>8.1f} ({r['control_min_ms']:>5.0f}) "
+            f"{r['overhead_pct']:>9.1f}% ({r['min_overhead_pct']:>5.1f}%) "
+            f"{r['cpu_channel_ms']:>11.1f} {r['cpu_control_ms']:>11.1f} {r['cpu_overhead_pct']:>11.1f}% "
+            f"{r['in_channel_ms']:>14.2f} {r['in_channel_pct']:>12.2f}% {r['tap_bytes_per_step'] / 1e6:>11.2f}"
+        )
     print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     report = {
-        "config": vars(args), "load_avg_before": load_before, "load_avg_after": load_after,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows,
+        "config": vars(args),
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -56,21 +56,54 @@ def _warm_start() -> None:
     done = [REPO_ROOT / "outputs/debug_cpu_vllm/sft/DONE", REPO_ROOT / "outputs/debug_cpu_vllm/draft/DONE"]
     if not all(d.exists() for d in done):
         print("training the warm start: CONFIG_FILE=train_configs/debug_cpu_vllm_draft.toml ./run_train.sh", flush=True)
-        subprocess.run([str(REPO_ROOT / "run_train.sh")], cwd=REPO_ROOT, check=True,
-                       env=dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_vllm_draft.toml"))
+        subprocess.run(
+            [str(REPO_ROOT / "run_train.sh")],
+            cwd=REPO_ROOT,
+            check=True,
+            env=dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_vllm_draft.toml"),
+        )
 
 
 def _run(name: str, dump: str, args) -> tuple[list[dict], float]:
     shutil.rmtree(dump, ignore_errors=True)
-    cmd = ["taskset", "-c", args.trainer_cpus, sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=1", "-m", "titan_spec.train", "--config", CONFIG, "--job.dump_folder", dump,
-           "--training.steps", str(args.steps), "--checkpoint.enable", "false", "--rollout.progress", "false",
-           "--job.export_hf", "", "--draft.export_dir", "", "--rollout.vllm.cpus", json.dumps(args.server_cpus),
-           *VARIANTS[name]]
+    cmd = [
+        "taskset",
+        "-c",
+        args.trainer_cpus,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "titan_spec.train",
+        "--config",
+        CONFIG,
+        "--job.dump_folder",
+        dump,
+        "--training.steps",
+        str(args.steps),
+        "--checkpoint.enable",
+        "false",
+        "--rollout.progress",
+        "false",
+        "--job.export_hf",
+        "",
+        "--draft.export_dir",
+        "",
+        "--rollout.vllm.cpus",
+        json.dumps(args.server_cpus),
+        *VARIANTS[name],
+    ]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     t0 = time.time()
-    out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1"))
+    out = subprocess.run(
+        cmd,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1"),
+    )
     if out.returncode:
         raise SystemExit(f"[{name}] failed:\n{out.stderr[-4000:]}")
     wall = time.time() - t0
@@ -92,19 +125,28 @@ def phases(rows: list[dict]) -> dict:
     """Median seconds per step over the timed steps (after step 2, no baseline step)."""
     timed = [r for r in rows if r["step"] > 2 and "rollout/accept_len_frozen" not in r]
     gen = [r["time/push_s"] + r["time/rollout_s"] for r in timed]
-    return {"timed_steps": len(timed), "generate_s": statistics.median(gen) if gen else None,
-            "train_s": _median(timed, "time/train_s"), "wait_s": _median(timed, "time/rollout_wait_s"),
-            "step_s": _median(timed, "time/step_s")}
+    return {
+        "timed_steps": len(timed),
+        "generate_s": statistics.median(gen) if gen else None,
+        "train_s": _median(timed, "time/train_s"),
+        "wait_s": _median(timed, "time/rollout_wait_s"),
+        "step_s": _median(timed, "time/step_s"),
+    }
 
 
 def outcome(rows: list[dict], window: int = 10) -> dict:
     base = [r for r in rows if "rollout/accept_len_frozen" in r]
     last = base[-1] if base else {}
-    return {"reward_start": _mean(rows[:window], "rl/reward"), "reward_end": _mean(rows[-window:], "rl/reward"),
-            "accept_start": _mean(rows[:window], "rollout/accept_len"),
-            "accept_end": _mean(rows[-window:], "rollout/accept_len"),
-            "accept_last_baseline": last.get("rollout/accept_len"), "frozen_last_baseline": last.get("rollout/accept_len_frozen"),
-            "last_baseline_step": last.get("step"), "policy_lag_max": max((r.get("rl/policy_lag", 0) for r in rows), default=0)}
+    return {
+        "reward_start": _mean(rows[:window], "rl/reward"),
+        "reward_end": _mean(rows[-window:], "rl/reward"),
+        "accept_start": _mean(rows[:window], "rollout/accept_len"),
+        "accept_end": _mean(rows[-window:], "rollout/accept_len"),
+        "accept_last_baseline": last.get("rollout/accept_len"),
+        "frozen_last_baseline": last.get("rollout/accept_len_frozen"),
+        "last_baseline_step": last.get("step"),
+        "policy_lag_max": max((r.get("rl/policy_lag", 0) for r in rows), default=0),
+    }
 
 
 def _plot(path: Path, runs: dict[str, list[dict]]) -> None:
@@ -119,8 +161,12 @@ def _plot(path: Path, runs: dict[str, list[dict]]) -> None:
         axes[0].plot(steps, [r["rl/reward"] for r in rows], label=name)
         axes[1].plot(steps, [r["rollout/accept_len"] for r in rows], label=f"{name}, co-trained")
         base = [r for r in rows if "rollout/accept_len_frozen" in r]
-        axes[1].plot([r["step"] for r in base], [r["rollout/accept_len_frozen"] for r in base], "o--",
-                     label=f"{name}, frozen (same prompts)")
+        axes[1].plot(
+            [r["step"] for r in base],
+            [r["rollout/accept_len_frozen"] for r in base],
+            "o--",
+            label=f"{name}, frozen (same prompts)",
+        )
     axes[0].set(title="reward", xlabel="RL step")
     axes[1].set(title="acceptance length (tokens per verify, vLLM)", xlabel="RL step")
     for ax in axes:
@@ -143,10 +189,17 @@ def main(argv=None) -> int:
     sync, asyn = phases(runs["sync"]), phases(runs["async"])
     limit = max(sync["generate_s"], sync["train_s"])
     result = {
-        "config": CONFIG, "steps": args.steps, "trainer_cpus": args.trainer_cpus, "server_cpus": args.server_cpus,
-        "date": time.strftime("%Y-%m-%d"), "wall_s": walls,
-        "sync": {**sync, **outcome(runs["sync"])}, "async": {**asyn, **outcome(runs["async"])},
-        "overlap_limit_s": limit, "async_vs_limit": asyn["step_s"] / limit, "async_vs_sync": asyn["step_s"] / sync["step_s"],
+        "config": CONFIG,
+        "steps": args.steps,
+        "trainer_cpus": args.trainer_cpus,
+        "server_cpus": args.server_cpus,
+        "date": time.strftime("%Y-%m-%d"),
+        "wall_s": walls,
+        "sync": {**sync, **outcome(runs["sync"])},
+        "async": {**asyn, **outcome(runs["async"])},
+        "overlap_limit_s": limit,
+        "async_vs_limit": asyn["step_s"] / limit,
+        "async_vs_sync": asyn["step_s"] / sync["step_s"],
         "goal_async_vs_limit": GOAL,
     }
     out = Path(args.out)
@@ -154,23 +207,33 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1))
     _plot(out.with_suffix(".png"), runs)
     s, a = result["sync"], result["async"]
-    print(f"\n{CONFIG}, {args.steps} steps per variant; medians over {s['timed_steps']} / {a['timed_steps']} timed steps "
-          f"(after step 2, no baseline step); trainer on cores {args.trainer_cpus}, vLLM on {args.server_cpus}")
+    print(
+        f"\n{CONFIG}, {args.steps} steps per variant; medians over {s['timed_steps']} / {a['timed_steps']} timed steps "
+        f"(after step 2, no baseline step); trainer on cores {args.trainer_cpus}, vLLM on {args.server_cpus}"
+    )
     print("| | sync | async |\n| --- | --- | --- |")
     print(f"| generate s/step (push + rollout) | {_f(s['generate_s'])} | overlapped |")
     print(f"| wait for the batch s/step | - | {_f(a['wait_s'])} |")
     print(f"| train s/step | {_f(s['train_s'])} | {_f(a['train_s'])} |")
     print(f"| step s | {_f(s['step_s'])} | {_f(a['step_s'])} |")
-    print(f"| reward, start -> end | {_f(s['reward_start'])} -> {_f(s['reward_end'])} | "
-          f"{_f(a['reward_start'])} -> {_f(a['reward_end'])} |")
-    print(f"| acceptance, co-trained, start -> end | {_f(s['accept_start'], '.2f')} -> {_f(s['accept_end'], '.2f')} | "
-          f"{_f(a['accept_start'], '.2f')} -> {_f(a['accept_end'], '.2f')} |")
-    print(f"| co-trained / frozen at the last baseline step | {_f(s['accept_last_baseline'], '.2f')} / "
-          f"{_f(s['frozen_last_baseline'], '.2f')} | {_f(a['accept_last_baseline'], '.2f')} / "
-          f"{_f(a['frozen_last_baseline'], '.2f')} |")
+    print(
+        f"| reward, start -> end | {_f(s['reward_start'])} -> {_f(s['reward_end'])} | "
+        f"{_f(a['reward_start'])} -> {_f(a['reward_end'])} |"
+    )
+    print(
+        f"| acceptance, co-trained, start -> end | {_f(s['accept_start'], '.2f')} -> {_f(s['accept_end'], '.2f')} | "
+        f"{_f(a['accept_start'], '.2f')} -> {_f(a['accept_end'], '.2f')} |"
+    )
+    print(
+        f"| co-trained / frozen at the last baseline step | {_f(s['accept_last_baseline'], '.2f')} / "
+        f"{_f(s['frozen_last_baseline'], '.2f')} | {_f(a['accept_last_baseline'], '.2f')} / "
+        f"{_f(a['frozen_last_baseline'], '.2f')} |"
+    )
     print(f"| policy lag, steps (max) | {s['policy_lag_max']:.0f} | {a['policy_lag_max']:.0f} |")
-    print(f"\nasync step / max(generate, train) of the sync step = {result['async_vs_limit']:.2f} (goal <= {GOAL}); "
-          f"async step / sync step = {result['async_vs_sync']:.2f}")
+    print(
+        f"\nasync step / max(generate, train) of the sync step = {result['async_vs_limit']:.2f} (goal <= {GOAL}); "
+        f"async step / sync step = {result['async_vs_sync']:.2f}"
+    )
     print(f"JSON: {out}; plot: {out.with_suffix('.png')}")
     return 0
 

@@ -51,9 +51,12 @@ def _parse_args(argv):
     p.add_argument("--dump", default=str(REPO_ROOT / "outputs/bench_rl"))
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_baselines.json"))
     p.add_argument("--extra", default="", help="more overrides for every variant, space-separated")
-    p.add_argument("--reuse", action="store_true",
-                   help="a variant whose dump folder holds a finished run (DONE) is read, not rerun "
-                        "(run the variants in parallel, then once more with --reuse for the table)")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="a variant whose dump folder holds a finished run (DONE) is read, not rerun "
+        "(run the variants in parallel, then once more with --reuse for the table)",
+    )
     return p.parse_args(argv)
 
 
@@ -61,21 +64,45 @@ def _warm_start():
     done = [REPO_ROOT / "outputs/debug_cpu/sft/DONE", REPO_ROOT / "outputs/debug_cpu/draft/DONE"]
     if not all(d.exists() for d in done):
         print("training the warm start: CONFIG_FILE=train_configs/debug_cpu_draft.toml ./run_train.sh", flush=True)
-        subprocess.run([str(REPO_ROOT / "run_train.sh")], cwd=REPO_ROOT, check=True,
-                       env=dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_draft.toml"))
+        subprocess.run(
+            [str(REPO_ROOT / "run_train.sh")],
+            cwd=REPO_ROOT,
+            check=True,
+            env=dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_draft.toml"),
+        )
 
 
 def _run(name: str, dump: str, steps: int, extra: list[str]) -> list[dict]:
     shutil.rmtree(dump, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "titan_spec.train", "--config", "train_configs/debug_cpu.toml", "--job.dump_folder", dump,
-           *(["--training.steps", str(steps)] if steps else []), "--checkpoint.enable", "false",
-           "--rollout.progress", "false",
-           *VARIANTS[name], *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "titan_spec.train",
+        "--config",
+        "train_configs/debug_cpu.toml",
+        "--job.dump_folder",
+        dump,
+        *(["--training.steps", str(steps)] if steps else []),
+        "--checkpoint.enable",
+        "false",
+        "--rollout.progress",
+        "false",
+        *VARIANTS[name],
+        *extra,
+    ]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     t0 = time.time()
-    out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(REPO_ROOT)))
+    out = subprocess.run(
+        cmd,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(REPO_ROOT)),
+    )
     if out.returncode:
         raise SystemExit(f"[{name}] failed:\n{out.stderr[-4000:]}")
     print(f"[{name}] {time.time() - t0:.0f} s", flush=True)
@@ -87,8 +114,17 @@ def summarize(name: str, rows: list[dict], window: int = 10) -> dict:
     base = [r for r in rows if "rollout/accept_len_frozen" in r]
     if base:
         out["inrun_accept"] = [(r["step"], r["rollout/accept_len"], r["rollout/accept_len_frozen"]) for r in base]
-    drift = [(r["step"], r.get("drift/kl"), r.get("drift/kl_k3"), r.get("rollout/completion_len"),
-              r.get("rollout/completion_len_p90")) for r in rows if "rollout/completion_len" in r]
+    drift = [
+        (
+            r["step"],
+            r.get("drift/kl"),
+            r.get("drift/kl_k3"),
+            r.get("rollout/completion_len"),
+            r.get("rollout/completion_len_p90"),
+        )
+        for r in rows
+        if "rollout/completion_len" in r
+    ]
     if drift:
         out["drift"] = drift
     return out
@@ -120,14 +156,18 @@ def main(argv=None) -> int:
             rows[name] = _run(name, dump, args.steps, extra)
         results[name] = summarize(name, rows[name])
     ns = results.get("no-spec")
-    print("\n| variant | reward start | reward end | accept start | accept end | push s | rollout s | train s "
-          "| step s | rollout vs no-spec | step vs no-spec | completion len (end) |")
+    print(
+        "\n| variant | reward start | reward end | accept start | accept end | push s | rollout s | train s "
+        "| step s | rollout vs no-spec | step vs no-spec | completion len (end) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results.values():
         ratios = [f"{r[k] / ns[k]:.2f}x" if ns and r[k] and ns[k] else "-" for k in ("rollout_s", "step_s")]
-        print(f"| {r['variant']} | {_f(r['reward_start'])} | {_f(r['reward_end'])} | {_f(r['accept_start'], '.2f')} "
-              f"| {_f(r['accept_end'], '.2f')} | {_f(r['push_s'])} | {_f(r['rollout_s'])} | {_f(r['train_s'])} "
-              f"| {_f(r['step_s'])} | {ratios[0]} | {ratios[1]} | {_f(r['completion_len_end'], '.1f')} |")
+        print(
+            f"| {r['variant']} | {_f(r['reward_start'])} | {_f(r['reward_end'])} | {_f(r['accept_start'], '.2f')} "
+            f"| {_f(r['accept_end'], '.2f')} | {_f(r['push_s'])} | {_f(r['rollout_s'])} | {_f(r['train_s'])} "
+            f"| {_f(r['step_s'])} | {ratios[0]} | {ratios[1]} | {_f(r['completion_len_end'], '.1f')} |"
+        )
     co = results.get("co-trained", {})
     if "inrun_accept" in co:
         print("\nIn-run acceptance length on the same prompts (co-trained run): step: co-trained / frozen")
@@ -135,14 +175,16 @@ def main(argv=None) -> int:
             print(f"  {s:>4}: {a:.2f} / {b:.2f}  ({a / b:.2f}x)")
     if "drift" in co:
         print("\nDrift of the co-trained run: step: KL log-ratio / KL k3 / completion len mean / p90")
-        for s, k1, k3, m, p in co["drift"][::max(1, len(co["drift"]) // 10)] + co["drift"][-1:]:
+        for s, k1, k3, m, p in co["drift"][:: max(1, len(co["drift"]) // 10)] + co["drift"][-1:]:
             print(f"  {s:>4}: {_f(k1, '.4f')} / {_f(k3, '.4f')} / {_f(m, '.1f')} / {_f(p, '.0f')}")
     if co and ns:
         proj = projection(co, ns)
         results["projection"] = proj
-        print("\nStep ratio co-trained / no-spec if rollouts took a larger share of the no-spec step "
-              f"(measured: rollout {co['rollout_s'] / ns['rollout_s']:.2f}x, train {co['train_s'] / ns['train_s']:.2f}x, "
-              f"rollout share here {ns['rollout_s'] / ns['step_s']:.2f}):")
+        print(
+            "\nStep ratio co-trained / no-spec if rollouts took a larger share of the no-spec step "
+            f"(measured: rollout {co['rollout_s'] / ns['rollout_s']:.2f}x, train {co['train_s'] / ns['train_s']:.2f}x, "
+            f"rollout share here {ns['rollout_s'] / ns['step_s']:.2f}):"
+        )
         for f, ratio in proj:
             print(f"  rollout share {f:.0%}: {ratio:.2f}x")
     if "co-trained" in rows:

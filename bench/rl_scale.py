@@ -60,10 +60,14 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pp-seq-len", type=int, default=1024)
     p.add_argument("--pp-steps", type=int, default=16, help="part 2: measured steps per mode")
     p.add_argument("--pp-block", type=int, default=2)
-    p.add_argument("--mmap-threshold", type=int, default=65536,
-                   help="MALLOC_MMAP_THRESHOLD_ for the workers (bytes; 0 = glibc's dynamic default, whose "
-                        "freed heap blocks stay in the RSS): a fixed threshold returns every freed block "
-                        "over it to the OS, so the RSS tracks live tensors")
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        help="MALLOC_MMAP_THRESHOLD_ for the workers (bytes; 0 = glibc's dynamic default, whose "
+        "freed heap blocks stay in the RSS): a fixed threshold returns every freed block "
+        "over it to the OS, so the RSS tracks live tensors",
+    )
     p.add_argument("--timeout", type=int, default=3600, help="seconds per (S, cp) launch")
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rl_scale.json"))
     p.add_argument("--merge", default="", help="comma-separated result JSONs: print their step rows, run nothing")
@@ -99,23 +103,70 @@ def _reset_peak() -> None:
 
 def _overrides(args, S: int, cp: int, pp: int = 1, n_micro: int = 0) -> list[str]:
     out = [
-        "--model.hf_checkpoint", "", "--model.flavor", args.flavor, "--draft.init_from", "",
-        "--draft.draft_vocab_size", "32", "--draft.eagle3.ttt_steps", str(args.ttt_steps), "--draft.vocab_count_batches", "1",
-        "--task.generated.prompt_len", str(S - COMPLETION), "--training.seq_len", str(S),
-        "--rl.prompts_per_step", "1", "--rl.group_size", "2", "--rl.minibatches", "2", "--rl.baseline_interval", "0",
-        "--rl.max_new_tokens", str(COMPLETION - 1),
-        "--parallelism.context_parallel_degree", str(cp), "--parallelism.data_parallel_shard_degree", "1",
-        "--activation_checkpoint.mode", "full", "--checkpoint.enable", "false",
-        "--metrics.log_freq", "1000000", "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", f"/tmp/titan_spec_bench_rl_scale/{S}_{cp}_{pp}", "--training.steps", "1000000",
+        "--model.hf_checkpoint",
+        "",
+        "--model.flavor",
+        args.flavor,
+        "--draft.init_from",
+        "",
+        "--draft.draft_vocab_size",
+        "32",
+        "--draft.eagle3.ttt_steps",
+        str(args.ttt_steps),
+        "--draft.vocab_count_batches",
+        "1",
+        "--task.generated.prompt_len",
+        str(S - COMPLETION),
+        "--training.seq_len",
+        str(S),
+        "--rl.prompts_per_step",
+        "1",
+        "--rl.group_size",
+        "2",
+        "--rl.minibatches",
+        "2",
+        "--rl.baseline_interval",
+        "0",
+        "--rl.max_new_tokens",
+        str(COMPLETION - 1),
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--activation_checkpoint.mode",
+        "full",
+        "--checkpoint.enable",
+        "false",
+        "--metrics.log_freq",
+        "1000000",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--job.dump_folder",
+        f"/tmp/titan_spec_bench_rl_scale/{S}_{cp}_{pp}",
+        "--training.steps",
+        "1000000",
     ]
     if pp > 1:
         out += [
-            "--model.name", "llama3", "--model.flavor", "tiny", "--parallelism.pipeline_parallel_degree", str(pp),
-            "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.pipeline_parallel_schedule", "1F1B",
-            "--rl.group_size", str(n_micro), "--rl.minibatches", "1", "--draft.eagle3.ttt_steps", "7",
+            "--model.name",
+            "llama3",
+            "--model.flavor",
+            "tiny",
+            "--parallelism.pipeline_parallel_degree",
+            str(pp),
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--rl.group_size",
+            str(n_micro),
+            "--rl.minibatches",
+            "1",
+            "--draft.eagle3.ttt_steps",
+            "7",
             # One completion per row, one row per microbatch: n_micro microbatches per update.
-            "--training.local_batch_size", str(n_micro),
+            "--training.local_batch_size",
+            str(n_micro),
         ]
     return out
 
@@ -179,11 +230,16 @@ def _step_worker(args) -> None:
         c = time.process_time() - c
         dist.barrier()
         wall = time.perf_counter() - t
-        rows.append({
-            "peak_gib": (_status_kib("VmHWM") - base) * 1024 / GIB, "rss_before_gib": base * 1024 / GIB,
-            "wall_s": wall, "train_s": trainer.last_step.train_s, "cpu_s": c,
-            "loss": float(sum(float(u.loss) for u in trainer.last_step.updates)),
-        })
+        rows.append(
+            {
+                "peak_gib": (_status_kib("VmHWM") - base) * 1024 / GIB,
+                "rss_before_gib": base * 1024 / GIB,
+                "wall_s": wall,
+                "train_s": trainer.last_step.train_s,
+                "cpu_s": c,
+                "loss": float(sum(float(u.loss) for u in trainer.last_step.updates)),
+            }
+        )
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
@@ -229,18 +285,23 @@ def _pp_worker(args) -> None:
         run("channel", 2, False)
         run("control", 2, False)
         for i in range(0, args.pp_steps, args.pp_block):
-            for mode in (("channel", "control") if i // args.pp_block % 2 == 0 else ("control", "channel")):
+            for mode in ("channel", "control") if i // args.pp_block % 2 == 0 else ("control", "channel"):
                 run(mode, args.pp_block, True)
         spent = torch.tensor([statistics.median(inside)], dtype=torch.float64)
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)
         med = {m: statistics.median(v) for m, v in cpu.items()}
-        rows.append({
-            "microbatches": n, "cpu_channel_ms": 1e3 * med["channel"], "cpu_control_ms": 1e3 * med["control"],
-            "cpu_overhead_pct": 100 * (med["channel"] - med["control"]) / med["control"],
-            "channel_ms": 1e3 * statistics.median(wall["channel"]), "control_ms": 1e3 * statistics.median(wall["control"]),
-            "in_channel_ms": 1e3 * float(spent),
-            "in_channel_pct": 100 * float(spent) / statistics.median(wall["control"]),
-        })
+        rows.append(
+            {
+                "microbatches": n,
+                "cpu_channel_ms": 1e3 * med["channel"],
+                "cpu_control_ms": 1e3 * med["control"],
+                "cpu_overhead_pct": 100 * (med["channel"] - med["control"]) / med["control"],
+                "channel_ms": 1e3 * statistics.median(wall["channel"]),
+                "control_ms": 1e3 * statistics.median(wall["control"]),
+                "in_channel_ms": 1e3 * float(spent),
+                "in_channel_pct": 100 * float(spent) / statistics.median(wall["control"]),
+            }
+        )
         trainer.close()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
@@ -258,8 +319,15 @@ def _launch(nproc: int, worker_args: list[str], timeout: int, mmap_threshold: in
         # glibc otherwise raises its threshold after the first large free (up to 32 MiB), and
         # freed heap blocks below it stay in the RSS: peaks then depend on tensor sizes.
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           *worker_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        *worker_args,
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -268,22 +336,42 @@ def _launch(nproc: int, worker_args: list[str], timeout: int, mmap_threshold: in
     if out.returncode != 0 or not lines:
         errs = [line for line in (out.stderr + out.stdout).splitlines() if "Error" in line or "error" in line]
         return None, (errs[-1] if errs else f"exit {out.returncode}")[-300:]
-    return json.loads(lines[-1][len("RESULT "):]), ""
+    return json.loads(lines[-1][len("RESULT ") :]), ""
 
 
 def _step_row(S: int, cp: int, args) -> dict:
-    ranks, why = _launch(cp, ["--worker", "step", "--seqlen", str(S), "--cp", str(cp),
-                              "--ttt-steps", str(args.ttt_steps), "--flavor", args.flavor, "--steps", str(args.steps)], args.timeout,
-                        args.mmap_threshold)
+    ranks, why = _launch(
+        cp,
+        [
+            "--worker",
+            "step",
+            "--seqlen",
+            str(S),
+            "--cp",
+            str(cp),
+            "--ttt-steps",
+            str(args.ttt_steps),
+            "--flavor",
+            args.flavor,
+            "--steps",
+            str(args.steps),
+        ],
+        args.timeout,
+        args.mmap_threshold,
+    )
     row = {"seqlen": S, "cp": cp}
     if ranks is None:
         return {**row, "status": "failed", "note": why}
     # Step 1 allocates the optimizers' states (they count); time is the last step's.
     per_rank = [max(s["peak_gib"] for s in steps) for steps in ranks]
     return {
-        **row, "status": "ok", "peak_gib": max(per_rank), "peak_gib_per_rank": per_rank,
+        **row,
+        "status": "ok",
+        "peak_gib": max(per_rank),
+        "peak_gib_per_rank": per_rank,
         "rss_before_gib": max(steps[0]["rss_before_gib"] for steps in ranks),
-        "train_s": max(steps[-1]["train_s"] for steps in ranks), "cpu_s": sum(steps[-1]["cpu_s"] for steps in ranks),
+        "train_s": max(steps[-1]["train_s"] for steps in ranks),
+        "cpu_s": sum(steps[-1]["cpu_s"] for steps in ranks),
         "train_s_per_step": [max(steps[i]["train_s"] for steps in ranks) for i in range(len(ranks[0]))],
         "loss_step1": sum(steps[0]["loss"] for steps in ranks),
         "kib_per_local_token": max(per_rank) * GIB / 1024 / (S / cp),
@@ -291,23 +379,31 @@ def _step_row(S: int, cp: int, args) -> dict:
 
 
 def _print_steps(rows: list[dict], args) -> None:
-    print(f"One RL co-training step (PPO-clip + EAGLE-3 draft, {args.ttt_steps} TTT steps, full AC), "
-          f"{args.flavor} policy, one update on one S-token document, fp32, CPU, gloo, 1 thread/rank.")
-    print(f"peak: max over ranks and the {args.steps} measured step(s) of (VmHWM - RSS before the step); "
-          "train s: the slowest rank's training phase of the last step; CPU s: all ranks' CPU seconds of it")
+    print(
+        f"One RL co-training step (PPO-clip + EAGLE-3 draft, {args.ttt_steps} TTT steps, full AC), "
+        f"{args.flavor} policy, one update on one S-token document, fp32, CPU, gloo, 1 thread/rank."
+    )
+    print(
+        f"peak: max over ranks and the {args.steps} measured step(s) of (VmHWM - RSS before the step); "
+        "train s: the slowest rank's training phase of the last step; CPU s: all ranks' CPU seconds of it"
+    )
     ones = {r["seqlen"]: r for r in rows if r["cp"] == 1 and r["status"] == "ok"}
-    header = (f"{'S':>6} {'cp':>2} {'peak GiB/rank':>13} {'vs cp=1':>7} {'KiB/local token':>15} {'train s':>8} "
-              f"{'CPU s':>8} {'RSS before':>10}  note")
+    header = (
+        f"{'S':>6} {'cp':>2} {'peak GiB/rank':>13} {'vs cp=1':>7} {'KiB/local token':>15} {'train s':>8} "
+        f"{'CPU s':>8} {'RSS before':>10}  note"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         ok = r["status"] == "ok"
         base = ones.get(r["seqlen"])
         ratio = f"{r['peak_gib'] / base['peak_gib']:.2f}x" if ok and base else "-"
-        print(f"{r['seqlen']:>6} {r['cp']:>2} {r['peak_gib'] if ok else float('nan'):>13.3f} {ratio:>7} "
-              f"{r.get('kib_per_local_token', float('nan')):>15.1f} "
-              f"{r.get('train_s', float('nan')):>8.1f} {r.get('cpu_s', float('nan')):>8.1f} "
-              f"{r.get('rss_before_gib', float('nan')):>10.2f}  {r.get('note', '')}")
+        print(
+            f"{r['seqlen']:>6} {r['cp']:>2} {r['peak_gib'] if ok else float('nan'):>13.3f} {ratio:>7} "
+            f"{r.get('kib_per_local_token', float('nan')):>15.1f} "
+            f"{r.get('train_s', float('nan')):>8.1f} {r.get('cpu_s', float('nan')):>8.1f} "
+            f"{r.get('rss_before_gib', float('nan')):>10.2f}  {r.get('note', '')}"
+        )
 
 
 def main(argv=None) -> None:
@@ -332,25 +428,47 @@ def main(argv=None) -> None:
         for S in (int(s) for s in args.seqlens.split(",")):
             for cp in (int(c) for c in args.cps.split(",")):
                 rows.append(_step_row(S, cp, args))
-                print(f"  done S={S} cp={cp}: {rows[-1]['status']} (load {os.getloadavg()[0]:.1f})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  done S={S} cp={cp}: {rows[-1]['status']} (load {os.getloadavg()[0]:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         _print_steps(rows, args)
         report["steps"] = rows
     if args.pp_microbatches:
-        pp_rows, why = _launch(2, ["--worker", "pp", "--pp-microbatches", args.pp_microbatches,
-                                   "--pp-seq-len", str(args.pp_seq_len), "--pp-steps", str(args.pp_steps),
-                                   "--pp-block", str(args.pp_block)], args.timeout)
+        pp_rows, why = _launch(
+            2,
+            [
+                "--worker",
+                "pp",
+                "--pp-microbatches",
+                args.pp_microbatches,
+                "--pp-seq-len",
+                str(args.pp_seq_len),
+                "--pp-steps",
+                str(args.pp_steps),
+                "--pp-block",
+                str(args.pp_block),
+            ],
+            args.timeout,
+        )
         if pp_rows is None:
             print(f"pp = 2 TapChannel part failed: {why}")
         else:
-            print("pp = 2, 1F1B, llama3/tiny, RL step (fixed batch, 1-document microbatches); "
-                  "CPU ms: both ranks per step, median")
-            print(f"{'microbatches':>12} {'CPU channel':>11} {'CPU control':>11} {'CPU overhead':>12} "
-                  f"{'wall channel':>12} {'wall control':>12} {'in-channel ms':>13} {'in-channel %':>12}")
+            print(
+                "pp = 2, 1F1B, llama3/tiny, RL step (fixed batch, 1-document microbatches); "
+                "CPU ms: both ranks per step, median"
+            )
+            print(
+                f"{'microbatches':>12} {'CPU channel':>11} {'CPU control':>11} {'CPU overhead':>12} "
+                f"{'wall channel':>12} {'wall control':>12} {'in-channel ms':>13} {'in-channel %':>12}"
+            )
             for r in pp_rows:
-                print(f"{r['microbatches']:>12} {r['cpu_channel_ms']:>11.1f} {r['cpu_control_ms']:>11.1f} "
-                      f"{r['cpu_overhead_pct']:>11.1f}% {r['channel_ms']:>12.1f} {r['control_ms']:>12.1f} "
-                      f"{r['in_channel_ms']:>13.2f} {r['in_channel_pct']:>11.2f}%")
+                print(
+                    f"{r['microbatches']:>12} {r['cpu_channel_ms']:>11.1f} {r['cpu_control_ms']:>11.1f} "
+                    f"{r['cpu_overhead_pct']:>11.1f}% {r['channel_ms']:>12.1f} {r['control_ms']:>12.1f} "
+                    f"{r['in_channel_ms']:>13.2f} {r['in_channel_pct']:>11.2f}%"
+                )
         report["pp"] = pp_rows if pp_rows is not None else {"status": "failed", "note": why}
     report["load_after"] = os.getloadavg()
     out = Path(args.out)

@@ -83,11 +83,18 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
-    p.add_argument("--requests", type=int, default=32,
-                   help="requests per timed run, generated `batch` at a time (batch 1: one after another)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="requests per timed run, generated `batch` at a time (batch 1: one after another)",
+    )
     p.add_argument("--stop-at-eos", action="store_true", help="stop completions at <eos>")
-    p.add_argument("--task-config", default=str(REPO_ROOT / "train_configs/debug_cpu_sft.toml"),
-                   help="TOML whose [task] makes the prompts (and the distillation data)")
+    p.add_argument(
+        "--task-config",
+        default=str(REPO_ROOT / "train_configs/debug_cpu_sft.toml"),
+        help="TOML whose [task] makes the prompts (and the distillation data)",
+    )
     p.add_argument("--distill-steps", type=int, default=0, help="also bench a draft fine-tuned on rollouts")
     p.add_argument("--untrained", action="store_true", help="also bench a random draft (fixed K_max and adaptive)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model steps (slow first call)")
@@ -111,7 +118,9 @@ def resolve_models(args) -> tuple[str, str]:
     if not (os.path.isfile(os.path.join(policy, "config.json")) and os.path.isfile(os.path.join(draft, "config.json"))):
         cmd = [str(REPO_ROOT / "run_train.sh")]
         print("training the default SFT policy and its offline draft:", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=REPO_ROOT, check=True, env=dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_draft.toml"))
+        subprocess.run(
+            cmd, cwd=REPO_ROOT, check=True, env=dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_draft.toml")
+        )
     return policy, draft
 
 
@@ -128,8 +137,15 @@ def task_of(config_path: str):
     return build_task(load_config(config_path).task)
 
 
-def distill(engine: BuiltinRolloutEngine, tok: CharTokenizer, task, steps: int, seed: int,
-            max_new_tokens: int = 64, stop: tuple[int, ...] = ()) -> dict:
+def distill(
+    engine: BuiltinRolloutEngine,
+    tok: CharTokenizer,
+    task,
+    steps: int,
+    seed: int,
+    max_new_tokens: int = 64,
+    stop: tuple[int, ...] = (),
+) -> dict:
     """Fine-tune the engine's draft by TTT on the policy's own rollouts (greedy and T=1, on
     prompts other than the benchmark's): the distribution co-training keeps the draft on.
     Returns the new draft state dict."""
@@ -168,7 +184,7 @@ def run_interleaved(engines: dict, prompts, sp, batch: int) -> dict[str, dict]:
         chunk_sp = dataclasses.replace(sp, seed=sp.seed + i)
         for name, engine in engines.items():
             t0, c0 = time.perf_counter(), time.process_time()
-            outs[name] += engine.generate(prompts[lo:lo + batch], chunk_sp)
+            outs[name] += engine.generate(prompts[lo : lo + batch], chunk_sp)
             wall[name] += time.perf_counter() - t0
             cpu[name] += time.process_time() - c0
     res = {}
@@ -180,10 +196,15 @@ def run_interleaved(engines: dict, prompts, sp, batch: int) -> dict[str, dict]:
         rounds = sum(r.verify_steps - 1 for r in out)
         # Tokens per CPU-second of this process: what the run costs on a machine shared with
         # other jobs (their load stretches the wall time, not this process's CPU time).
-        res[name] = {"tokens": tokens, "seconds": wall[name], "tok_s": tokens / wall[name],
-                     "tok_cpu_s": tokens / cpu[name], "accept_len": tokens / steps,
-                     "sglang_accept": tokens / sglang_steps,
-                     "draft_k": sum(r.drafted_tokens for r in out) / max(rounds, 1)}
+        res[name] = {
+            "tokens": tokens,
+            "seconds": wall[name],
+            "tok_s": tokens / wall[name],
+            "tok_cpu_s": tokens / cpu[name],
+            "accept_len": tokens / steps,
+            "sglang_accept": tokens / sglang_steps,
+            "draft_k": sum(r.drafted_tokens for r in out) / max(rounds, 1),
+        }
     return res
 
 
@@ -200,8 +221,14 @@ def main(argv=None) -> int:
 
     def engine(k, depth="fixed", draft_dir_=draft_dir, kind=args.draft_kind, costs_=costs):
         cfg = BuiltinEngineConfig(num_draft_tokens=k, depth=depth, compile=args.compile)
-        e = BuiltinRolloutEngine.from_pretrained(policy, draft_dir_ if k else None, cfg, draft_kind_name=kind,
-                                               max_seq_len=max(512, 64 + args.max_new_tokens + 2 * K + 16), device=args.device)
+        e = BuiltinRolloutEngine.from_pretrained(
+            policy,
+            draft_dir_ if k else None,
+            cfg,
+            draft_kind_name=kind,
+            max_seq_len=max(512, 64 + args.max_new_tokens + 2 * K + 16),
+            device=args.device,
+        )
         e.costs = costs_
         return e
 
@@ -216,19 +243,31 @@ def main(argv=None) -> int:
             fresh = draft_kind(args.draft_kind).build(engines["adaptive"].draft.arch)
             fresh.reset_parameters()
             sd = engines["adaptive"].draft.state_dict()
-            new = {k: v for k, v in fresh.state_dict().items() if k not in ("d2t", "t2d")} | {"d2t": sd["d2t"], "t2d": sd["t2d"]}
+            new = {k: v for k, v in fresh.state_dict().items() if k not in ("d2t", "t2d")} | {
+                "d2t": sd["d2t"],
+                "t2d": sd["t2d"],
+            }
             for name in ("untrained", "untrained_adaptive"):
                 engines[name].update_draft_weights(new, version=1)
     vs = args.vs_draft_kind if args.vs_draft else ""
     vs_costs = RoundCosts()
     if vs:
-        engines |= {f"{vs}_fixed_{k}": engine(k, draft_dir_=args.vs_draft, kind=vs, costs_=vs_costs) for k in range(1, K + 1)}
+        engines |= {
+            f"{vs}_fixed_{k}": engine(k, draft_dir_=args.vs_draft, kind=vs, costs_=vs_costs) for k in range(1, K + 1)
+        }
         engines[f"{vs}_adaptive"] = engine(K, "adaptive", args.vs_draft, vs, vs_costs)
     if args.distill_steps:
         engines["distilled"] = engine(K)
         t0 = time.perf_counter()
-        distill(engines["distilled"], tok, task_of(args.task_config), args.distill_steps, args.seed,
-                args.max_new_tokens, (tok.eos_id,) if args.stop_at_eos else ())
+        distill(
+            engines["distilled"],
+            tok,
+            task_of(args.task_config),
+            args.distill_steps,
+            args.seed,
+            args.max_new_tokens,
+            (tok.eos_id,) if args.stop_at_eos else (),
+        )
         print(f"distilled the draft on policy rollouts: {args.distill_steps} steps, {time.perf_counter() - t0:.0f}s")
 
     task, rng = task_of(args.task_config), random.Random(args.seed)
@@ -247,17 +286,26 @@ def main(argv=None) -> int:
                 rs = [p[name] for p in passes]
                 # Speedups: median over passes of the ratio to plain IN THE SAME PASS.
                 ratio = lambda key: statistics.median(p[name][key] / p["plain"][key] for p in passes)  # noqa: E731
-                rows.append({
-                    "temperature": T, "batch": B, "engine": name,
-                    "K": 0 if name == "plain" else int(name.rsplit("_", 1)[1]) if "fixed_" in name else K,
-                    "tok_s": statistics.median(r["tok_s"] for r in rs),
-                    "accept_len": statistics.median(r["accept_len"] for r in rs),
-                    "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
-                    "draft_k": statistics.median(r["draft_k"] for r in rs),
-                    "speedup": ratio("tok_s"), "tok_cpu_s": statistics.median(r["tok_cpu_s"] for r in rs),
-                    "speedup_cpu": ratio("tok_cpu_s"), "tokens": rs[0]["tokens"], "requests": len(prompts), "repeats": len(rs),
-                    "pass_tok_s": [r["tok_s"] for r in rs], "pass_tok_cpu_s": [r["tok_cpu_s"] for r in rs],
-                })
+                rows.append(
+                    {
+                        "temperature": T,
+                        "batch": B,
+                        "engine": name,
+                        "K": 0 if name == "plain" else int(name.rsplit("_", 1)[1]) if "fixed_" in name else K,
+                        "tok_s": statistics.median(r["tok_s"] for r in rs),
+                        "accept_len": statistics.median(r["accept_len"] for r in rs),
+                        "sglang_accept": statistics.median(r["sglang_accept"] for r in rs),
+                        "draft_k": statistics.median(r["draft_k"] for r in rs),
+                        "speedup": ratio("tok_s"),
+                        "tok_cpu_s": statistics.median(r["tok_cpu_s"] for r in rs),
+                        "speedup_cpu": ratio("tok_cpu_s"),
+                        "tokens": rs[0]["tokens"],
+                        "requests": len(prompts),
+                        "repeats": len(rs),
+                        "pass_tok_s": [r["tok_s"] for r in rs],
+                        "pass_tok_cpu_s": [r["tok_cpu_s"] for r in rs],
+                    }
+                )
                 print(_row(rows[-1]), flush=True)
 
     summary = _summary(rows, K)
@@ -265,13 +313,32 @@ def main(argv=None) -> int:
     kinds = _kinds(rows, K, args.draft_kind, vs) if vs else []
     result = {
         "benchmark": "rollout_engine",
-        "policy": policy, "draft": draft_dir, "draft_kind": args.draft_kind, "vs_draft": args.vs_draft,
-        "vs_draft_kind": vs, "kinds": kinds, "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens,
-        "stop_at_eos": args.stop_at_eos, "task_config": args.task_config, "compile": args.compile, "threads": torch.get_num_threads(), "device": args.device,
-        "distill_steps": args.distill_steps, "requests": args.requests, "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "torch": torch.__version__, "rows": rows, "adaptive_vs_fixed": summary, "adaptive_vs_fixed_cpu": summary_cpu,
-        "round_costs_ms": {m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in costs.table.items()},
-        "vs_round_costs_ms": {m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in vs_costs.table.items()},
+        "policy": policy,
+        "draft": draft_dir,
+        "draft_kind": args.draft_kind,
+        "vs_draft": args.vs_draft,
+        "vs_draft_kind": vs,
+        "kinds": kinds,
+        "num_draft_tokens": K,
+        "max_new_tokens": args.max_new_tokens,
+        "stop_at_eos": args.stop_at_eos,
+        "task_config": args.task_config,
+        "compile": args.compile,
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "distill_steps": args.distill_steps,
+        "requests": args.requests,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "rows": rows,
+        "adaptive_vs_fixed": summary,
+        "adaptive_vs_fixed_cpu": summary_cpu,
+        "round_costs_ms": {
+            m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in costs.table.items()
+        },
+        "vs_round_costs_ms": {
+            m: {str(b): [round(x * 1e3, 3) for x in r] for b, r in rb.items()} for m, rb in vs_costs.table.items()
+        },
     }
     print()
     print(_table(rows))
@@ -309,11 +376,19 @@ def _summary(rows: list[dict], K: int, key: str = "tok_s") -> list[dict]:
         fixed = {k: vs(f"fixed_{k}", "plain") for k in range(1, K + 1) if f"fixed_{k}" in cell}
         best_k = max(fixed, key=fixed.get)
         a = cell["adaptive"]
-        row = {"clock": key, "temperature": T, "batch": B, "plain_tok_s": cell["plain"][key], "adaptive_tok_s": a[key],
-               "adaptive_vs_plain": vs("adaptive", "plain"), "adaptive_draft_k": a["draft_k"],
-               "best_fixed_k": best_k, "best_fixed_vs_plain": fixed[best_k],
-               "adaptive_vs_best_fixed": vs("adaptive", f"fixed_{best_k}"),
-               "fixed_vs_plain": fixed}
+        row = {
+            "clock": key,
+            "temperature": T,
+            "batch": B,
+            "plain_tok_s": cell["plain"][key],
+            "adaptive_tok_s": a[key],
+            "adaptive_vs_plain": vs("adaptive", "plain"),
+            "adaptive_draft_k": a["draft_k"],
+            "best_fixed_k": best_k,
+            "best_fixed_vs_plain": fixed[best_k],
+            "adaptive_vs_best_fixed": vs("adaptive", f"fixed_{best_k}"),
+            "fixed_vs_plain": fixed,
+        }
         if "untrained_adaptive" in cell:
             row["untrained_adaptive_vs_plain"] = vs("untrained_adaptive", "plain")
             row["untrained_adaptive_draft_k"] = cell["untrained_adaptive"]["draft_k"]
@@ -331,43 +406,67 @@ def _kinds(rows: list[dict], K: int, main: str, vs: str) -> list[dict]:
         row = {"temperature": T, "batch": B}
         for kind, prefix in ((main, ""), (vs, f"{vs}_")):
             fixed, adaptive = cell[f"{prefix}fixed_{K}"], cell[f"{prefix}adaptive"]
-            row[kind] = {"accept_len_fixed": fixed["accept_len"], "speedup_fixed": fixed["speedup"],
-                         "accept_len_adaptive": adaptive["accept_len"], "speedup_adaptive": adaptive["speedup"],
-                         "draft_k_adaptive": adaptive["draft_k"]}
+            row[kind] = {
+                "accept_len_fixed": fixed["accept_len"],
+                "speedup_fixed": fixed["speedup"],
+                "accept_len_adaptive": adaptive["accept_len"],
+                "speedup_adaptive": adaptive["speedup"],
+                "draft_k_adaptive": adaptive["draft_k"],
+            }
         out.append(row)
     return out
 
 
 def _kinds_table(kinds: list[dict], K: int) -> str:
     names = [k for k in kinds[0] if k not in ("temperature", "batch")]
-    head = "|    T | batch | " + " | ".join(f"{n}: accept len K={K} / speedup / adaptive (draft_k)" for n in names) + " |"
+    head = (
+        "|    T | batch | " + " | ".join(f"{n}: accept len K={K} / speedup / adaptive (draft_k)" for n in names) + " |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in kinds:
-        lines.append(f"| {r['temperature']:>4g} | {r['batch']:>5} | " + " | ".join(
-            f"{r[n]['accept_len_fixed']:.2f} / {r[n]['speedup_fixed']:.2f}x / {r[n]['speedup_adaptive']:.2f}x "
-            f"({r[n]['draft_k_adaptive']:.2f})" for n in names) + " |")
+        lines.append(
+            f"| {r['temperature']:>4g} | {r['batch']:>5} | "
+            + " | ".join(
+                f"{r[n]['accept_len_fixed']:.2f} / {r[n]['speedup_fixed']:.2f}x / {r[n]['speedup_adaptive']:.2f}x "
+                f"({r[n]['draft_k_adaptive']:.2f})"
+                for n in names
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def _summary_table(summary: list[dict]) -> str:
     ks = sorted(summary[0]["fixed_vs_plain"])
     u = "untrained_adaptive_vs_plain" in summary[0]
-    head = ("|    T | batch | plain tok/s | " + " | ".join(f"K={k}" for k in ks)
-            + " | adaptive | draft_k | best fixed | adaptive / best |" + (" untrained: fixed / adaptive (draft_k) |" if u else ""))
+    head = (
+        "|    T | batch | plain tok/s | "
+        + " | ".join(f"K={k}" for k in ks)
+        + " | adaptive | draft_k | best fixed | adaptive / best |"
+        + (" untrained: fixed / adaptive (draft_k) |" if u else "")
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summary:
-        lines.append(f"| {s['temperature']:>4g} | {s['batch']:>5} | {s['plain_tok_s']:>11.1f} | "
-                     + " | ".join(f"{s['fixed_vs_plain'][k]:.2f}x" for k in ks)
-                     + f" | {s['adaptive_vs_plain']:.2f}x | {s['adaptive_draft_k']:.2f} | K={s['best_fixed_k']} "
-                     f"| {s['adaptive_vs_best_fixed']:.3f} |"
-                     + (f" {s['untrained_fixed_vs_plain']:.2f}x / {s['untrained_adaptive_vs_plain']:.2f}x "
-                        f"({s['untrained_adaptive_draft_k']:.2f}) |" if u else ""))
+        lines.append(
+            f"| {s['temperature']:>4g} | {s['batch']:>5} | {s['plain_tok_s']:>11.1f} | "
+            + " | ".join(f"{s['fixed_vs_plain'][k]:.2f}x" for k in ks)
+            + f" | {s['adaptive_vs_plain']:.2f}x | {s['adaptive_draft_k']:.2f} | K={s['best_fixed_k']} "
+            f"| {s['adaptive_vs_best_fixed']:.3f} |"
+            + (
+                f" {s['untrained_fixed_vs_plain']:.2f}x / {s['untrained_adaptive_vs_plain']:.2f}x "
+                f"({s['untrained_adaptive_draft_k']:.2f}) |"
+                if u
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 
 def _row(r: dict) -> str:
-    return (f"| {r['temperature']:>4g} | {r['batch']:>5} | {r['engine']:<18} | {r['K']:>1} | {r['tok_s']:>8.1f} "
-            f"| {r['accept_len']:>10.2f} | {r['sglang_accept']:>13.2f} | {r['draft_k']:>7.2f} | {r['speedup']:>7.2f}x |")
+    return (
+        f"| {r['temperature']:>4g} | {r['batch']:>5} | {r['engine']:<18} | {r['K']:>1} | {r['tok_s']:>8.1f} "
+        f"| {r['accept_len']:>10.2f} | {r['sglang_accept']:>13.2f} | {r['draft_k']:>7.2f} | {r['speedup']:>7.2f}x |"
+    )
 
 
 def _table(rows: list[dict]) -> str:

@@ -45,7 +45,9 @@ def _parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", action="store_true", help="BuiltinEngineConfig(compile=True) (minutes of compile on CPU)")
+    p.add_argument(
+        "--compile", action="store_true", help="BuiltinEngineConfig(compile=True) (minutes of compile on CPU)"
+    )
     return p.parse_args(argv)
 
 
@@ -129,7 +131,9 @@ def main(argv=None) -> int:
     engines, timers = {}, {}
     for k in (0, K):
         t = timers[k] = Timers()
-        e = engines[k] = BuiltinRolloutEngine(target, draft if k else None, BuiltinEngineConfig(num_draft_tokens=k, compile=args.compile))
+        e = engines[k] = BuiltinRolloutEngine(
+            target, draft if k else None, BuiltinEngineConfig(num_draft_tokens=k, compile=args.compile)
+        )
         t.wrap(e._target, "forward", "target forward")
         if k:
             t.wrap(e._draft, "extend", "draft extend")
@@ -138,18 +142,22 @@ def main(argv=None) -> int:
     Timers.wrap_shared(torch_engine, "accept", "accept")
     with torch.inference_mode():
         results = measure(engines, timers, prompts, sp, args.repeats)
-    print(f"{args.family}/{args.flavor}, batch {args.batch}, T = {args.temperature:g}, "
-          f"{args.max_new_tokens} new tokens, {args.repeats} repeats, {torch.get_num_threads()} thread(s), "
-          f"{'compiled' if args.compile else 'eager'}, "
-          f"engine from {Path(torch_engine.__file__).parents[3]}")
+    print(
+        f"{args.family}/{args.flavor}, batch {args.batch}, T = {args.temperature:g}, "
+        f"{args.max_new_tokens} new tokens, {args.repeats} repeats, {torch.get_num_threads()} thread(s), "
+        f"{'compiled' if args.compile else 'eager'}, "
+        f"engine from {Path(torch_engine.__file__).parents[3]}"
+    )
     for k, runs in results.items():
         ms = [r[0] for r in runs]
         best = min(runs, key=lambda r: r[0])
         split = ", ".join(f"{name} {v:.2f}" for name, v in best[1].items())
         print(f"K = {k}: ms/round min {min(ms):.2f} median {statistics.median(ms):.2f} | best call: {split}")
     ratios = [a[0] / b[0] for a, b in zip(results[K], results[0])]
-    print(f"K = {K} round / K = 0 round, per pair of back-to-back calls: median {statistics.median(ratios):.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print(
+        f"K = {K} round / K = 0 round, per pair of back-to-back calls: median {statistics.median(ratios):.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+    )
     return 0
 
 

@@ -76,19 +76,34 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="vLLM vs built-in engine: speculative vs plain decoding on CPU")
     p.add_argument("--policy", default=str(REPO_ROOT / "outputs/debug_cpu_vllm/sft/hf"), help="HF policy dir")
-    p.add_argument("--draft", default=str(REPO_ROOT / "outputs/debug_cpu_vllm/draft/draft"), help="exported EAGLE-3 draft dir")
-    p.add_argument("--task-config", default=str(REPO_ROOT / "train_configs/debug_cpu_vllm_sft.toml"),
-                   help="TOML whose [task] makes the prompts")
+    p.add_argument(
+        "--draft", default=str(REPO_ROOT / "outputs/debug_cpu_vllm/draft/draft"), help="exported EAGLE-3 draft dir"
+    )
+    p.add_argument(
+        "--task-config",
+        default=str(REPO_ROOT / "train_configs/debug_cpu_vllm_sft.toml"),
+        help="TOML whose [task] makes the prompts",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K, fixed, for both engines")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--temperatures", default="0,1", help="0 and/or 1 (the vLLM engine serves only these)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--requests", type=int, default=32,
-                   help="prompts per pass, generated `batch` at a time (batch 1: one after another)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="prompts per pass, generated `batch` at a time (batch 1: one after another)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed passes (medians reported)")
-    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop completions at <eos>")
-    p.add_argument("--servers", choices=("auto", "both", "sequential"), default="auto",
-                   help="keep both vLLM servers alive (interleaved) or run them one after the other")
+    p.add_argument(
+        "--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop completions at <eos>"
+    )
+    p.add_argument(
+        "--servers",
+        choices=("auto", "both", "sequential"),
+        default="auto",
+        help="keep both vLLM servers alive (interleaved) or run them one after the other",
+    )
     p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLMConfig.kv_cache_gb per server")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the built-in engine")
     p.add_argument("--seed", type=int, default=0)
@@ -159,8 +174,14 @@ def start_vllm(args, policy: str, draft: str | None, K: int, max_seqs: int, log_
     """One server; returns (engine, seconds to start)."""
     from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
 
-    cfg = VLLMConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=max_seqs, log_dir=log_dir,
-                     start_timeout_s=900, request_timeout_s=1800, max_restarts=0)
+    cfg = VLLMConfig(
+        kv_cache_gb=args.kv_cache_gb,
+        max_num_seqs=max_seqs,
+        log_dir=log_dir,
+        start_timeout_s=900,
+        request_timeout_s=1800,
+        max_restarts=0,
+    )
     t0 = time.perf_counter()
     engine = VLLMRolloutEngine(cfg, policy, draft, K, max_num_seqs=max_seqs)
     return engine, time.perf_counter() - t0
@@ -174,8 +195,12 @@ def server_footprint(engine, prompt: list[int], idle_s: float = 3.0) -> dict:
     c0 = group_cpu_s(pgid)
     time.sleep(idle_s)
     idle = (group_cpu_s(pgid) - c0) / idle_s
-    return {"rss_gib": group_rss(pgid) / GiB, "idle_cores": idle, "post_call_cores": post_call_spin(engine, prompt),
-            "mem_available_gib": mem_available() / GiB}
+    return {
+        "rss_gib": group_rss(pgid) / GiB,
+        "idle_cores": idle,
+        "post_call_cores": post_call_spin(engine, prompt),
+        "mem_available_gib": mem_available() / GiB,
+    }
 
 
 def settle(pgid: int | None, max_s: float = 3.0, tick: float = 0.05) -> float:
@@ -207,8 +232,11 @@ def post_call_spin(engine, prompt: list[int], window_s: float = 2.0) -> float:
 def both_fit(fp: dict, kv_gb: int) -> bool:
     """A second server fits in memory, and neither an idle server nor one that has just
     answered takes CPU from the engine being timed."""
-    return (fp["mem_available_gib"] >= fp["rss_gib"] + kv_gb + 2 and fp["idle_cores"] < 0.05
-            and fp["post_call_cores"] < 0.05)
+    return (
+        fp["mem_available_gib"] >= fp["rss_gib"] + kv_gb + 2
+        and fp["idle_cores"] < 0.05
+        and fp["post_call_cores"] < 0.05
+    )
 
 
 # --- timing ----------------------------------------------------------------------------------
@@ -228,12 +256,12 @@ def run_pass(engines: dict, prompts, sp, batch: int, rotate: int) -> dict[str, d
     """One pass of every engine over ``prompts``, ``batch`` at a time, the engines taking
     turns call by call (their order rotated by ``rotate``), seed sp.seed + call index."""
     names = list(engines)
-    names = names[rotate % len(names):] + names[:rotate % len(names)]
+    names = names[rotate % len(names) :] + names[: rotate % len(names)]
     acc = {n: {"tokens": 0, "verify": 0, "steps": 0, "wall": 0.0, "cpu": 0.0, "settle": 0.0} for n in names}
     for i, lo in enumerate(range(0, len(prompts), batch)):
         call_sp = dataclasses.replace(sp, seed=sp.seed + i)
         for n in names:
-            out, wall, cpu = timed_generate(engines[n], prompts[lo:lo + batch], call_sp)
+            out, wall, cpu = timed_generate(engines[n], prompts[lo : lo + batch], call_sp)
             a = acc[n]
             a["tokens"] += sum(len(r.output_ids) for r in out)
             a["verify"] += sum(r.verify_steps for r in out)
@@ -241,9 +269,18 @@ def run_pass(engines: dict, prompts, sp, batch: int, rotate: int) -> dict[str, d
             a["wall"] += wall
             a["cpu"] += cpu
             a["settle"] += settle(getattr(engines[n], "server_pid", None))
-    return {n: {"tokens": a["tokens"], "seconds": a["wall"], "tok_s": a["tokens"] / a["wall"],
-                "tok_cpu_s": a["tokens"] / a["cpu"], "accept_len": a["tokens"] / a["verify"],
-                "ms_per_step": 1e3 * a["wall"] / a["steps"], "settle_s": a["settle"]} for n, a in acc.items()}
+    return {
+        n: {
+            "tokens": a["tokens"],
+            "seconds": a["wall"],
+            "tok_s": a["tokens"] / a["wall"],
+            "tok_cpu_s": a["tokens"] / a["cpu"],
+            "accept_len": a["tokens"] / a["verify"],
+            "ms_per_step": 1e3 * a["wall"] / a["steps"],
+            "settle_s": a["settle"],
+        }
+        for n, a in acc.items()
+    }
 
 
 def run_cells(engines: dict, cells: list, args, stop: tuple[int, ...]) -> dict:
@@ -255,8 +292,11 @@ def run_cells(engines: dict, cells: list, args, stop: tuple[int, ...]) -> dict:
         sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=stop, seed=args.seed)
         t0 = time.perf_counter()
         passes[(T, B)] = [run_pass(engines, prompts, sp, B, r) for r in range(args.repeats)]
-        print(f"  T={T:g} batch {B:>2}: {len(engines)} engines x {args.repeats} passes in "
-              f"{time.perf_counter() - t0:.0f}s", flush=True)
+        print(
+            f"  T={T:g} batch {B:>2}: {len(engines)} engines x {args.repeats} passes in "
+            f"{time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
     return passes
 
 
@@ -274,29 +314,48 @@ def rows_for(passes: dict, within_pass: bool) -> list[dict]:
                 speedup = statistics.median(s["tok_s"] / q["tok_s"] for s, q in zip(spec, plain))
                 speedup_cpu = statistics.median(s["tok_cpu_s"] / q["tok_cpu_s"] for s, q in zip(spec, plain))
             else:  # the plain server ran in a later phase: ratio of medians
-                speedup, speedup_cpu = med(spec, "tok_s") / med(plain, "tok_s"), med(spec, "tok_cpu_s") / med(plain, "tok_cpu_s")
-            rows.append({
-                "engine": fam, "batch": B, "temperature": T,
-                "spec_tok_s": med(spec, "tok_s"), "plain_tok_s": med(plain, "tok_s"), "speedup": speedup,
-                "accept_len": med(spec, "accept_len"), "plain_accept_len": med(plain, "accept_len"),
-                "spec_ms_per_step": med(spec, "ms_per_step"), "plain_ms_per_step": med(plain, "ms_per_step"),
-                "spec_tok_cpu_s": med(spec, "tok_cpu_s"), "plain_tok_cpu_s": med(plain, "tok_cpu_s"),
-                "speedup_cpu": speedup_cpu, "tokens": spec[0]["tokens"], "plain_tokens": plain[0]["tokens"],
-                "passes_spec": spec, "passes_plain": plain,
-            })
+                speedup, speedup_cpu = (
+                    med(spec, "tok_s") / med(plain, "tok_s"),
+                    med(spec, "tok_cpu_s") / med(plain, "tok_cpu_s"),
+                )
+            rows.append(
+                {
+                    "engine": fam,
+                    "batch": B,
+                    "temperature": T,
+                    "spec_tok_s": med(spec, "tok_s"),
+                    "plain_tok_s": med(plain, "tok_s"),
+                    "speedup": speedup,
+                    "accept_len": med(spec, "accept_len"),
+                    "plain_accept_len": med(plain, "accept_len"),
+                    "spec_ms_per_step": med(spec, "ms_per_step"),
+                    "plain_ms_per_step": med(plain, "ms_per_step"),
+                    "spec_tok_cpu_s": med(spec, "tok_cpu_s"),
+                    "plain_tok_cpu_s": med(plain, "tok_cpu_s"),
+                    "speedup_cpu": speedup_cpu,
+                    "tokens": spec[0]["tokens"],
+                    "plain_tokens": plain[0]["tokens"],
+                    "passes_spec": spec,
+                    "passes_plain": plain,
+                }
+            )
     rows.sort(key=lambda r: (r["engine"] != "vllm", r["temperature"], r["batch"]))
     return rows
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| engine | batch |    T | spec tok/s | plain tok/s | speedup | accept len | ms/step spec | ms/step plain "
-            "| spec tok/CPU-s | plain tok/CPU-s | speedup (CPU) |")
+    head = (
+        "| engine | batch |    T | spec tok/s | plain tok/s | speedup | accept len | ms/step spec | ms/step plain "
+        "| spec tok/CPU-s | plain tok/CPU-s | speedup (CPU) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['engine']:<6} | {r['batch']:>5} | {r['temperature']:>4g} | {r['spec_tok_s']:>10.1f} "
-                     f"| {r['plain_tok_s']:>11.1f} | {r['speedup']:>6.2f}x | {r['accept_len']:>10.2f} "
-                     f"| {r['spec_ms_per_step']:>12.2f} | {r['plain_ms_per_step']:>13.2f} "
-                     f"| {r['spec_tok_cpu_s']:>14.1f} | {r['plain_tok_cpu_s']:>15.1f} | {r['speedup_cpu']:>12.2f}x |")
+        lines.append(
+            f"| {r['engine']:<6} | {r['batch']:>5} | {r['temperature']:>4g} | {r['spec_tok_s']:>10.1f} "
+            f"| {r['plain_tok_s']:>11.1f} | {r['speedup']:>6.2f}x | {r['accept_len']:>10.2f} "
+            f"| {r['spec_ms_per_step']:>12.2f} | {r['plain_ms_per_step']:>13.2f} "
+            f"| {r['spec_tok_cpu_s']:>14.1f} | {r['plain_tok_cpu_s']:>15.1f} | {r['speedup_cpu']:>12.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -334,10 +393,12 @@ def main(argv=None) -> int:
 
     max_seq = max(len(p) for _, _, ps in cells for p in ps) + args.max_new_tokens + K + 1
     torch_engines = {
-        "torch_spec": BuiltinRolloutEngine.from_pretrained(policy, draft, BuiltinEngineConfig(num_draft_tokens=K, depth="fixed"),
-                                                         max_seq_len=max(512, max_seq)),
-        "torch_plain": BuiltinRolloutEngine.from_pretrained(policy, None, BuiltinEngineConfig(num_draft_tokens=0, depth="fixed"),
-                                                          max_seq_len=max(512, max_seq)),
+        "torch_spec": BuiltinRolloutEngine.from_pretrained(
+            policy, draft, BuiltinEngineConfig(num_draft_tokens=K, depth="fixed"), max_seq_len=max(512, max_seq)
+        ),
+        "torch_plain": BuiltinRolloutEngine.from_pretrained(
+            policy, None, BuiltinEngineConfig(num_draft_tokens=0, depth="fixed"), max_seq_len=max(512, max_seq)
+        ),
     }
     max_seqs = max(batches)
     servers = {}
@@ -349,19 +410,26 @@ def main(argv=None) -> int:
         fp = server_footprint(spec, cells[0][2][0])
         servers["vllm_spec"] |= fp
         mode = args.servers if args.servers != "auto" else ("both" if both_fit(fp, args.kv_cache_gb) else "sequential")
-        print(f"  server: {fp['rss_gib']:.2f} GiB resident, {fp['idle_cores']:.3f} cores idle, "
-              f"{fp['post_call_cores']:.2f} cores in the 2 s after a call, "
-              f"{fp['mem_available_gib']:.1f} GiB available -> servers: {mode}", flush=True)
+        print(
+            f"  server: {fp['rss_gib']:.2f} GiB resident, {fp['idle_cores']:.3f} cores idle, "
+            f"{fp['post_call_cores']:.2f} cores in the 2 s after a call, "
+            f"{fp['mem_available_gib']:.1f} GiB available -> servers: {mode}",
+            flush=True,
+        )
         if mode == "both":
             plain, plain_start_s = start_vllm(args, policy, None, 0, max_seqs, log_dir)
-            servers["vllm_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(plain, cells[0][2][0])
+            servers["vllm_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(
+                plain, cells[0][2][0]
+            )
             print(f"vLLM plain server up in {plain_start_s:.0f}s", flush=True)
             passes = run_cells({"vllm_spec": spec, "vllm_plain": plain} | torch_engines, cells, args, stop)
         else:
             passes = run_cells({"vllm_spec": spec} | torch_engines, cells, args, stop)
             spec.close()
             plain, plain_start_s = start_vllm(args, policy, None, 0, max_seqs, log_dir)
-            servers["vllm_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(plain, cells[0][2][0])
+            servers["vllm_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(
+                plain, cells[0][2][0]
+            )
             print(f"vLLM plain server up in {plain_start_s:.0f}s", flush=True)
             later = run_cells({"vllm_plain": plain}, cells, args, stop)
             for cell, ps in passes.items():  # pair pass i of both phases
@@ -381,12 +449,24 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([sys.executable] + sys.argv),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "policy": policy, "draft": draft, "task_config": args.task_config,
-        "num_draft_tokens": K, "max_new_tokens": args.max_new_tokens, "stop_at_eos": args.stop_at_eos,
-        "requests": args.requests, "repeats": args.repeats, "batch_sizes": batches, "temperatures": temps,
-        "servers": mode, "vllm_servers": servers, "kv_cache_gb": args.kv_cache_gb,
-        "wall_s": wall, "rows": rows,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "policy": policy,
+        "draft": draft,
+        "task_config": args.task_config,
+        "num_draft_tokens": K,
+        "max_new_tokens": args.max_new_tokens,
+        "stop_at_eos": args.stop_at_eos,
+        "requests": args.requests,
+        "repeats": args.repeats,
+        "batch_sizes": batches,
+        "temperatures": temps,
+        "servers": mode,
+        "vllm_servers": servers,
+        "kv_cache_gb": args.kv_cache_gb,
+        "wall_s": wall,
+        "rows": rows,
     }
     print()
     print(_table(rows))

@@ -54,9 +54,13 @@ def _measure(engine, prompts, sp) -> dict:
     out = engine.generate(prompts, sp)
     dt = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in out)
-    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt,
-            "accept_len": tokens / max(sum(r.verify_steps for r in out), 1),
-            "versions": sorted({(r.policy_version, r.draft_version) for r in out})}
+    return {
+        "tokens": tokens,
+        "seconds": dt,
+        "tok_s": tokens / dt,
+        "accept_len": tokens / max(sum(r.verify_steps for r in out), 1),
+        "versions": sorted({(r.policy_version, r.draft_version) for r in out}),
+    }
 
 
 def main(argv=None) -> int:
@@ -83,8 +87,15 @@ def main(argv=None) -> int:
     task, rng = default_task(), random.Random(args.seed)
     prompts = [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(args.batch)]
     K = args.num_draft_tokens
-    cfg = load_config(None, ["--rollout.sglang.mem_fraction_static", str(args.mem_fraction),
-                             "--rollout.sglang.server_args", _toml_table(json.loads(args.server_args))]).rollout.sglang
+    cfg = load_config(
+        None,
+        [
+            "--rollout.sglang.mem_fraction_static",
+            str(args.mem_fraction),
+            "--rollout.sglang.server_args",
+            _toml_table(json.loads(args.server_args)),
+        ],
+    ).rollout.sglang
     temps = (0.0, 1.0)
     rows = []
 
@@ -118,14 +129,25 @@ def main(argv=None) -> int:
     print("|----------------------|------|------------|----------|----------|")
     for r in rows:
         r["speedup"] = r["tok_s"] / base[r["temperature"]]
-        print(f"| {r['engine']:<20} | {r['temperature']:>4g} | {r['accept_len']:>10.2f} | {r['tok_s']:>8.1f} | {r['speedup']:>7.2f}x |")
+        print(
+            f"| {r['engine']:<20} | {r['temperature']:>4g} | {r['accept_len']:>10.2f} | {r['tok_s']:>8.1f} | {r['speedup']:>7.2f}x |"
+        )
     print(f"draft distilled in {t_distill:.1f}s ({args.distill_steps} steps), pushed in {t_push:.2f}s")
     result = {
-        "benchmark": "sglang_smoke", "policy": policy, "draft": draft_dir, "num_draft_tokens": K,
-        "batch": args.batch, "max_new_tokens": args.max_new_tokens, "distill_steps": args.distill_steps,
-        "distill_s": t_distill, "push_s": t_push, "gpu": torch.cuda.get_device_name(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores", "sglang": sglang.__version__,
-        "torch": torch.__version__, "rows": rows,
+        "benchmark": "sglang_smoke",
+        "policy": policy,
+        "draft": draft_dir,
+        "num_draft_tokens": K,
+        "batch": args.batch,
+        "max_new_tokens": args.max_new_tokens,
+        "distill_steps": args.distill_steps,
+        "distill_s": t_distill,
+        "push_s": t_push,
+        "gpu": torch.cuda.get_device_name(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "sglang": sglang.__version__,
+        "torch": torch.__version__,
+        "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -39,18 +39,37 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/step_trace.json")
     p.add_argument("--dump", default="/tmp/titan_spec_step_trace")
     args, overrides = p.parse_known_args(argv)
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
     import titan_spec  # noqa: F401
     from titan_spec.config import load_config
+
     try:
         from titan_spec.preflight import validate_run
     except ImportError:  # a checkout from before titan_spec/preflight/
         from titan_spec.train import validate_run
     pkg = os.path.dirname(os.path.abspath(titan_spec.__file__)) + os.sep
-    cfg = load_config(args.config, ["--job.dump_folder", args.dump, "--training.steps", "1",
-                                    "--checkpoint.enable", "false", "--rollout.progress", "false", *overrides],
-                      check_paths=False)
+    cfg = load_config(
+        args.config,
+        [
+            "--job.dump_folder",
+            args.dump,
+            "--training.steps",
+            "1",
+            "--checkpoint.enable",
+            "false",
+            "--rollout.progress",
+            "false",
+            *overrides,
+        ],
+        check_paths=False,
+    )
     trainer = validate_run(cfg).build()
     trainer.step = 1  # what torchtitan's train() does before calling train_step
 
@@ -63,11 +82,11 @@ def main(argv=None) -> int:
         f = frame.f_code.co_filename
         if not f.startswith(pkg):
             return
-        rel = f[len(pkg):]
+        rel = f[len(pkg) :]
         caller = frame.f_back
         while caller is not None and not caller.f_code.co_filename.startswith(pkg):
             caller = caller.f_back  # through torchtitan / torch frames to the titan_spec caller
-        crel = caller.f_code.co_filename[len(pkg):] if caller is not None else None
+        crel = caller.f_code.co_filename[len(pkg) :] if caller is not None else None
         inside = crel is not None and crel.startswith(below) and rel.startswith(below)
         for name, lv in levels.items():
             if name == "step" and inside:
@@ -87,10 +106,15 @@ def main(argv=None) -> int:
     result = {}
     print(f"{'level':>6} {'files':>6} {'functions':>10} {'switches':>9} {'calls':>7}")
     for name, lv in levels.items():
-        r = result[name] = {"files": len(lv["calls"]), "functions": len(lv["funcs"]), "switches": lv["switches"],
-                            "calls": sum(lv["calls"].values()), "by_file": dict(lv["calls"].most_common()),
-                            "switch_pairs": dict(lv["pairs"].most_common()),
-                            "function_names": sorted(f"{f}:{q}" for f, q in lv["funcs"])}
+        r = result[name] = {
+            "files": len(lv["calls"]),
+            "functions": len(lv["funcs"]),
+            "switches": lv["switches"],
+            "calls": sum(lv["calls"].values()),
+            "by_file": dict(lv["calls"].most_common()),
+            "switch_pairs": dict(lv["pairs"].most_common()),
+            "function_names": sorted(f"{f}:{q}" for f, q in lv["funcs"]),
+        }
         print(f"{name:>6} {r['files']:>6} {r['functions']:>10} {r['switches']:>9} {r['calls']:>7}")
     for f, n in levels["step"]["calls"].most_common(12):
         print(f"  {n:>8}  {f}")
@@ -98,6 +122,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
     import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -36,8 +36,12 @@ from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRollo
 def _parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--policy", default=str(REPO_ROOT / "outputs/debug_cpu/sft/hf"))
-    p.add_argument("--draft", action="append", default=[],
-                   help="NAME=DIR (repeatable; default: the default run's offline and co-trained drafts)")
+    p.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        help="NAME=DIR (repeatable; default: the default run's offline and co-trained drafts)",
+    )
     p.add_argument("--task-config", default=str(REPO_ROOT / "train_configs/debug_cpu_sft.toml"))
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--temperatures", default="0,1")
@@ -57,12 +61,15 @@ def main(argv=None) -> int:
     problems = [task.sample(rng) for _ in range(args.prompts)]
     prompts = [tok.encode(p.prompt, add_bos=True) for p in problems]
     rows = []
-    drafts = args.draft or [f"offline={REPO_ROOT / 'outputs/debug_cpu/draft/draft'}",
-                            f"co-trained={REPO_ROOT / 'outputs/debug_cpu/rl/draft'}"]
+    drafts = args.draft or [
+        f"offline={REPO_ROOT / 'outputs/debug_cpu/draft/draft'}",
+        f"co-trained={REPO_ROOT / 'outputs/debug_cpu/rl/draft'}",
+    ]
     for spec in drafts:
         name, path = spec.split("=", 1)
-        engine = BuiltinRolloutEngine.from_pretrained(args.policy, path, BuiltinEngineConfig(num_draft_tokens=args.num_draft_tokens),
-                                                    max_seq_len=512)
+        engine = BuiltinRolloutEngine.from_pretrained(
+            args.policy, path, BuiltinEngineConfig(num_draft_tokens=args.num_draft_tokens), max_seq_len=512
+        )
         for T in (float(t) for t in args.temperatures.split(",")):
             sp = SamplingParams(T, max_new_tokens=args.max_new_tokens, stop_token_ids=tok.stop_ids, seed=args.seed)
             by = {"guess": [0, 0, 0, 0], "trace": [0, 0, 0, 0]}  # completions, tokens, target forwards, right
@@ -74,20 +81,40 @@ def main(argv=None) -> int:
                 s[2] += r.verify_steps
                 s[3] += int(exact_match(text, p.answer) == 1.0)
             for style, (n, tokens, forwards, right) in by.items():
-                rows.append({"draft": name, "temperature": T, "style": style, "completions": n,
-                             "mean_tokens": tokens / n if n else None,
-                             "accept_len": tokens / forwards if forwards else None, "right": right})
+                rows.append(
+                    {
+                        "draft": name,
+                        "temperature": T,
+                        "style": style,
+                        "completions": n,
+                        "mean_tokens": tokens / n if n else None,
+                        "accept_len": tokens / forwards if forwards else None,
+                        "right": right,
+                    }
+                )
     print(f"policy {args.policy}, {args.prompts} prompts, fixed K = {args.num_draft_tokens}")
     print("| draft | T | style | completions | mean tokens | acceptance length | right |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        f = (lambda x, spec: "-" if x is None else format(x, spec))
-        print(f"| {r['draft']} | {r['temperature']:g} | {r['style']} | {r['completions']} | {f(r['mean_tokens'], '.1f')} "
-              f"| {f(r['accept_len'], '.2f')} | {r['right']} |")
+        f = lambda x, spec: "-" if x is None else format(x, spec)
+        print(
+            f"| {r['draft']} | {r['temperature']:g} | {r['style']} | {r['completions']} | {f(r['mean_tokens'], '.1f')} "
+            f"| {f(r['accept_len'], '.2f')} | {r['right']} |"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"benchmark": "trace_styles", "policy": args.policy, "drafts": drafts, "prompts": args.prompts,
-                   "num_draft_tokens": args.num_draft_tokens, "rows": rows}, fh, indent=2)
+        json.dump(
+            {
+                "benchmark": "trace_styles",
+                "policy": args.policy,
+                "drafts": drafts,
+                "prompts": args.prompts,
+                "num_draft_tokens": args.num_draft_tokens,
+                "rows": rows,
+            },
+            fh,
+            indent=2,
+        )
     print(f"wrote {args.out}")
     return 0
 

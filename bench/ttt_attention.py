@@ -58,13 +58,18 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc-len", type=int, default=0, help="0 = one document per batch")
     p.add_argument("--iters", type=int, default=2, help="timed iterations")
     p.add_argument("--threads", type=int, default=0, help="torch threads, 0 = default")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"also: {REFERENCE}, {REFERENCE_FA2} (the references)")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"also: {REFERENCE}, {REFERENCE_FA2} (the references)"
+    )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--mem-limit-gib", type=float, default=8.0)
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each step's attention (as the trainer under compile.enable); "
-                        "the cold unroll holds the compile, the timed ones not")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each step's attention (as the trainer under compile.enable); "
+        "the cold unroll holds the compile, the timed ones not",
+    )
     p.add_argument("--out", default=str(REPO_ROOT / "bench/results/ttt_attention.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default="ttt", help=argparse.SUPPRESS)
@@ -142,9 +147,7 @@ def _worker(args: argparse.Namespace) -> dict:
     def step_ttt(j: int) -> torch.Tensor:
         kb_JSKH = torch.stack(k_SKH[1 : j + 1]) if j else k_SKH[0].new_empty(0, S, K, H)
         vb_JSKH = torch.stack(v_SKH[1 : j + 1]) if j else v_SKH[0].new_empty(0, S, K, H)
-        return ttt_attention(
-            q_SNH[j], k_SKH[0], v_SKH[0], kb_JSKH, vb_JSKH, meta, scale
-        )
+        return ttt_attention(q_SNH[j], k_SKH[0], v_SKH[0], kb_JSKH, vb_JSKH, meta, scale)
 
     def step_mask_SA(j: int) -> torch.Tensor:
         eye_SS = torch.eye(S, dtype=torch.bool)
@@ -163,8 +166,12 @@ def _worker(args: argparse.Namespace) -> dict:
         k_1KAH = torch.cat(k_SKH[: j + 1]).transpose(0, 1).unsqueeze(0)
         v_1KAH = torch.cat(v_SKH[: j + 1]).transpose(0, 1).unsqueeze(0)
         out_1NSH = F.scaled_dot_product_attention(
-            q_1NSH, k_1KAH, v_1KAH,
-            attn_mask=step_mask_SA(j), scale=scale, enable_gqa=True,
+            q_1NSH,
+            k_1KAH,
+            v_1KAH,
+            attn_mask=step_mask_SA(j),
+            scale=scale,
+            enable_gqa=True,
         )
         return out_1NSH[0].transpose(0, 1)
 
@@ -179,8 +186,13 @@ def _worker(args: argparse.Namespace) -> dict:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return step_causal(j)
 
-    step = {"ttt": step_ttt, "dense": step_dense, "dense_sdpa": step_sdpa, REFERENCE: step_causal,
-            REFERENCE_FA2: step_causal_fa2}[args.variant]
+    step = {
+        "ttt": step_ttt,
+        "dense": step_dense,
+        "dense_sdpa": step_sdpa,
+        REFERENCE: step_causal,
+        REFERENCE_FA2: step_causal_fa2,
+    }[args.variant]
     if args.compile:
         step = torch.compile(step)
     params = q_SNH + k_SKH + v_SKH
@@ -236,11 +248,31 @@ def _run_config(variant: str, S: int, args: argparse.Namespace) -> dict:
         row.update(status="skipped", note=note)
         return row
     cmd = [
-        sys.executable, __file__, "--worker", "--variant", variant, "--seqlen", str(S),
-        "--steps", str(args.steps), "--heads", str(args.heads),
-        "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim),
-        "--doc-len", str(args.doc_len), "--iters", str(args.iters),
-        "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
+        sys.executable,
+        __file__,
+        "--worker",
+        "--variant",
+        variant,
+        "--seqlen",
+        str(S),
+        "--steps",
+        str(args.steps),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--doc-len",
+        str(args.doc_len),
+        "--iters",
+        str(args.iters),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
         *(["--compile"] if args.compile else []),
     ]
     return run_worker(cmd, row)
@@ -274,10 +306,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         "before the first unroll, fresh process per row\n"
         "(torch CPU tensors live outside tracemalloc; the cold unroll sets the peak)."
     )
-    header = (
-        f"{'S':>6}  {'variant':<14}  {'wall s/unroll':>13}  {'cpu s/unroll':>12}  "
-        f"{'peak mem GiB':>12}  note"
-    )
+    header = f"{'S':>6}  {'variant':<14}  {'wall s/unroll':>13}  {'cpu s/unroll':>12}  {'peak mem GiB':>12}  note"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -286,10 +315,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
             m = f"{r['peak_mem_gib']:.3f}"
         else:
             t, c, m = "-", "-", "-"
-        print(
-            f"{r['seqlen']:>6}  {r['variant']:<14}  {t:>13}  {c:>12}  {m:>12}  "
-            f"{r.get('note', '')}"
-        )
+        print(f"{r['seqlen']:>6}  {r['variant']:<14}  {t:>13}  {c:>12}  {m:>12}  {r.get('note', '')}")
 
 
 def main(argv=None) -> None:

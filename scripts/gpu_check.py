@@ -29,16 +29,73 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 # The existing CLIs' arguments each step passes (tests/test_gpu_check.py parses every one of
 # them with its own parser, so a renamed flag or config key fails on CPU, not on the GPU).
-TTT_ARGS = ["--device", "cuda", "--dtype", "bfloat16", "--variants", "ttt,causal_x_T,causal_fa2_x_T", "--seqlens", "8192,32768",
-            "--heads", "32", "--kv-heads", "8", "--head-dim", "128", "--steps", "7", "--iters", "3", "--mem-limit-gib", "120"]
-ROLLOUT_ARGS = ["--device", "cuda", "--batch-sizes", "1,32", "--temperatures", "0", "--repeats", "1", "--requests", "32",
-                "--threads", "0"]
+TTT_ARGS = [
+    "--device",
+    "cuda",
+    "--dtype",
+    "bfloat16",
+    "--variants",
+    "ttt,causal_x_T,causal_fa2_x_T",
+    "--seqlens",
+    "8192,32768",
+    "--heads",
+    "32",
+    "--kv-heads",
+    "8",
+    "--head-dim",
+    "128",
+    "--steps",
+    "7",
+    "--iters",
+    "3",
+    "--mem-limit-gib",
+    "120",
+]
+ROLLOUT_ARGS = [
+    "--device",
+    "cuda",
+    "--batch-sizes",
+    "1,32",
+    "--temperatures",
+    "0",
+    "--repeats",
+    "1",
+    "--requests",
+    "32",
+    "--threads",
+    "0",
+]
 SMOKE_ARGS = ["--distill-steps", "100"]
-TRAIN_COMMON = ["--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
-                "--job.export_hf", ""]
-COTRAIN_ARGS = ["--model.flavor", "0.6B", "--draft.enable", "true", "--training.seq_len", "32768",
-                "--training.local_batch_size", "1", "--activation_checkpoint.mode", "full", "--training.dtype", "bfloat16",
-                "--training.mixed_precision_param", "bfloat16", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1"]
+TRAIN_COMMON = [
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--job.export_hf",
+    "",
+]
+COTRAIN_ARGS = [
+    "--model.flavor",
+    "0.6B",
+    "--draft.enable",
+    "true",
+    "--training.seq_len",
+    "32768",
+    "--training.local_batch_size",
+    "1",
+    "--activation_checkpoint.mode",
+    "full",
+    "--training.dtype",
+    "bfloat16",
+    "--training.mixed_precision_param",
+    "bfloat16",
+    "--training.steps",
+    "3",
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
 COMPILE_ARGS = ["--draft.enable", "true", "--training.steps", "6", "--lr_scheduler.warmup_steps", "2"]
 TRAIN_CONFIG = "debug_cpu_sft.toml"
 
@@ -66,8 +123,12 @@ class Runner:
         """Run cmd with at most min(limit_s, time left) seconds; its output goes to
         logs/<tag>.log and is returned. rc None = timed out."""
         limit = max(min(limit_s, self.left()), 1.0)
-        e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                 HF_HUB_OFFLINE="1", **env)
+        e = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            HF_HUB_OFFLINE="1",
+            **env,
+        )
         e.pop("TITAN_SPEC_DEVICE", None)  # the GPU path, not the forced CPU one
         log = self.out / "logs" / f"{tag}.log"
         try:
@@ -75,7 +136,9 @@ class Runner:
             rc, text = p.returncode, p.stdout + p.stderr
         except subprocess.TimeoutExpired as t:
             rc = None
-            text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (t.stdout, t.stderr))
+            text = "".join(
+                x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (t.stdout, t.stderr)
+            )
             text += f"\n[gpu_check] timed out after {limit:.0f}s"
         log.write_text(" ".join(cmd) + "\n\n" + text)
         return rc, _ANSI.sub("", text)
@@ -89,8 +152,15 @@ def _fail(r: Result, rc, text: str) -> Result:
 
 
 def _train(run: Runner, tag: str, dump: Path, overrides: list[str], limit_s: float):
-    cmd = [*TORCHRUN, "--config", str(ROOT / "train_configs" / TRAIN_CONFIG), "--job.dump_folder", str(dump),
-           *TRAIN_COMMON, *overrides]
+    cmd = [
+        *TORCHRUN,
+        "--config",
+        str(ROOT / "train_configs" / TRAIN_CONFIG),
+        "--job.dump_folder",
+        str(dump),
+        *TRAIN_COMMON,
+        *overrides,
+    ]
     rc, text = run.run(tag, cmd, limit_s)
     rows = []
     if (dump / "metrics.jsonl").is_file():
@@ -103,7 +173,9 @@ def _train(run: Runner, tag: str, dump: Path, overrides: list[str], limit_s: flo
 
 def gpu_tests(run: Runner) -> Result:
     r = Result("gpu_tests", "every test marked gpu (pytest -m gpu), on CUDA")
-    rc, text = run.run("gpu_tests", [PY, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", "tests"], 90)
+    rc, text = run.run(
+        "gpu_tests", [PY, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", "tests"], 90
+    )
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", text)}
     r.metrics = counts
     if rc == 5:
@@ -116,8 +188,11 @@ def gpu_tests(run: Runner) -> Result:
 
 
 def ttt_attention(run: Runner) -> Result:
-    r = Result("ttt_attention", "TTT attention fwd+bwd (7-step unroll, bf16) vs 7 x causal SDPA (its pick, and FA2, "
-                                "the trunk's kernel); goal <= 1.1x")
+    r = Result(
+        "ttt_attention",
+        "TTT attention fwd+bwd (7-step unroll, bf16) vs 7 x causal SDPA (its pick, and FA2, "
+        "the trunk's kernel); goal <= 1.1x",
+    )
     out = run.out / "ttt_attention.json"
     cmd = [PY, "bench/ttt_attention.py", *TTT_ARGS, "--out", str(out)]
     rc, text = run.run("ttt_attention", cmd, 100)
@@ -136,13 +211,19 @@ def ttt_attention(run: Runner) -> Result:
     ratios = [v for k, v in r.metrics.items() if k.endswith("_ratio")]
     fa2 = [v for k, v in r.metrics.items() if k.endswith("_ratio_fa2")]
     r.status = "ok" if ratios else "failed"
-    r.note = (f"worst {max(ratios):.2f}x of the causal cost ({'within' if max(ratios) <= 1.1 else 'OVER'} the 1.1x goal)"
-              + (f", {max(fa2):.2f}x of causal on FA2" if fa2 else "") if ratios else "no row ran")
+    r.note = (
+        f"worst {max(ratios):.2f}x of the causal cost ({'within' if max(ratios) <= 1.1 else 'OVER'} the 1.1x goal)"
+        + (f", {max(fa2):.2f}x of causal on FA2" if fa2 else "")
+        if ratios
+        else "no row ran"
+    )
     return r
 
 
 def cotrain_32k(run: Runner) -> Result:
-    r = Result("cotrain_32k", "policy + draft co-training step, 32K tokens, Qwen3-0.6B shape, full AC, bf16: peak memory")
+    r = Result(
+        "cotrain_32k", "policy + draft co-training step, 32K tokens, Qwen3-0.6B shape, full AC, bf16: peak memory"
+    )
     dump = run.out / "cotrain_32k"
     rc, text, rows = _train(run, "cotrain_32k", dump, COTRAIN_ARGS, 90)
     mem = [float(m) for m in re.findall(r"memory:\s*([\d.]+)\s*GiB", text)]
@@ -168,8 +249,12 @@ def compile_train_step(run: Runner) -> Result:
     if rc_c != 0 or not comp:
         return _fail(r, rc_c, text_c)
     diffs = [abs(a["loss"] - b["loss"]) / max(abs(a["loss"]), 1e-12) for a, b in zip(eager, comp)]
-    r.metrics = {"eager_s": round(t_eager, 1), "compiled_s": round(t_comp, 1), "max_rel_loss_diff": max(diffs),
-                 "steps": len(comp)}
+    r.metrics = {
+        "eager_s": round(t_eager, 1),
+        "compiled_s": round(t_comp, 1),
+        "max_rel_loss_diff": max(diffs),
+        "steps": len(comp),
+    }
     r.status = "ok" if len(comp) == len(eager) and all(d == d for d in diffs) else "failed"
     return r
 
@@ -180,8 +265,11 @@ def engine_cuda(run: Runner) -> Result:
     if not ((policy / "config.json").is_file() and (draft / "config.json").is_file()):
         # The default policy and its offline draft (train_configs/debug_cpu_draft.toml and
         # the runs it requires), trained here by titan_spec.train itself.
-        rc, text = run.run("engine_plan", [PY, "-m", "titan_spec.train", "--plan", "--config",
-                                           str(ROOT / "train_configs/debug_cpu_draft.toml")], 60)
+        rc, text = run.run(
+            "engine_plan",
+            [PY, "-m", "titan_spec.train", "--plan", "--config", str(ROOT / "train_configs/debug_cpu_draft.toml")],
+            60,
+        )
         if rc != 0:
             return _fail(r, rc, text)
         for i, cfg in enumerate(ln.strip() for ln in text.splitlines() if ln.strip().endswith(".toml")):
@@ -219,12 +307,29 @@ def sglang_smoke(run: Runner) -> Result:
 
 
 def vllm_cuda(run: Runner) -> Result:
-    r = Result("vllm_cuda", "vLLM 0.33.0 on CUDA (tests/test_vllm_engine.py): EAGLE-3 greedy = plain greedy, "
-                            "policy and draft pushes by CUDA IPC, acceptance of a pushed draft, kill -9 and re-push")
+    r = Result(
+        "vllm_cuda",
+        "vLLM 0.33.0 on CUDA (tests/test_vllm_engine.py): EAGLE-3 greedy = plain greedy, "
+        "policy and draft pushes by CUDA IPC, acceptance of a pushed draft, kill -9 and re-push",
+    )
     # The module builds the GPU vLLM environment itself (scripts/ensure_vllm_env.sh: vllm 0.33.0
     # from the registry) and skips with the reason where it cannot.
-    rc, text = run.run("vllm_cuda", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                     "tests/test_vllm_engine.py", "-k", "not rl_steps_through_vllm"], 240)
+    rc, text = run.run(
+        "vllm_cuda",
+        [
+            PY,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_vllm_engine.py",
+            "-k",
+            "not rl_steps_through_vllm",
+        ],
+        240,
+    )
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", text)}
     r.metrics = counts
     if rc == 0 and not counts.get("passed"):
@@ -237,8 +342,10 @@ def vllm_cuda(run: Runner) -> Result:
     return r
 
 
-STEPS = {f.__name__: f for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, sglang_smoke,
-                                 vllm_cuda)}
+STEPS = {
+    f.__name__: f
+    for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, sglang_smoke, vllm_cuda)
+}
 
 
 def _fmt(metrics: dict) -> str:
@@ -249,8 +356,12 @@ def _fmt(metrics: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default=str(ROOT / "bench/results/gpu_check"))
-    p.add_argument("--budget-s", type=float, default=440.0,
-                   help="all steps together (with the installs and starts, the check must end within 8 min)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=440.0,
+        help="all steps together (with the installs and starts, the check must end within 8 min)",
+    )
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(STEPS)}")
     args = p.parse_args(argv)
     import torch
@@ -280,19 +391,26 @@ def main(argv=None) -> int:
         results.append(res)
         print(f"  {name}: {res.status} ({res.seconds:.0f}s)", file=sys.stderr, flush=True)
     report = {
-        "check": "gpu_check", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "seconds": round(time.monotonic() - t_all, 1), "budget_s": args.budget_s,
+        "check": "gpu_check",
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "seconds": round(time.monotonic() - t_all, 1),
+        "budget_s": args.budget_s,
         "steps": [r.__dict__ for r in results],
     }
     site = ROOT / ".gpu_site" / "site.json"  # what scripts/gpu_site.py installed for this run
     if site.is_file() and str(site.parent) in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         report["site"] = json.loads(site.read_text())
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    print(f"GPU check on {report['device']} (torch {report['torch']}), {report['seconds']:.0f}s of {args.budget_s:.0f}s")
+    print(
+        f"GPU check on {report['device']} (torch {report['torch']}), {report['seconds']:.0f}s of {args.budget_s:.0f}s"
+    )
     if "site" in report:
         s = report["site"]
-        print(f"installed from .gpu_wheels: {len(s['installed'])} wheels ({len(s['present'])} already on the image)"
-              + (f"; placeholders: {', '.join(s['placeholders'])}" if s["placeholders"] else ""))
+        print(
+            f"installed from .gpu_wheels: {len(s['installed'])} wheels ({len(s['present'])} already on the image)"
+            + (f"; placeholders: {', '.join(s['placeholders'])}" if s["placeholders"] else "")
+        )
     print(f"{'step':<14} {'status':<8} {'s':>5}  numbers / note")
     for r in results:
         print(f"{r.name:<14} {r.status:<8} {r.seconds:>5.0f}  {_fmt(r.metrics)} {r.note}".rstrip())

@@ -48,8 +48,13 @@ def top_level(wheel: Path) -> list[str]:
         if listed:
             tops = z.read(listed[0]).decode().split()
         else:
-            tops = sorted({n.split("/")[0].removesuffix(".py") for n in names
-                           if not n.split("/")[0].endswith((".dist-info", ".data"))})
+            tops = sorted(
+                {
+                    n.split("/")[0].removesuffix(".py")
+                    for n in names
+                    if not n.split("/")[0].endswith((".dist-info", ".data"))
+                }
+            )
     return [t for t in tops if t]
 
 
@@ -66,11 +71,24 @@ def main(wheels_dir: str, target: str) -> int:
             missing.append(w)
         print(f"gpu_site: {'present ' if have else 'install '} {w.name} ({', '.join(tops)})", file=sys.stderr)
     if missing:
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
-               "--no-deps", "--target", str(site), *map(str, missing)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            str(site),
+            *map(str, missing),
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode:
-            print(f"gpu_site: pip install --target {site} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            print(
+                f"gpu_site: pip install --target {site} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr
+            )
             return 1
     if importlib.util.find_spec("datasets") is None:
         pkg = site / "datasets"

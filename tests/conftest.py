@@ -23,11 +23,28 @@ def run_train(
     """Run the real entry point under torchrun (gloo on CPU) with train_configs/``config``
     and small-model overrides; return the metrics.jsonl rows."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "titan_spec.train", "--config", os.path.join(ROOT, "train_configs", config),
-        "--job.dump_folder", dump, "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--training.seq_len", "128", "--training.local_batch_size", "4",
-        "--lr_scheduler.warmup_steps", "2", *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "titan_spec.train",
+        "--config",
+        os.path.join(ROOT, "train_configs", config),
+        "--job.dump_folder",
+        dump,
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath())
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -46,20 +63,43 @@ def train_many(
     environment variables for that run only; overrides starting with ("--config", NAME) run
     train_configs/NAME instead. The base arguments are run_train's."""
     base = [
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--training.seq_len", "128",
-        "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
     ]
     argvs = []
     for run in runs:
         name, overrides = config, list(run[1])
         if overrides[:1] == ["--config"]:
             name, overrides = overrides[1], overrides[2:]
-        argvs.append({"argv": ["--config", os.path.join(ROOT, "train_configs", name), *base,
-                               "--job.dump_folder", run[0], *overrides],
-                      "env": run[2] if len(run) > 2 else {}})
+        argvs.append(
+            {
+                "argv": [
+                    "--config",
+                    os.path.join(ROOT, "train_configs", name),
+                    *base,
+                    "--job.dump_folder",
+                    run[0],
+                    *overrides,
+                ],
+                "env": run[2] if len(run) > 2 else {},
+            }
+        )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps(argvs),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        os.path.join(ROOT, "tests/helpers/train_many.py"),
+        json.dumps(argvs),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_pythonpath())
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -86,8 +126,10 @@ def pytest_configure(config):
     # scripts/gpu_check.sh runs `pytest -m gpu`: the tests that need a CUDA GPU.
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh runs them)")
     config.addinivalue_line(
-        "markers", "needs_torch_2_14(what): runs what the preflight refuses on torch < 2.14 "
-        "(titan_spec/preflight/torch_support.py); skipped there, as scripts/compat_check.sh counts them")
+        "markers",
+        "needs_torch_2_14(what): runs what the preflight refuses on torch < 2.14 "
+        "(titan_spec/preflight/torch_support.py); skipped there, as scripts/compat_check.sh counts them",
+    )
 
 
 def pytest_runtest_setup(item):

@@ -44,8 +44,9 @@ def assert_same_draft_accuracy(a: dict, b: dict, ttt_steps: int, what="") -> Non
         assert b[f"draft/acc_{j}"] == pytest.approx(a[f"draft/acc_{j}"], abs=1.0 / n + 1e-12), (what, j, a, b)
 
 
-def assert_adam_weights_close(got: torch.Tensor, want: torch.Tensor, lr: float, steps: int, msg="",
-                              outlier_fraction: float = 0.01) -> None:
+def assert_adam_weights_close(
+    got: torch.Tensor, want: torch.Tensor, lr: float, steps: int, msg="", outlier_fraction: float = 0.01
+) -> None:
     """Weights after `steps` Adam(W) updates in two runs whose gradients agree to rounding.
 
     Adam divides each update by the root of the second moment, so an element whose gradient is
@@ -59,7 +60,8 @@ def assert_adam_weights_close(got: torch.Tensor, want: torch.Tensor, lr: float, 
     tight = torch.isclose(got, want, rtol=1e-4, atol=1e-6)
     n_out = int((~tight).sum())
     assert n_out <= max(1, outlier_fraction * got.numel()), (
-        f"{msg}: {n_out} of {got.numel()} elements differ beyond rounding (max {(got - want).abs().max().item():.3g})")
+        f"{msg}: {n_out} of {got.numel()} elements differ beyond rounding (max {(got - want).abs().max().item():.3g})"
+    )
 
 
 def assert_same_draft_export(got: dict, want: dict, lr: float, steps: int, what="") -> None:

@@ -94,7 +94,8 @@ def runners_for(model_path: str | None, draft_path: str | None) -> dict:
         with safe_open(f, framework="pt") as st:
             d2t = st.get_tensor("d2t")
         out["draft"] = StubLlamaForCausalLMEagle3(
-            ["LlamaForCausalLMEagle3"], _shapes([f], skip=lambda n: n in ("d2t", "t2d") or n.endswith("embed_tokens.weight")),
+            ["LlamaForCausalLMEagle3"],
+            _shapes([f], skip=lambda n: n in ("d2t", "t2d") or n.endswith("embed_tokens.weight")),
             hot_token_id=d2t + torch.arange(d2t.numel()),
         )
     return out
@@ -109,8 +110,17 @@ class StubSGLang:
     files of the runners (no runner, no loader run); ``deterministic``: the server runs
     with enable_deterministic_inference (seeded sampling, seed 42 when none is sent)."""
 
-    def __init__(self, fail_update=False, tp_size=1, model_path=None, draft_path=None,
-                 crash_versions=(), hold_generate=None, meta=None, deterministic=False):
+    def __init__(
+        self,
+        fail_update=False,
+        tp_size=1,
+        model_path=None,
+        draft_path=None,
+        crash_versions=(),
+        hold_generate=None,
+        meta=None,
+        deterministic=False,
+    ):
         self.deterministic = deterministic
         self.calls, self.pushed = [], []
         self.version = "default"
@@ -125,7 +135,8 @@ class StubSGLang:
         self.meta = dict(meta or {})
         self.fail_update_message = (
             "Online weight updates are not supported while the HPC-Ops bf16xfp32 GEMM optimization is enabled"
-            if fail_update else ""
+            if fail_update
+            else ""
         )
         self.crash_versions = frozenset(crash_versions)
         self.hang = threading.Event()  # set: /generate never answers (until stop())
@@ -235,9 +246,13 @@ class StubSGLang:
             toks = [(t + random.Random(f"{seed}:{pos + j}").randrange(V)) % V for j, t in enumerate(toks)]
         meta = {
             "output_token_logprobs": [[-0.25 * (j + 1), t, None] for j, t in enumerate(toks)],
-            "finish_reason": {"type": "length", "length": n}, "completion_tokens": n,
-            "spec_verify_ct": 2, "spec_num_correct_drafts": n - 3, "spec_accept_length": n / 2,
-            "num_retractions": 0, "weight_version": self.version,
+            "finish_reason": {"type": "length", "length": n},
+            "completion_tokens": n,
+            "spec_verify_ct": 2,
+            "spec_num_correct_drafts": n - 3,
+            "spec_accept_length": n / 2,
+            "num_retractions": 0,
+            "weight_version": self.version,
         }
         meta.update(self.meta)
         return {"output_ids": toks, "meta_info": meta}
@@ -249,4 +264,3 @@ class StubSGLang:
         self._released.set()  # a hung handler returns (its client gave up long ago)
         self.httpd.shutdown()
         self.httpd.server_close()
-

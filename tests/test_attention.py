@@ -202,9 +202,7 @@ def test_doc_attn_bwd_uses_given_merged_out_and_lse(backend, heads):
     p_all = torch.exp(s_all - lse_ref[..., None])
     v_all = torch.cat([rep(v_r), vx_r])
     out_ref = torch.einsum("nts,snh->tnh", p_all, v_all)
-    dq_ref, dk_ref, dv_ref = torch.autograd.grad(
-        (out_ref * dout.double()).sum(), (q_trunk, k_r, v_r)
-    )
+    dq_ref, dk_ref, dv_ref = torch.autograd.grad((out_ref * dout.double()).sum(), (q_trunk, k_r, v_r))
 
     out_m, lse_m = out_ref.detach().float(), lse_ref.detach().float()
     meta = _meta(cu_host)
@@ -213,9 +211,7 @@ def test_doc_attn_bwd_uses_given_merged_out_and_lse(backend, heads):
             dout, q, k, v, out_m, lse_m, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
         )
     else:
-        dq, dk, dv = attention_blocks._math_bwd(
-            dout, q, k, v, out_m, lse_m, document_blocks(cu_host), scale
-        )
+        dq, dk, dv = attention_blocks._math_bwd(dout, q, k, v, out_m, lse_m, document_blocks(cu_host), scale)
     _close(dq, dq_ref, "dq")
     _close(dk, dk_ref, "dk")
     _close(dv, dv_ref, "dv")
@@ -334,10 +330,7 @@ def test_merge_partials_all_neg_inf_row_is_zero_not_nan():
     lse_PNT = torch.stack([l.detach() for l in lses]).double()
     ref_lse = torch.logsumexp(lse_PNT, 0)
     w_PNT = torch.exp(lse_PNT - ref_lse).nan_to_num(0.0)
-    ref_out = sum(
-        w.t()[..., None] * o.detach().double().nan_to_num(0.0)
-        for w, o in zip(w_PNT, outs)
-    )
+    ref_out = sum(w.t()[..., None] * o.detach().double().nan_to_num(0.0) for w, o in zip(w_PNT, outs))
     for t in (0, 2):
         _close(out[t], ref_out[t], f"out row {t}")
         _close(lse[:, t], ref_lse[:, t], f"lse row {t}")
@@ -396,8 +389,13 @@ def test_compile_fullgraph_aot_eager():
         # Module output feeds TTT attention as its queries: both ops in one graph.
         out = module(q, k, v, attention_masks=meta, scale=0.3, enable_gqa=True)
         out_TNH = ttt_attention(
-            out.reshape(T, 4, 8), k.reshape(T, 2, 8), v.reshape(T, 2, 8),
-            kb, vb, meta, 0.3,
+            out.reshape(T, 4, 8),
+            k.reshape(T, 2, 8),
+            v.reshape(T, 2, 8),
+            kb,
+            vb,
+            meta,
+            0.3,
         )
         return (out_TNH * out_TNH).sum()
 
@@ -422,15 +420,16 @@ def test_custom_ops_opcheck():
     cu = torch.tensor(cu_host, dtype=torch.int32)
     fwd_args = (q, k, v, cu, cu.clone(), 0.3)
     tests = (
-        "test_schema", "test_autograd_registration", "test_faketensor",
+        "test_schema",
+        "test_autograd_registration",
+        "test_faketensor",
         "test_aot_dispatch_dynamic",
     )
     fwd_op = torch.ops.titan_spec.doc_attn_fwd
     bwd_op = torch.ops.titan_spec.doc_attn_bwd
     torch.library.opcheck(fwd_op.default, fwd_args, test_utils=tests)
     out, lse = fwd_op(*fwd_args)
-    bwd_args = (_rand(T, N, H, gen=gen), q.detach(), k.detach(), v.detach(),
-                out.detach(), lse, cu, cu.clone(), 0.3)
+    bwd_args = (_rand(T, N, H, gen=gen), q.detach(), k.detach(), v.detach(), out.detach(), lse, cu, cu.clone(), 0.3)
     torch.library.opcheck(bwd_op.default, bwd_args, test_utils=tests)
 
 
@@ -441,8 +440,11 @@ def test_expanded_and_transposed_dout():
     T = cu_host[-1]
     gen = torch.Generator().manual_seed(9)
     inputs = [
-        _rand(T, N, H, gen=gen), _rand(T, K, H, gen=gen), _rand(T, K, H, gen=gen),
-        _rand(J, T, K, H, gen=gen), _rand(J, T, K, H, gen=gen),
+        _rand(T, N, H, gen=gen),
+        _rand(T, K, H, gen=gen),
+        _rand(T, K, H, gen=gen),
+        _rand(J, T, K, H, gen=gen),
+        _rand(J, T, K, H, gen=gen),
     ]
     inputs = [x.requires_grad_() for x in inputs]
     meta = _meta(cu_host)

@@ -76,17 +76,26 @@ def test_every_moved_key_is_refused_in_one_line_naming_its_new_key(tmp_path):
         assert node == want, new
 
 
-NEW_VALUES = {"operators": ("'+'", "+"), "overlong_filter": ("true", True), "show_work": ("true", True),
-              "trace_fraction": ("0.25", 0.25), "wrong_answer_rate": ("0.25", 0.25), "max_count": ("20", 20)}
+NEW_VALUES = {
+    "operators": ("'+'", "+"),
+    "overlong_filter": ("true", True),
+    "show_work": ("true", True),
+    "trace_fraction": ("0.25", 0.25),
+    "wrong_answer_rate": ("0.25", 0.25),
+    "max_count": ("20", 20),
+}
 """A value each moved key's own checks take (the rest: 2), for the config the tests load."""
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--draft.blok_size", "4"], "unknown key 'draft.blok_size' (did you mean 'draft.dflash.block_size'?)"),
-    (["--draft.dflash.blok_size", "4"], "unknown key 'draft.dflash.blok_size' (did you mean 'block_size'?)"),
-    (["--task.max_operandd", "4"], "(did you mean 'task.generated.max_operand'?)"),
-    (["--rl.dapo.overlong_bufer", "4"], "(did you mean 'overlong_buffer'?)"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--draft.blok_size", "4"], "unknown key 'draft.blok_size' (did you mean 'draft.dflash.block_size'?)"),
+        (["--draft.dflash.blok_size", "4"], "unknown key 'draft.dflash.blok_size' (did you mean 'block_size'?)"),
+        (["--task.max_operandd", "4"], "(did you mean 'task.generated.max_operand'?)"),
+        (["--rl.dapo.overlong_bufer", "4"], "(did you mean 'overlong_buffer'?)"),
+    ],
+)
 def test_unknown_keys_still_get_did_you_mean(args, needle):
     with pytest.raises(ConfigError) as info:
         load_config(DEFAULT, args)
@@ -94,10 +103,15 @@ def test_unknown_keys_still_get_did_you_mean(args, needle):
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-@pytest.mark.parametrize("key,value,allowed", [
-    ("port", 70000, "0 (free port) or a port number"), ("start_timeout_s", 0.0, "> 0"),
-    ("request_timeout_s", -1.0, "> 0"), ("max_restarts", -1, ">= 0"),
-])
+@pytest.mark.parametrize(
+    "key,value,allowed",
+    [
+        ("port", 70000, "0 (free port) or a port number"),
+        ("start_timeout_s", 0.0, "> 0"),
+        ("request_timeout_s", -1.0, "> 0"),
+        ("max_restarts", -1, ">= 0"),
+    ],
+)
 def test_server_engines_share_their_base_and_its_checks(engine, key, value, allowed):
     """[rollout.sglang] and [rollout.vllm] take the shared keys of ServerEngineConfig, each
     checked once and named under the engine's own table."""
@@ -109,8 +123,10 @@ def test_server_engines_share_their_base_and_its_checks(engine, key, value, allo
     assert (SGLangConfig().start_timeout_s, VLLMConfig().start_timeout_s) == (900.0, 600.0)
     with pytest.raises(ConfigError) as info:
         load_config(DEFAULT, [f"--rollout.{engine}.{key}", str(value)])
-    assert str(info.value) == (f"command line --rollout.{engine}.{key}: rollout.{engine}.{key} = {value!r} "
-                               f"is not allowed; it must be {allowed}")
+    assert str(info.value) == (
+        f"command line --rollout.{engine}.{key}: rollout.{engine}.{key} = {value!r} "
+        f"is not allowed; it must be {allowed}"
+    )
 
 
 def test_parse_overrides_types():
@@ -149,27 +165,73 @@ MALFORMED = [
     ("[metrics]\nlog_freq = 0\n", [], 1, ["metrics.log_freq"]),
     ("[speculative]\nnum_draft_tokens = 0\n", [], 1, ["speculative.num_draft_tokens", "speculative.enabled = false"]),
     ("[rollout]\nengine = 'vlm'\n", [], 1, ["rollout.engine", "'builtin', 'sglang', 'vllm'"]),
-    ("[rollout]\nengine = 'torch'\n", [], 1, ["rollout.engine = 'torch' was renamed: use rollout.engine = 'builtin'",
-                                            "'builtin', 'sglang', 'vllm'"]),
+    (
+        "[rollout]\nengine = 'torch'\n",
+        [],
+        1,
+        ["rollout.engine = 'torch' was renamed: use rollout.engine = 'builtin'", "'builtin', 'sglang', 'vllm'"],
+    ),
     ("", ["--rollout.engine", "torch"], 1, ["--rollout.engine", "was renamed: use rollout.engine = 'builtin'"]),
     ("[speculative]\ndepth = 'auto'\n", [], 1, ["speculative.depth", "'fixed', 'adaptive'"]),
-    ("[speculative]\ndepth = 'adaptive'\n[rollout]\nengine = 'sglang'\n", [], 1,
-     ["speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'", "must be 'fixed'"]),
+    (
+        "[speculative]\ndepth = 'adaptive'\n[rollout]\nengine = 'sglang'\n",
+        [],
+        1,
+        ["speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'", "must be 'fixed'"],
+    ),
     ("[training]\nlocal_batch_size = 2.5\n", [], 1, ["training.local_batch_size", "an integer"]),
-    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n", [], 2,
-     ["tensor_parallel_degree = 2 needs parallelism.spmd_backend = 'partial_dtensor'", "not 'spmd_types'"]),
-    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\n[training]\nseq_len = 129\n", [], 2,
-     ["training.seq_len = 129", "a multiple of 2 = parallelism.tensor_parallel_degree 2 under sequence parallelism"]),
-    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\ncontext_parallel_degree = 2\n[training]\nseq_len = 132\n", [], 4,
-     ["training.seq_len = 132", "a multiple of 8 = parallelism.tensor_parallel_degree 2 x 2 * context_parallel_degree 2"]),
-    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\npipeline_parallel_degree = 2\n", [], 4,
-     ["tensor_parallel_degree = 2 with pipeline_parallel_degree = 2 is not supported", "composes with FSDP and context parallelism"]),
-    ("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 2\nspmd_backend = 'partial_dtensor'\n[rl]\nenable = true\nprompts_per_step = 3\n[speculative]\nenabled = false\n", [], 4, ["rl.prompts_per_step = 3", "multiple of the 2 data-parallel ranks"]),
+    (
+        "[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\n",
+        [],
+        2,
+        ["tensor_parallel_degree = 2 needs parallelism.spmd_backend = 'partial_dtensor'", "not 'spmd_types'"],
+    ),
+    (
+        "[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\n[training]\nseq_len = 129\n",
+        [],
+        2,
+        ["training.seq_len = 129", "a multiple of 2 = parallelism.tensor_parallel_degree 2 under sequence parallelism"],
+    ),
+    (
+        "[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\ncontext_parallel_degree = 2\n[training]\nseq_len = 132\n",
+        [],
+        4,
+        [
+            "training.seq_len = 132",
+            "a multiple of 8 = parallelism.tensor_parallel_degree 2 x 2 * context_parallel_degree 2",
+        ],
+    ),
+    (
+        "[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 1\nspmd_backend = 'partial_dtensor'\npipeline_parallel_degree = 2\n",
+        [],
+        4,
+        [
+            "tensor_parallel_degree = 2 with pipeline_parallel_degree = 2 is not supported",
+            "composes with FSDP and context parallelism",
+        ],
+    ),
+    (
+        "[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 2\nspmd_backend = 'partial_dtensor'\n[rl]\nenable = true\nprompts_per_step = 3\n[speculative]\nenabled = false\n",
+        [],
+        4,
+        ["rl.prompts_per_step = 3", "multiple of the 2 data-parallel ranks"],
+    ),
     ("[parallelism]\ncontext_parallel_degree = 2\n", [], 3, ["cp = 2 does not divide the 3 processes"]),
-    ("[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 130\n", [], 2,
-     ["training.seq_len = 130", "a multiple of 2 * parallelism.context_parallel_degree = 4"]),
-    ("[parallelism]\ncontext_parallel_degree = 2\npipeline_parallel_degree = 2\n[task]\ndocument_multiple = 2\n",
-     [], 4, ["task.document_multiple = 2 under pipeline x context parallelism", "a multiple of 2 * context_parallel_degree = 4"]),
+    (
+        "[parallelism]\ncontext_parallel_degree = 2\n[training]\nseq_len = 130\n",
+        [],
+        2,
+        ["training.seq_len = 130", "a multiple of 2 * parallelism.context_parallel_degree = 4"],
+    ),
+    (
+        "[parallelism]\ncontext_parallel_degree = 2\npipeline_parallel_degree = 2\n[task]\ndocument_multiple = 2\n",
+        [],
+        4,
+        [
+            "task.document_multiple = 2 under pipeline x context parallelism",
+            "a multiple of 2 * context_parallel_degree = 4",
+        ],
+    ),
     ("[task]\ndocument_multiple = -1\n", [], 1, ["task.document_multiple = -1", ">= 0"]),
     ("[rl]\nloss = 'ppo'\n", [], 1, ["rl.loss", "'grpo', 'dapo', 'gspo'"]),
     ("[rl]\ntis_cap = 0.0\n", [], 1, ["rl.tis_cap = 0.0 is not allowed", "> 0"]),
@@ -179,13 +241,31 @@ MALFORMED = [
     ("[rl]\nkl_estimator = 'k4'\n", [], 1, ["rl.kl_estimator", "'k1', 'k2', 'k3'"]),
     ("[rl]\ndynamic_sampling = true\ngroup_size = 1\n", [], 1, ["rl.group_size = 1", ">= 2"]),
     ("[rl]\ndynamic_sampling_rounds = 0\n", [], 1, ["rl.dynamic_sampling_rounds = 0", ">= 1"]),
-    ("[rl.dapo]\noverlong_filter = true\n", [], 1, ["rl.dapo.overlong_filter = True is DAPO's: it needs rl.loss = 'dapo'"]),
-    ("[rl]\nloss = 'dapo'\nmax_new_tokens = 8\n[rl.dapo]\noverlong_buffer = 8\n", [], 1,
-     ["rl.dapo.overlong_buffer = 8", "< rl.max_new_tokens = 8"]),
-    ("[parallelism]\nexpert_parallel_degree = 2\n[rl]\nenable = true\n", [], 2,
-     ["expert_parallel_degree = 2 with rl.enable is not supported"]),
+    (
+        "[rl.dapo]\noverlong_filter = true\n",
+        [],
+        1,
+        ["rl.dapo.overlong_filter = True is DAPO's: it needs rl.loss = 'dapo'"],
+    ),
+    (
+        "[rl]\nloss = 'dapo'\nmax_new_tokens = 8\n[rl.dapo]\noverlong_buffer = 8\n",
+        [],
+        1,
+        ["rl.dapo.overlong_buffer = 8", "< rl.max_new_tokens = 8"],
+    ),
+    (
+        "[parallelism]\nexpert_parallel_degree = 2\n[rl]\nenable = true\n",
+        [],
+        2,
+        ["expert_parallel_degree = 2 with rl.enable is not supported"],
+    ),
     ("[model]\nmoe_load_balance_coeff = -1.0\n", [], 1, ["model.moe_load_balance_coeff = -1.0", ">= 0"]),
-    ("[task]\ndocument_multiple = 3\n[training]\nseq_len = 128\n", [], 1, ["training.seq_len = 128", "document multiple 3"]),
+    (
+        "[task]\ndocument_multiple = 3\n[training]\nseq_len = 128\n",
+        [],
+        1,
+        ["training.seq_len = 128", "document multiple 3"],
+    ),
 ]
 
 
@@ -227,10 +307,18 @@ def test_run_train_config_error_is_one_line_and_starts_nothing(tmp_path, config,
     before = sorted(os.listdir(view))
     out = subprocess.run(
         ["./run_train.sh", "--job.dump_folder", str(dump), *args],
-        capture_output=True, text=True, timeout=300, cwd=view, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=view,
+        env=env,
     )
     assert out.returncode == 2, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "register_constant" not in line]
+    lines = [
+        line
+        for line in out.stderr.splitlines()
+        if line.strip() and "Warning" not in line and "register_constant" not in line
+    ]
     assert len(lines) == 1 and needle in lines[0], out.stderr
     assert not dump.exists()
     # No required run started either: run_train.sh announces none, and nothing was written
@@ -261,17 +349,26 @@ def test_tap_ids_out_of_range_is_a_config_error():
         to_trainer_config(cfg)
 
 
-@pytest.mark.parametrize("tp,why", [(3, "does not divide the target's 4 query heads"),
-                                    (4, "does not divide the target's 2 key/value heads")])
+@pytest.mark.parametrize(
+    "tp,why", [(3, "does not divide the target's 4 query heads"), (4, "does not divide the target's 2 key/value heads")]
+)
 def test_tp_not_dividing_the_heads_is_one_line_before_any_process(tp, why, monkeypatch, capsys):
     """torchtitan's TP plan shards q and k/v heads: `--check` (run_train.sh's pre-flight, no process
     group) refuses a degree that does not divide them, naming the allowed sizes."""
     from titan_spec.train.entry import main
 
     monkeypatch.setenv("WORLD_SIZE", str(tp))
-    argv = ["--check", "--config", os.path.join(os.path.dirname(DEFAULT), "debug_cpu_sft.toml"),
-            "--parallelism.tensor_parallel_degree", str(tp), "--parallelism.data_parallel_shard_degree", "1",
-            "--training.seq_len", str(48 * tp)]
+    argv = [
+        "--check",
+        "--config",
+        os.path.join(os.path.dirname(DEFAULT), "debug_cpu_sft.toml"),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.seq_len",
+        str(48 * tp),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and why in err and "allowed: a divisor of n_heads 4, n_kv_heads 2" in err, err
@@ -285,8 +382,12 @@ def test_draft_vocab_larger_than_target_is_an_error():
         to_trainer_config(cfg)
 
 
-@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "train_configs"))
-                                        if f.endswith(".toml")))
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        f for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "train_configs")) if f.endswith(".toml")
+    ),
+)
 def test_every_shipped_config_is_valid(name):
     """Each train_configs/*.toml loads and validates (inputs made by earlier runs of a chain are
     not checked: check_paths=False), at the world size its parallel degrees need."""

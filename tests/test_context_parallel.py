@@ -73,7 +73,10 @@ def _check_ring(rank, group, doc_lens, inputs, w_TNH, what):
     q, k0, v0, kb, vb = inputs
     shard = lambda x: zigzag_shard(x, layout, rank)
     local = [shard(q), shard(k0), shard(v0)]
-    local += [torch.stack([shard(x) for x in b]) if len(b) else b.new_zeros(0, layout.local_len, *b.shape[2:]) for b in (kb, vb)]
+    local += [
+        torch.stack([shard(x) for x in b]) if len(b) else b.new_zeros(0, layout.local_len, *b.shape[2:])
+        for b in (kb, vb)
+    ]
     local = [x.requires_grad_() for x in local]
     meta = CPMetadata.build(layout, group, "cpu")
     out_RNH, lse_NR = ring_attention(local[0], local[1], local[2], meta, scale, local[3], local[4])

@@ -12,8 +12,20 @@ from conftest import train_many
 from numerics import assert_same_draft_accuracy, assert_same_draft_export
 
 DRAFT_LR, STEPS = 3e-3, 2  # [draft] lr default; training.steps in COMMON
-COMMON = ("--training.steps", "2", "--lr_scheduler.total_steps", "2", "--checkpoint.enable", "false",
-          "--draft.enable", "true", "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3")
+COMMON = (
+    "--training.steps",
+    "2",
+    "--lr_scheduler.total_steps",
+    "2",
+    "--checkpoint.enable",
+    "false",
+    "--draft.enable",
+    "true",
+    "--draft.draft_vocab_size",
+    "24",
+    "--draft.eagle3.ttt_steps",
+    "3",
+)
 
 
 def _assert_same_run(a_rows, b_rows, what, same_dp=True):
@@ -56,8 +68,9 @@ TP = ("--parallelism.tensor_parallel_degree", "2")
 def one(tmp_path_factory):
     """The one-process runs (co-training, offline draft training), in one launch."""
     d = tmp_path_factory.mktemp("one")
-    cotrain, offline = train_many(1, [(str(d / "cp1"), COMMON), (str(d / "off1"), (*COMMON, *OFFLINE))],
-                                  config="debug_cpu_sft.toml")
+    cotrain, offline = train_many(
+        1, [(str(d / "cp1"), COMMON), (str(d / "off1"), (*COMMON, *OFFLINE))], config="debug_cpu_sft.toml"
+    )
     return {"cotrain": cotrain, "offline": offline, "cotrain_dir": str(d / "cp1"), "offline_dir": str(d / "off1")}
 
 
@@ -65,12 +78,25 @@ def test_cp_co_training_matches_cp1(tmp_path, train, one):
     """cp = 2 alone, and FSDP over the dp x cp mesh (2 data-parallel groups of 2 context-parallel
     ranks, 2 rows each), see the 4-row global batch of the single-process run."""
     one = one["cotrain"]
-    two = train(str(tmp_path / "cp2"), 2, (*COMMON, "--parallelism.context_parallel_degree", "2",
-                                           "--parallelism.data_parallel_shard_degree", "1"))
+    two = train(
+        str(tmp_path / "cp2"),
+        2,
+        (*COMMON, "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
+    )
     _assert_same_run(one, two, "cp=2")
-    four = train(str(tmp_path / "dp2cp2"), 4, (*COMMON, "--parallelism.context_parallel_degree", "2",
-                                               "--parallelism.data_parallel_shard_degree", "2",
-                                               "--training.local_batch_size", "2"))
+    four = train(
+        str(tmp_path / "dp2cp2"),
+        4,
+        (
+            *COMMON,
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ),
+    )
     _assert_same_run(one, four, "dp=2 x cp=2", same_dp=False)
 
 
@@ -80,14 +106,39 @@ def test_tp_co_training_matches_one_process(tmp_path, one):
     launch; and offline draft training (a frozen teacher) under dp x tp. The draft, replicated
     over the tp group, trains on the taps gathered from their sequence shards and the gathered
     logits; its data-parallel mesh and normalizer exclude tp (draft/tokens_j below equal)."""
-    dp2tp2, cp2tp2, offline = train_many(4, [
-        (str(tmp_path / "dp2tp2"), (*COMMON, *TP, "--parallelism.data_parallel_shard_degree", "2",
-                                    "--training.local_batch_size", "2")),
-        (str(tmp_path / "cp2tp2"), (*COMMON, *TP, "--parallelism.context_parallel_degree", "2",
-                                    "--parallelism.data_parallel_shard_degree", "1")),
-        (str(tmp_path / "offdp2tp2"), (*COMMON, *OFFLINE, *TP, "--parallelism.data_parallel_shard_degree", "2",
-                                       "--training.local_batch_size", "2")),
-    ], config="debug_cpu_sft.toml")
+    dp2tp2, cp2tp2, offline = train_many(
+        4,
+        [
+            (
+                str(tmp_path / "dp2tp2"),
+                (*COMMON, *TP, "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"),
+            ),
+            (
+                str(tmp_path / "cp2tp2"),
+                (
+                    *COMMON,
+                    *TP,
+                    "--parallelism.context_parallel_degree",
+                    "2",
+                    "--parallelism.data_parallel_shard_degree",
+                    "1",
+                ),
+            ),
+            (
+                str(tmp_path / "offdp2tp2"),
+                (
+                    *COMMON,
+                    *OFFLINE,
+                    *TP,
+                    "--parallelism.data_parallel_shard_degree",
+                    "2",
+                    "--training.local_batch_size",
+                    "2",
+                ),
+            ),
+        ],
+        config="debug_cpu_sft.toml",
+    )
     _assert_same_run(one["cotrain"], dp2tp2, "dp=2 x tp=2", same_dp=False)
     _assert_same_run(one["cotrain"], cp2tp2, "cp=2 x tp=2")
     _assert_same_run(one["offline"], offline, "offline draft, dp=2 x tp=2", same_dp=False)

@@ -25,7 +25,11 @@ from titan_spec.models.registry import build_target_config, flavor_arch, with_vo
 from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine
 
 from test_rollout_engine import (  # noqa: F401  (_one_thread: the module's autouse fixture, shared)
-    _one_thread, assert_follows_the_policy, check_stats, random_prompts, sampled_tokens_distribution_check,
+    _one_thread,
+    assert_follows_the_policy,
+    check_stats,
+    random_prompts,
+    sampled_tokens_distribution_check,
 )
 
 V = 32
@@ -47,8 +51,11 @@ def make_target(seed: int):
 
 
 def make_draft(arch, seed: int, block_size: int = 4, draft_vocab: int = V, n_layers: int = 1, anchors: int = 0):
-    cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=block_size, num_layers=n_layers, anchors_per_doc=anchors),
-                      draft_vocab_size=draft_vocab)
+    cfg = DraftConfig(
+        kind="dflash",
+        dflash=DFlashConfig(block_size=block_size, num_layers=n_layers, anchors_per_doc=anchors),
+        draft_vocab_size=draft_vocab,
+    )
     da = KIND.arch_from_target(arch, TAPS, draft_vocab, cfg)
     counts = torch.rand(V, generator=torch.Generator().manual_seed(seed)) if draft_vocab < V else None
     draft = KIND.initial(da, counts, seed)
@@ -99,17 +106,29 @@ def reference_block_logits(draft, taps_TD: list, emb_TH, pos_T, anchor: int, sta
         x = _rms(h, w["input_layernorm.weight"], eps)
 
         def heads(y, name, n):
-            return y @ w[f"self_attn.{name}_proj.weight"].T if n is None else (y @ w[f"self_attn.{name}_proj.weight"].T).view(len(y), n, a.head_dim)
+            return (
+                y @ w[f"self_attn.{name}_proj.weight"].T
+                if n is None
+                else (y @ w[f"self_attn.{name}_proj.weight"].T).view(len(y), n, a.head_dim)
+            )
 
         q = _rope(_rms(heads(x, "q", a.n_heads), w["self_attn.q_norm.weight"], eps), bpos, th)
-        k = torch.cat([_rope(_rms(heads(ctx, "k", a.n_kv_heads), w["self_attn.k_norm.weight"], eps), pos_T[start:anchor], th),
-                       _rope(_rms(heads(x, "k", a.n_kv_heads), w["self_attn.k_norm.weight"], eps), bpos, th)])
+        k = torch.cat(
+            [
+                _rope(_rms(heads(ctx, "k", a.n_kv_heads), w["self_attn.k_norm.weight"], eps), pos_T[start:anchor], th),
+                _rope(_rms(heads(x, "k", a.n_kv_heads), w["self_attn.k_norm.weight"], eps), bpos, th),
+            ]
+        )
         v = torch.cat([heads(ctx, "v", a.n_kv_heads), heads(x, "v", a.n_kv_heads)])
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         att = torch.softmax(torch.einsum("qnh,knh->nqk", q, k) / math.sqrt(a.head_dim), -1)
         h = h + torch.einsum("nqk,knh->qnh", att, v).flatten(1) @ w["self_attn.o_proj.weight"].T
         y = _rms(h, w["post_attention_layernorm.weight"], eps)
-        h = h + (torch.nn.functional.silu(y @ w["mlp.gate_proj.weight"].T) * (y @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        h = (
+            h
+            + (torch.nn.functional.silu(y @ w["mlp.gate_proj.weight"].T) * (y @ w["mlp.up_proj.weight"].T))
+            @ w["mlp.down_proj.weight"].T
+        )
     return _rms(h, p["norm.weight"], eps) @ p["lm_head.weight"].T
 
 
@@ -150,8 +169,15 @@ def test_block_loss_and_gradients_equal_a_per_block_reference(block_size, n_laye
     got.loss.backward()
     got_grads = {n: p.grad.clone() for n, p in draft64.named_parameters()}
     draft64.zero_grad()
-    want, counts = reference_loss(draft64, logits[0].double(), [h[0] for h in taps64.hidden], taps64.embeds_BLD[0],
-                                  pos[0], labels[0], cfg.loss_decay)
+    want, counts = reference_loss(
+        draft64,
+        logits[0].double(),
+        [h[0] for h in taps64.hidden],
+        taps64.embeds_BLD[0],
+        pos[0],
+        labels[0],
+        cfg.loss_decay,
+    )
     want.backward()
     # The scored rows are the reference's; the normalizer counts them before the draft-vocab mask.
     assert got.count_S.tolist() == counts and min(counts) > 0
@@ -217,12 +243,19 @@ def test_cached_block_proposer_equals_the_reference_block():
                 new[b, : n[b]] = padded[b, start[b] : start[b] + n[b]]
             prop.extend(new, torch.zeros(2, new.shape[1], dtype=torch.long), start, n)
             start = start + n
-            got_BJV = prop.propose(torch.tensor([s[c] for s, c in zip(seqs, start.tolist())]), start,
-                                   n_slots=int(start.max()) + 5)
+            got_BJV = prop.propose(
+                torch.tensor([s[c] for s, c in zip(seqs, start.tolist())]), start, n_slots=int(start.max()) + 5
+            )
             for b, s in enumerate(seqs):
                 emb = model.tok_embeddings(torch.tensor(s))
-                want = reference_block_logits(draft.double(), [h.double() for h in taps_BLCD[b].unbind(1)], emb.double(),
-                                              torch.arange(len(s)), int(start[b]), 0)
+                want = reference_block_logits(
+                    draft.double(),
+                    [h.double() for h in taps_BLCD[b].unbind(1)],
+                    emb.double(),
+                    torch.arange(len(s)),
+                    int(start[b]),
+                    0,
+                )
                 draft.float()
                 # tolerance: the cached proposer in fp32 against the fp64 reference (logits O(1)).
                 torch.testing.assert_close(got_BJV[b].double(), want[1:], rtol=1e-4, atol=1e-4)
@@ -255,7 +288,10 @@ def fit_draft(model, arch, block_size: int, steps: int = 60, seed: int = 0):
     plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
     prompts = random_prompts(24, seed + 100)
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(prompts, SamplingParams(0.0, max_new_tokens=40))]
-    seqs += [r.prompt_ids + r.output_ids for r in plain.generate(prompts[:6], SamplingParams(1.0, max_new_tokens=40, seed=seed))]
+    seqs += [
+        r.prompt_ids + r.output_ids
+        for r in plain.generate(prompts[:6], SamplingParams(1.0, max_new_tokens=40, seed=seed))
+    ]
     draft, cfg = make_draft(arch, seed, block_size, anchors=0)
     return train_dflash(model, draft, cfg, seqs, steps)
 
@@ -300,8 +336,13 @@ def test_adaptive_depth_with_a_block_draft_equals_plain(fitted):
     assert set(engine.last_depths) <= set(range(8)) and engine.last_depths
 
 
-@pytest.mark.parametrize("K,sp", [(4, SamplingParams(1.0, max_new_tokens=3, seed=0)),
-                                  (2, SamplingParams(0.8, top_k=10, top_p=0.9, max_new_tokens=3, seed=2))])
+@pytest.mark.parametrize(
+    "K,sp",
+    [
+        (4, SamplingParams(1.0, max_new_tokens=3, seed=0)),
+        (2, SamplingParams(0.8, top_k=10, top_p=0.9, max_new_tokens=3, seed=2)),
+    ],
+)
 def test_sampled_tokens_with_a_block_draft_follow_the_policy(fitted, K, sp):
     model, _, draft = fitted
     res, accepted_per_row = sampled_tokens_distribution_check(model, draft, K, sp)
@@ -376,11 +417,14 @@ def test_a_directory_of_the_other_kind_is_one_line_naming_the_kind(tmp_path):
     assert "no mask_embedding.pt" in str(e.value)
 
 
-@pytest.mark.parametrize("args,key", [
-    (["--draft.dflash.block_size", "40", "--rl.max_new_tokens", "32"], "draft.dflash.block_size"),
-    (["--draft.dflash.block_size", "4", "--speculative.num_draft_tokens", "4"], "speculative.num_draft_tokens"),
-    (["--draft.tap_layer_ids", "[]", "--draft.dflash.block_size", "1"], "draft.dflash.block_size"),
-])
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["--draft.dflash.block_size", "40", "--rl.max_new_tokens", "32"], "draft.dflash.block_size"),
+        (["--draft.dflash.block_size", "4", "--speculative.num_draft_tokens", "4"], "speculative.num_draft_tokens"),
+        (["--draft.tap_layer_ids", "[]", "--draft.dflash.block_size", "1"], "draft.dflash.block_size"),
+    ],
+)
 def test_config_errors_of_the_kind_are_one_line(args, key):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--rl.enable", "true", "--draft.kind", "dflash", *args])
@@ -403,18 +447,64 @@ def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
 
     from numerics import assert_adam_weights_close, assert_same_draft_accuracy, assert_same_draft_export
 
-    common = ("--model.name", "llama3",
-              "--training.seq_len", "64", "--training.steps", "3", "--draft.enable", "true", "--draft.kind", "dflash",
-              "--draft.dflash.block_size", "4", "--draft.dflash.anchors_per_doc", "6", "--draft.draft_vocab_size", "24",
-              "--draft.dflash.num_layers", "2", "--checkpoint.enable", "false", "--lr_scheduler.total_steps", "3",
-              "--speculative.num_draft_tokens", "3")
-    pp1 = (*common, "--training.local_batch_size", "2", "--parallelism.pipeline_parallel_degree", "1",
-           "--parallelism.data_parallel_shard_degree", "2")
-    pp2 = (*common, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-           "--parallelism.pipeline_parallel_microbatch_size", "1", "--parallelism.data_parallel_shard_degree", "1")
+    common = (
+        "--model.name",
+        "llama3",
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "3",
+        "--draft.enable",
+        "true",
+        "--draft.kind",
+        "dflash",
+        "--draft.dflash.block_size",
+        "4",
+        "--draft.dflash.anchors_per_doc",
+        "6",
+        "--draft.draft_vocab_size",
+        "24",
+        "--draft.dflash.num_layers",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--lr_scheduler.total_steps",
+        "3",
+        "--speculative.num_draft_tokens",
+        "3",
+    )
+    pp1 = (
+        *common,
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    )
+    pp2 = (
+        *common,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    )
     one = (*common, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "1")
-    cp2 = (*common, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "1",
-           "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
+    cp2 = (
+        *common,
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    )
     dumps = [str(tmp_path / "one"), str(tmp_path / "pp1"), str(tmp_path / "pp2"), str(tmp_path / "cp2")]
     (ref,) = many(1, [(dumps[0], one)])
     runs = many(2, [(dumps[1], pp1), (dumps[2], pp2), (dumps[3], cp2)])

@@ -17,8 +17,18 @@ from titan_spec.models.draft.eagle3.io import EXPORT_KEYS, load_draft_into, read
 from titan_spec.models.draft.eagle3.ttt import ttt_shifts, ttt_targets
 
 ARCH = DraftArch(
-    hidden=32, n_heads=4, n_kv_heads=2, head_dim=8, intermediate=48, target_hidden=24, vocab_size=50,
-    draft_vocab_size=20, rope_theta=1e4, norm_eps=1e-6, max_seq_len=128, tap_layer_ids=(1, 3, 4),
+    hidden=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    intermediate=48,
+    target_hidden=24,
+    vocab_size=50,
+    draft_vocab_size=20,
+    rope_theta=1e4,
+    norm_eps=1e-6,
+    max_seq_len=128,
+    tap_layer_ids=(1, 3, 4),
 )
 
 

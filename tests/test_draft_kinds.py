@@ -73,8 +73,12 @@ class _FakeDraft(nn.Module):
     def forward(self, h_TD, valid_T, count_S):
         score_T = h_TD @ self.w
         s = (score_T * valid_T).sum()
-        return DraftLossResult(loss=s / count_S[0].clamp(min=1), loss_sum_S=s.detach()[None],
-                               count_S=valid_T.sum()[None], correct_S=((score_T > 0) & valid_T).sum()[None])
+        return DraftLossResult(
+            loss=s / count_S[0].clamp(min=1),
+            loss_sum_S=s.detach()[None],
+            count_S=valid_T.sum()[None],
+            correct_S=((score_T > 0) & valid_T).sum()[None],
+        )
 
 
 class _FakeKind(DraftKind):
@@ -130,9 +134,16 @@ def test_draft_training_drives_a_second_kind_through_the_protocol(monkeypatch):
     monkeypatch.setitem(KINDS, "fake", kind)
     D, seed = 4, 1
     cfg = DraftConfig(kind="fake", lr=0.1, max_norm=100.0)
-    dt = DraftTraining(cfg, _FakeArch(dim=D), device=torch.device("cpu"), dp_mesh=None,
-                       lr_scheduler_cfg=load_config(None).lr_scheduler, training_steps=10,
-                       token_counts_V=None, seed=seed)
+    dt = DraftTraining(
+        cfg,
+        _FakeArch(dim=D),
+        device=torch.device("cpu"),
+        dp_mesh=None,
+        lr_scheduler_cfg=load_config(None).lr_scheduler,
+        training_steps=10,
+        token_counts_V=None,
+        seed=seed,
+    )
     assert isinstance(dt.draft, _FakeDraft)
     w0 = torch.arange(D, dtype=torch.float64) - seed  # the fake kind's initial()
     assert torch.equal(dt.draft.w.detach().double(), w0)
@@ -145,8 +156,9 @@ def test_draft_training_drives_a_second_kind_through_the_protocol(monkeypatch):
     meta = object()  # whatever the trainer hands over (a CPMetadata under CP) reaches the kind as is
     count_S = dt.normalizer([positions_BL], [labels_BL], [meta])
     assert count_S.tolist() == [4]
-    result = dt.loss(torch.randn(B, L, 10, generator=g), Taps(torch.zeros(B, L, D), (h_BLD,)),
-                     positions_BL, labels_BL, meta, count_S)
+    result = dt.loss(
+        torch.randn(B, L, 10, generator=g), Taps(torch.zeros(B, L, D), (h_BLD,)), positions_BL, labels_BL, meta, count_S
+    )
     assert kind.seen_meta == [meta, meta]
 
     # Closed forms (fp64): loss = sum_valid h_t . w / n, grad = sum_valid h_t / n.
@@ -179,9 +191,20 @@ def test_draft_training_drives_a_second_kind_through_the_protocol(monkeypatch):
 
 
 def _eagle3_arch(taps):
-    return DraftArch(hidden=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate=16, target_hidden=8,
-                     vocab_size=20, draft_vocab_size=20, rope_theta=1e4, norm_eps=1e-6, max_seq_len=32,
-                     tap_layer_ids=taps)
+    return DraftArch(
+        hidden=8,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=4,
+        intermediate=16,
+        target_hidden=8,
+        vocab_size=20,
+        draft_vocab_size=20,
+        rope_theta=1e4,
+        norm_eps=1e-6,
+        max_seq_len=32,
+        tap_layer_ids=taps,
+    )
 
 
 @pytest.mark.parametrize("ids", [[1, 2], [1, 1, 2], [0, 1, 2, 3]])
@@ -240,7 +263,7 @@ def test_models_draft_imports_form_no_cycle_and_none_is_function_local():
     seen, stack = set(), []
 
     def visit(n):
-        assert n not in stack, f"import cycle: {' -> '.join(stack[stack.index(n):] + [n])}"
+        assert n not in stack, f"import cycle: {' -> '.join(stack[stack.index(n) :] + [n])}"
         if n in seen:
             return
         stack.append(n)
@@ -252,7 +275,6 @@ def test_models_draft_imports_form_no_cycle_and_none_is_function_local():
     for n in graph:
         visit(n)
     assert "titan_spec.models.draft.eagle3.ttt" in graph["titan_spec.models.draft.eagle3.model"]
-
 
 
 def test_builtin_engine_names_a_draft_kind_it_cannot_serve():

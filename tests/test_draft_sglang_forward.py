@@ -58,8 +58,18 @@ from titan_spec.models.draft.eagle3.proposer import CachedDraft
 # target_hidden != hidden (fc must run), head_dim != hidden / heads and rope_theta != 1e4
 # (both must come from the config); GQA with 2 query heads per kv head.
 ARCH = DraftArch(
-    hidden=32, n_heads=4, n_kv_heads=2, head_dim=12, intermediate=40, target_hidden=24, vocab_size=50,
-    draft_vocab_size=20, rope_theta=5e5, norm_eps=1e-6, max_seq_len=128, tap_layer_ids=(1, 3, 4),
+    hidden=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=12,
+    intermediate=40,
+    target_hidden=24,
+    vocab_size=50,
+    draft_vocab_size=20,
+    rope_theta=5e5,
+    norm_eps=1e-6,
+    max_seq_len=128,
+    tap_layer_ids=(1, 3, 4),
 )
 T = 7  # positions 0..T-1 (rotary at non-zero angles from position 1 on)
 
@@ -122,15 +132,24 @@ def sglang_eagle3_forward(path: str, taps_T3Ht: torch.Tensor, embeds_TH: torch.T
     (causal), float64, from ``path``/config.json and ``path``/model.safetensors."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    w = {k: (v.double() if v.is_floating_point() else v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    w = {
+        k: (v.double() if v.is_floating_point() else v)
+        for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+    }
     H, N, Kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     Hd = cfg.get("head_dim", H // N)
     eps, theta = cfg["rms_norm_eps"], cfg.get("rope_theta", 10000)  # SGLang's default
     Tn = embeds_TH.shape[0]
 
     # Stacked projections, as SGLang's loader builds them.
-    w_qkv = torch.cat([w["midlayer.self_attn.q_proj.weight"], w["midlayer.self_attn.k_proj.weight"],
-                       w["midlayer.self_attn.v_proj.weight"]], dim=0)
+    w_qkv = torch.cat(
+        [
+            w["midlayer.self_attn.q_proj.weight"],
+            w["midlayer.self_attn.k_proj.weight"],
+            w["midlayer.self_attn.v_proj.weight"],
+        ],
+        dim=0,
+    )
     w_gate_up = torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]], dim=0)
 
     hidden_TH = taps_T3Ht.double().flatten(1) @ w["fc.weight"].T  # width 3 Ht != H: fc applies
@@ -145,7 +164,9 @@ def sglang_eagle3_forward(path: str, taps_T3Ht: torch.Tensor, embeds_TH: torch.T
     kv_of_head = torch.arange(N) // (N // Kv)
     scores_NTT = torch.einsum("tnd,snd->nts", q, k[:, kv_of_head]) * Hd**-0.5
     causal_TT = pos_T[None, :] <= pos_T[:, None]
-    attn_TNHd = torch.einsum("nts,snd->tnd", scores_NTT.masked_fill(~causal_TT, -math.inf).softmax(-1), v[:, kv_of_head])
+    attn_TNHd = torch.einsum(
+        "nts,snd->tnd", scores_NTT.masked_fill(~causal_TT, -math.inf).softmax(-1), v[:, kv_of_head]
+    )
     o_TH = attn_TNHd.reshape(Tn, N * Hd) @ w["midlayer.self_attn.o_proj.weight"].T
     residual_TH = o_TH + residual_TH  # fused add-RMSNorm
     gate_up = _rms(residual_TH, w["midlayer.post_attention_layernorm.weight"], eps) @ w_gate_up.T
@@ -169,8 +190,11 @@ def project_forward(draft: Eagle3Draft, taps_T3Ht, emb_VH, tokens_T):
     n = tokens_T.shape[0]
     cd.new_cache(n, n)
     h_BH, logits_BVd = cd.extend(
-        taps_T3Ht.expand(n, -1, -1, -1), tokens_T.expand(n, -1), torch.zeros(n, dtype=torch.long),
-        torch.arange(1, n + 1), n_slots=n,
+        taps_T3Ht.expand(n, -1, -1, -1),
+        tokens_T.expand(n, -1),
+        torch.zeros(n, dtype=torch.long),
+        torch.arange(1, n + 1),
+        n_slots=n,
     )
     return logits_BVd, h_BH
 
@@ -208,7 +232,9 @@ def test_exported_draft_runs_in_sglangs_eagle3_layout_like_the_project(tmp_path)
     for key in ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "num_aux_hidden_states", "bias"):
         assert not cfg.get(key) and not cfg["eagle_config"].get(key), key
 
-    emb_VH = torch.randn(a.vocab_size, a.hidden, generator=g)  # the target's embedding (SGLang loads it from the target)
+    emb_VH = torch.randn(
+        a.vocab_size, a.hidden, generator=g
+    )  # the target's embedding (SGLang loads it from the target)
     taps_T3Ht = torch.randn(T, 3, a.target_hidden, generator=g)
     tokens_T = torch.randint(0, a.vocab_size, (T,), generator=g)
     pos_T = torch.arange(T)
@@ -224,6 +250,9 @@ def test_exported_draft_runs_in_sglangs_eagle3_layout_like_the_project(tmp_path)
         with torch.no_grad():
             logits, h = project_forward(d, taps_T3Ht, emb_VH, tokens_T)
         # tolerance: the same weights in fp32 against SGLang's forward in fp64: fp32 rounding of a few GEMMs
-        torch.testing.assert_close(logits.double(), ref_logits, rtol=1e-5, atol=2e-5, msg=lambda m: f"{which} logits: {m}")
+        torch.testing.assert_close(
+            logits.double(), ref_logits, rtol=1e-5, atol=2e-5, msg=lambda m: f"{which} logits: {m}"
+        )
+        # tolerance: the same as the logits' (the hidden state of the same fp32 forward)
         torch.testing.assert_close(h.double(), ref_h, rtol=1e-5, atol=2e-5, msg=lambda m: f"{which} hidden: {m}")
         assert torch.equal(d.draft_to_target_ids(), ref_hot)

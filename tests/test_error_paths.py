@@ -59,8 +59,10 @@ def test_rl_loop_names_the_settings_when_a_rollout_does_not_fit_the_sequence_len
     # BOS + 2 prompt characters + a 6-character completion = 9 tokens
     problems = [("qa", "5", ["5", "123456"]), ("qb", "7", ["7", "8"])]
     rollout_step(problems, seq_len=9)  # fits exactly
-    with _raises_exactly(ValueError, "a document of 9 tokens does not fit a row of 8 tokens: "
-                                     "raise training.seq_len or lower rl.max_new_tokens"):
+    with _raises_exactly(
+        ValueError,
+        "a document of 9 tokens does not fit a row of 8 tokens: raise training.seq_len or lower rl.max_new_tokens",
+    ):
         rollout_step(problems, seq_len=8)
 
 
@@ -74,8 +76,11 @@ def test_rl_loop_under_pipeline_parallelism_packs_a_minibatch_into_local_batch_s
     assert n == 3
     _, labels_BL, _ = rollout_step(problems, seq_len=9, pp_rows=n + 2)
     assert labels_BL.shape == (n + 2, 9) and torch.equal(labels_BL[:n], flat_BL) and (labels_BL[n:] == -100).all()
-    with _raises_exactly(ValueError, "under pipeline parallelism a minibatch is packed into "
-                                     "training.local_batch_size = 2 rows of 9 tokens (the schedule's microbatches), "
-                                     "but only 2 of its 4 completions fit: raise training.local_batch_size (a multiple "
-                                     "of parallelism.pipeline_parallel_microbatch_size), training.seq_len or rl.minibatches"):
+    with _raises_exactly(
+        ValueError,
+        "under pipeline parallelism a minibatch is packed into "
+        "training.local_batch_size = 2 rows of 9 tokens (the schedule's microbatches), "
+        "but only 2 of its 4 completions fit: raise training.local_batch_size (a multiple "
+        "of parallelism.pipeline_parallel_microbatch_size), training.seq_len or rl.minibatches",
+    ):
         rollout_step(problems, seq_len=9, pp_rows=n - 1)

@@ -34,19 +34,54 @@ def _args(tmp, dump, steps):
         with open(task, "w") as f:
             f.write(json.dumps({"question": "12+7?", "answer": "12+7=19 #### 19"}) + "\n")
     return [
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", str(NPROC),
-        "--task.name", "jsonl", "--task.path", task, "--lr_scheduler.warmup_steps", "0",
-        "--lr_scheduler.decay_ratio", "0", "--draft.enable", "true", "--draft.draft_vocab_size", "24",
-        "--draft.eagle3.ttt_steps", "3", "--draft.vocab_count_batches", "1", "--checkpoint.interval", "1",
-        "--training.steps", str(steps),
-        "--job.dump_folder", dump,
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        str(NPROC),
+        "--task.name",
+        "jsonl",
+        "--task.path",
+        task,
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--lr_scheduler.decay_ratio",
+        "0",
+        "--draft.enable",
+        "true",
+        "--draft.draft_vocab_size",
+        "24",
+        "--draft.eagle3.ttt_steps",
+        "3",
+        "--draft.vocab_count_batches",
+        "1",
+        "--checkpoint.interval",
+        "1",
+        "--training.steps",
+        str(steps),
+        "--job.dump_folder",
+        dump,
     ]
 
 
 def _cmd(argv):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-            "-m", "titan_spec.train", "--config", TOML, *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        "-m",
+        "titan_spec.train",
+        "--config",
+        TOML,
+        *argv,
+    ]
 
 
 def _env(**extra):
@@ -85,16 +120,37 @@ def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("faults"))
     ref, nan, stop, huge = (os.path.join(tmp, n) for n in ("ref", "nan", "stop", "huge"))
     faults = "nan_grad_policy@2,nan_grad_draft@2,nan_grad_policy@4,nan_grad_draft@4"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           os.path.join(ROOT, "tests/helpers/train_many.py"), json.dumps([
-               {"argv": ["--config", TOML, *_args(tmp, ref, 4), "--checkpoint.enable", "false"]},
-               # Two skips, never two in a row: a limit of 2 consecutive skips must not stop it.
-               {"argv": ["--config", TOML, *_args(tmp, nan, 6), "--training.max_consecutive_skips", "2",
-                         "--checkpoint.interval", "2"], "env": {"TITAN_SPEC_FAULTS": faults}},
-               {"argv": ["--config", TOML, *_args(tmp, stop, 5), "--training.max_consecutive_skips", "2"],
-                "env": {"TITAN_SPEC_FAULTS": "nan_grad_draft@2,nan_grad_draft@3"}},
-               {"argv": ["--config", TOML, *_args(tmp, huge, 8), "--optimizer.lr", "1e30"]},
-           ])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        os.path.join(ROOT, "tests/helpers/train_many.py"),
+        json.dumps(
+            [
+                {"argv": ["--config", TOML, *_args(tmp, ref, 4), "--checkpoint.enable", "false"]},
+                # Two skips, never two in a row: a limit of 2 consecutive skips must not stop it.
+                {
+                    "argv": [
+                        "--config",
+                        TOML,
+                        *_args(tmp, nan, 6),
+                        "--training.max_consecutive_skips",
+                        "2",
+                        "--checkpoint.interval",
+                        "2",
+                    ],
+                    "env": {"TITAN_SPEC_FAULTS": faults},
+                },
+                {
+                    "argv": ["--config", TOML, *_args(tmp, stop, 5), "--training.max_consecutive_skips", "2"],
+                    "env": {"TITAN_SPEC_FAULTS": "nan_grad_draft@2,nan_grad_draft@3"},
+                },
+                {"argv": ["--config", TOML, *_args(tmp, huge, 8), "--optimizer.lr", "1e30"]},
+            ]
+        ),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     log = out.stdout + out.stderr
     assert f"train_many: {ref} exit 0" in log, log[-6000:]  # each test checks its own run's exit
@@ -187,9 +243,11 @@ def test_huge_learning_rate_stops_before_any_non_finite_weight(runs):
     dump = runs["huge"]
     assert f"train_many: {dump} exit 1" in runs["log"]
     lines = {ln for ln in runs["log"].splitlines() if ln.startswith("titan_spec: stopped") and dump in ln}
-    assert lines == {f"titan_spec: stopped at step 4: the policy gradient norm was not finite for 3 consecutive "
-                     f"steps (training.max_consecutive_skips = 3); last good checkpoint: "
-                     f"{os.path.join(dump, 'checkpoint', 'step-3')}"}, lines
+    assert lines == {
+        f"titan_spec: stopped at step 4: the policy gradient norm was not finite for 3 consecutive "
+        f"steps (training.max_consecutive_skips = 3); last good checkpoint: "
+        f"{os.path.join(dump, 'checkpoint', 'step-3')}"
+    }, lines
     rows = _rows(dump)
     assert [r["grad_norm"] is None for r in rows] == [False, True, True]
     assert all(r["loss"] is not None for r in rows)
@@ -246,6 +304,7 @@ def test_kill_at_a_random_step_and_during_a_checkpoint_write_then_resume(runs, t
 def _kill9(proc):
     """SIGKILL torchrun and its workers (each in its own session, so not by process group),
     workers first so none outlives the kill."""
+
     def children(pid):
         try:
             with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -290,8 +349,13 @@ def test_every_corrupted_file_is_detected_and_the_previous_checkpoint_chosen(run
 
     assert choose_checkpoint(fresh("clean")) == (6, os.path.join(str(tmp_path / "clean"), "step-6"))
     cases = {f"bytes {n}": (n, "does not match its checksum") for n in names if n != MANIFEST}
-    cases.update({"deleted .metadata": (".metadata", "is missing"), "truncated": ("__0_0.distcp", "bytes, not"),
-                  "unsealed": (MANIFEST, "unsealed")})
+    cases.update(
+        {
+            "deleted .metadata": (".metadata", "is missing"),
+            "truncated": ("__0_0.distcp", "bytes, not"),
+            "unsealed": (MANIFEST, "unsealed"),
+        }
+    )
     for i, (tag, (name, why)) in enumerate(cases.items()):
         folder = fresh(f"case{i}")
         target = os.path.join(folder, "step-6", name)
@@ -361,8 +425,11 @@ def test_rl_report_skips_null_values(tmp_path):
     from titan_spec.rl.plots import _series
     from titan_spec.rl.report import _mean, read_metrics
 
-    rows = [{"step": 1, "rl/reward": 0.5}, {"step": 2, "rl/reward": None, "nonfinite": ["rl/reward"]},
-            {"step": 3, "rl/reward": 1.0}]
+    rows = [
+        {"step": 1, "rl/reward": 0.5},
+        {"step": 2, "rl/reward": None, "nonfinite": ["rl/reward"]},
+        {"step": 3, "rl/reward": 1.0},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows = read_metrics(str(tmp_path))
     assert _mean(rows, "rl/reward") == 0.75 and _series(rows, "rl/reward") == ([1, 3], [0.5, 1.0])
@@ -375,14 +442,23 @@ def test_a_finished_process_exits_0_while_a_gloo_thread_runs_python(tmp_path):
     exit aborts that process (CI saw a finished dp = 2 run end so): the control."""
 
     def launch(mode):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "tests", "helpers", "exit_after_collective.py"), str(tmp_path / mode), mode]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(ROOT, "tests", "helpers", "exit_after_collective.py"),
+            str(tmp_path / mode),
+            mode,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
 
     control = launch("sys_exit")
     assert control.returncode != 0 and "terminate called without an active exception" in control.stderr, (
         f"Python's own exit no longer aborts here (rc {control.returncode}; a torch that fixed it?):\n"
-        f"{control.stderr[-2000:]}")
+        f"{control.stderr[-2000:]}"
+    )
     out = launch("exit_process")
     assert out.returncode == 0, out.stderr[-3000:]
 

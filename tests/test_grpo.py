@@ -131,8 +131,9 @@ def test_kl_k3_gradient_is_its_closed_form_and_masked_tokens_are_excluded():
     torch.testing.assert_close(logp.grad, expected, rtol=1e-12, atol=1e-15)
     # The KL part alone (A = 0): a token below its reference is pushed up, one above pushed down.
     logp0 = _logp(ratio, behaviour)
-    ppo_clip_loss(logp0, behaviour, torch.zeros(5, dtype=torch.float64), mask, N,
-                  ref_logp_T=ref, kl_beta=beta).loss.backward()
+    ppo_clip_loss(
+        logp0, behaviour, torch.zeros(5, dtype=torch.float64), mask, N, ref_logp_T=ref, kl_beta=beta
+    ).loss.backward()
     assert logp0.grad[1] < 0 < logp0.grad[0] and logp0.grad[4] == 0
     torch.testing.assert_close(logp0.grad, beta * (1 - torch.exp(d)) * m / N, rtol=1e-12, atol=1e-15)
 
@@ -151,8 +152,10 @@ def test_group_advantages_with_more_groups_than_members_and_distinct_rewards():
     torch.testing.assert_close(group_advantages(r_PG), torch.tensor(s), rtol=1e-5, atol=0)
     r_PG = torch.tensor([[0.0, 1.0, 5.0], [2.0, 2.0, 2.0]])  # P = 2, G = 3: mean 2, var (4 + 1 + 9) / 2
     torch.testing.assert_close(
-        group_advantages(r_PG), torch.tensor([[-2.0, -1.0, 3.0], [0.0, 0.0, 0.0]]) / torch.tensor([[7**0.5], [1.0]]),
-        rtol=1e-5, atol=0,
+        group_advantages(r_PG),
+        torch.tensor([[-2.0, -1.0, 3.0], [0.0, 0.0, 0.0]]) / torch.tensor([[7**0.5], [1.0]]),
+        rtol=1e-5,
+        atol=0,
     )
 
 
@@ -165,12 +168,22 @@ PROBLEMS = [
 ]
 ADVANTAGES = {  # (prompt, completion) -> advantage, by hand
     True: {  # centred / unbiased std (qa: std sqrt(1/3), qb: std 1/2)
-        ("qa", "5"): 0.5 * math.sqrt(3), ("qa", "6"): -0.5 * math.sqrt(3), ("qa", "55"): -0.5 * math.sqrt(3),
-        ("qb", "7"): 1.5, ("qb", "1"): -0.5, ("qb", "2"): -0.5, ("qb", "3"): -0.5,
+        ("qa", "5"): 0.5 * math.sqrt(3),
+        ("qa", "6"): -0.5 * math.sqrt(3),
+        ("qa", "55"): -0.5 * math.sqrt(3),
+        ("qb", "7"): 1.5,
+        ("qb", "1"): -0.5,
+        ("qb", "2"): -0.5,
+        ("qb", "3"): -0.5,
     },
     False: {  # centred only
-        ("qa", "5"): 0.5, ("qa", "6"): -0.5, ("qa", "55"): -0.5,
-        ("qb", "7"): 0.75, ("qb", "1"): -0.25, ("qb", "2"): -0.25, ("qb", "3"): -0.25,
+        ("qa", "5"): 0.5,
+        ("qa", "6"): -0.5,
+        ("qa", "55"): -0.5,
+        ("qb", "7"): 0.75,
+        ("qb", "1"): -0.25,
+        ("qb", "2"): -0.25,
+        ("qb", "3"): -0.25,
     },
 }
 
@@ -220,8 +233,12 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
     model.init_weights(buffer_device=None)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     spec = SimpleNamespace(draft=SimpleNamespace(loss_weight=0.5))
-    fake = SimpleNamespace(config=SimpleNamespace(arch=arch, spec=spec),
-                           device=torch.device("cpu"), model_parts=[model], train_context=nullcontext)
+    fake = SimpleNamespace(
+        config=SimpleNamespace(arch=arch, spec=spec),
+        device=torch.device("cpu"),
+        model_parts=[model],
+        train_context=nullcontext,
+    )
     reference = RLTrainer._build_reference(fake)
     assert not any(p.requires_grad for p in reference.parameters())
     with torch.no_grad():  # the policy moves on; its reference must not
@@ -232,16 +249,31 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
     docs = []
     for i in range(4):
         c = torch.randint(3, 40, (3 + i,), generator=g).tolist()
-        docs.append(Document([1] + torch.randint(3, 40, (4,), generator=g).tolist() + c, loss_from=5, values={
-            "behaviour_logp": (-torch.rand(len(c), generator=g) * 3).tolist(), "advantages": [i - 1.5] * len(c)}))
+        docs.append(
+            Document(
+                [1] + torch.randint(3, 40, (4,), generator=g).tolist() + c,
+                loss_from=5,
+                values={
+                    "behaviour_logp": (-torch.rand(len(c), generator=g) * 3).tolist(),
+                    "advantages": [i - 1.5] * len(c),
+                },
+            )
+        )
     b, _ = pack_documents(docs, None, 32, pad_id=0)
     mask = b.labels_BL != IGNORE
     N = mask.sum()
     extra = {"positions": b.positions_BL, "attention_masks": model.get_attention_masks(b.positions_BL)}
     dcfg = DraftConfig(enable=True, eagle3=Eagle3Config(ttt_steps=2))
-    dt = DraftTraining(dcfg, DraftArch.from_target(arch, taps, arch.vocab_size), device=torch.device("cpu"),
-                       dp_mesh=None, lr_scheduler_cfg=load_config(None).lr_scheduler, training_steps=10,
-                       token_counts_V=None, seed=0)
+    dt = DraftTraining(
+        dcfg,
+        DraftArch.from_target(arch, taps, arch.vocab_size),
+        device=torch.device("cpu"),
+        dp_mesh=None,
+        lr_scheduler_cfg=load_config(None).lr_scheduler,
+        training_steps=10,
+        token_counts_V=None,
+        seed=0,
+    )
 
     def step(kl_beta):
         model.zero_grad(set_to_none=True)

@@ -44,22 +44,72 @@ def test_user_chain_with_hf_tokenizer_dataset_and_math_reward(tmp_path):
     data = write_jsonl(tmp_path / "gsm8k_train.jsonl", gsm8k_records(64))
     task = ("--task.name", "dataset", "--task.path", data, "--task.chat_template_kwargs", "{enable_thinking = false}")
     sft, draft, rl = (str(tmp_path / n) for n in ("sft", "draft", "rl"))
-    rows = train_many(1, [
-        (sft, ("--model.hf_checkpoint", str(base), *task, *SMALL, "--training.steps", "6", "--job.export_hf", "hf")),
-        (draft, ("--config", "debug_cpu_draft.toml", "--model.hf_checkpoint", os.path.join(sft, "hf"), *task, *SMALL,
-                 "--training.steps", "3", "--draft.data", "demonstrations")),
-        (rl, ("--config", "debug_cpu.toml", "--model.hf_checkpoint", os.path.join(sft, "hf"),
-              "--draft.init_from", os.path.join(draft, "draft"), *task, "--task.reward", "math", *SMALL,
-              "--training.steps", "2", "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--rl.max_new_tokens", "8",
-              "--rl.baseline_interval", "0", "--rollout.progress", "false", "--draft.eagle3.ttt_steps", "2",
-              "--job.export_hf", "hf")),
-    ], config="debug_cpu_sft.toml", timeout=900)
+    rows = train_many(
+        1,
+        [
+            (
+                sft,
+                ("--model.hf_checkpoint", str(base), *task, *SMALL, "--training.steps", "6", "--job.export_hf", "hf"),
+            ),
+            (
+                draft,
+                (
+                    "--config",
+                    "debug_cpu_draft.toml",
+                    "--model.hf_checkpoint",
+                    os.path.join(sft, "hf"),
+                    *task,
+                    *SMALL,
+                    "--training.steps",
+                    "3",
+                    "--draft.data",
+                    "demonstrations",
+                ),
+            ),
+            (
+                rl,
+                (
+                    "--config",
+                    "debug_cpu.toml",
+                    "--model.hf_checkpoint",
+                    os.path.join(sft, "hf"),
+                    "--draft.init_from",
+                    os.path.join(draft, "draft"),
+                    *task,
+                    "--task.reward",
+                    "math",
+                    *SMALL,
+                    "--training.steps",
+                    "2",
+                    "--rl.prompts_per_step",
+                    "2",
+                    "--rl.group_size",
+                    "2",
+                    "--rl.max_new_tokens",
+                    "8",
+                    "--rl.baseline_interval",
+                    "0",
+                    "--rollout.progress",
+                    "false",
+                    "--draft.eagle3.ttt_steps",
+                    "2",
+                    "--job.export_hf",
+                    "hf",
+                ),
+            ),
+        ],
+        config="debug_cpu_sft.toml",
+        timeout=900,
+    )
     assert [len(r) for r in rows] == [6, 3, 2]
     assert all(0.0 <= r["rl/reward"] <= 1.0 and r["rollout/tokens"] > 0 for r in rows[2])
 
     # Every run saved the same tokenizer, and every export carries it (the chain read it from there).
     for d in (sft, os.path.join(sft, "hf"), rl, os.path.join(rl, "hf")):
-        with open(os.path.join(d, "tokenizer.json"), "rb") as f, open(os.path.join(tok_dir, "tokenizer.json"), "rb") as g:
+        with (
+            open(os.path.join(d, "tokenizer.json"), "rb") as f,
+            open(os.path.join(tok_dir, "tokenizer.json"), "rb") as g,
+        ):
             assert f.read() == g.read(), d
     exported = os.path.join(rl, "hf")
     ref_tok = transformers.AutoTokenizer.from_pretrained(exported)

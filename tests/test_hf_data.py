@@ -28,8 +28,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers.hf_assets import gsm8k_records, write_jsonl, write_tiny_qwen3, write_tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEXTS = ["What is 3 plus 4?", "  spaces\tand\nnewlines  ", "unicode: café ÷ π", "<|im_start|>user\nhi<|im_end|>",
-         "<think>\nstep</think>\n\n#### 7", "The answer is \\boxed{\\frac{3}{4}}."]
+TEXTS = [
+    "What is 3 plus 4?",
+    "  spaces\tand\nnewlines  ",
+    "unicode: café ÷ π",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<think>\nstep</think>\n\n#### 7",
+    "The answer is \\boxed{\\frac{3}{4}}.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,10 @@ def reference(tok_dir):
 def test_hf_tokenizer_matches_transformers(tok_dir, reference):
     tok = HFTokenizer(tokenizer_path=tok_dir)
     assert (tok.eos_id, tok.pad_id, tok.bos_id) == (reference.eos_token_id, reference.pad_token_id, None)
-    assert tok.stop_ids == (reference.convert_tokens_to_ids("<|im_end|>"), reference.convert_tokens_to_ids("<|endoftext|>"))
+    assert tok.stop_ids == (
+        reference.convert_tokens_to_ids("<|im_end|>"),
+        reference.convert_tokens_to_ids("<|endoftext|>"),
+    )
     assert tok.get_vocab_size() == len(reference)  # the largest id + 1 (added tokens after the BPE)
     for text in TEXTS:
         ids = tok.encode(text)
@@ -103,20 +112,25 @@ def test_sft_and_rl_prompts_are_the_same_ids(tok_dir, reference, tmp_path):
     recs = gsm8k_records(6)
     task = _task(write_jsonl(tmp_path / "g.jsonl", recs), chat_template_kwargs={"enable_thinking": False})
     tok = HFTokenizer(tokenizer_path=tok_dir)
-    loader = TaskDataLoader(TaskDataLoader.Config(task=task), dp_world_size=1, dp_rank=0, tokenizer=tok,
-                            seq_len=512, local_batch_size=1)
+    loader = TaskDataLoader(
+        TaskDataLoader.Config(task=task), dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=512, local_batch_size=1
+    )
     p = loader.task.problems[0]
-    want = reference.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=True,
-                                         add_generation_prompt=True, enable_thinking=False)
+    want = reference.apply_chat_template(
+        [{"role": "user", "content": p.prompt}], tokenize=True, add_generation_prompt=True, enable_thinking=False
+    )
     assert loader.prompt_ids(p) == list(want["input_ids"] if hasattr(want, "keys") else want)
     first = loader.task.sample(random.Random(task.seed * 1_000_003 + 0))
     row = loader._global_batch(0).input_BL[0].tolist()
     ids = loader.prompt_ids(first)
-    assert row[:len(ids)] == ids
-    assert row[len(ids):len(ids) + len(tok.encode(first.sft_target)) + 1] == tok.encode(first.sft_target, add_eos=True)
+    assert row[: len(ids)] == ids
+    assert row[len(ids) : len(ids) + len(tok.encode(first.sft_target)) + 1] == tok.encode(
+        first.sft_target, add_eos=True
+    )
     char = CharTokenizer()
-    plain = TaskDataLoader(TaskDataLoader.Config(), dp_world_size=1, dp_rank=0, tokenizer=char, seq_len=64,
-                           local_batch_size=1)
+    plain = TaskDataLoader(
+        TaskDataLoader.Config(), dp_world_size=1, dp_rank=0, tokenizer=char, seq_len=64, local_batch_size=1
+    )
     q = plain.task.sample(random.Random(0))
     assert plain.prompt_ids(q) == char.encode(q.prompt, add_bos=True)
 
@@ -127,9 +141,15 @@ def test_saved_tokenizers_reload_as_the_same(tok_dir, tmp_path):
     again = HFTokenizer(tokenizer_path=str(tmp_path / "saved"))
     msgs = [{"role": "user", "content": "hi"}]
     assert [again.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
-    assert (again.eos_id, again.pad_id, again.stop_ids, again.get_vocab_size()) == \
-        (tok.eos_id, tok.pad_id, tok.stop_ids, tok.get_vocab_size())
-    assert again.apply_chat_template(msgs, add_generation_prompt=True) == tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert (again.eos_id, again.pad_id, again.stop_ids, again.get_vocab_size()) == (
+        tok.eos_id,
+        tok.pad_id,
+        tok.stop_ids,
+        tok.get_vocab_size(),
+    )
+    assert again.apply_chat_template(msgs, add_generation_prompt=True) == tok.apply_chat_template(
+        msgs, add_generation_prompt=True
+    )
     assert tokenizer_source("auto", "", str(tmp_path / "saved")) == ("hf", str(tmp_path / "saved"))
     char = CharTokenizer()
     char.save(str(tmp_path / "char"))
@@ -155,20 +175,24 @@ def test_chat_template_jinja_file_wins(tok_dir, tmp_path):
 
 # --- rewards ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("completion,answer,want", [
-    ("so the answer is \\boxed{1/2}", "0.5", 1.0),
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("The answer is $\\boxed{\\frac{3}{4}}$", "\\frac{3}{4}", 1.0),
-    ("\\boxed{\\frac34}", "0.75", 1.0),
-    ("3+4=7\n#### 7", "7", 1.0),
-    ("\\boxed{\\sqrt 2}", "\\sqrt{2}", 1.0),  # a bare LaTeX reference answer is read as math ($...$)
-    ("\\boxed{2}", "2\\pi", 0.0),
-    ("\\boxed{3}", "3\\sqrt{13}", 0.0),
-    ("\\boxed{\\frac{3}{5}}", "\\frac{3}{4}", 0.0),
-    ("\\boxed{41}", "42", 0.0),
-    ("I do not know", "42", 0.0),
-    ("", "1/2", 0.0),
-])
+
+@pytest.mark.parametrize(
+    "completion,answer,want",
+    [
+        ("so the answer is \\boxed{1/2}", "0.5", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("The answer is $\\boxed{\\frac{3}{4}}$", "\\frac{3}{4}", 1.0),
+        ("\\boxed{\\frac34}", "0.75", 1.0),
+        ("3+4=7\n#### 7", "7", 1.0),
+        ("\\boxed{\\sqrt 2}", "\\sqrt{2}", 1.0),  # a bare LaTeX reference answer is read as math ($...$)
+        ("\\boxed{2}", "2\\pi", 0.0),
+        ("\\boxed{3}", "3\\sqrt{13}", 0.0),
+        ("\\boxed{\\frac{3}{5}}", "\\frac{3}{4}", 0.0),
+        ("\\boxed{41}", "42", 0.0),
+        ("I do not know", "42", 0.0),
+        ("", "1/2", 0.0),
+    ],
+)
 def test_math_reward(completion, answer, want):
     assert rewards.math_reward(completion, answer, {}) == want
 
@@ -188,13 +212,19 @@ def _user_module(tmp_path, monkeypatch, body):
 
 
 def test_user_reward_by_dotted_path(tmp_path, monkeypatch):
-    _user_module(tmp_path, monkeypatch, "def length(completion, answer, record):\n    return len(completion) + record['bonus']\n"
-                                         "def boom(completion, answer, record):\n    raise KeyError('tests')\n"
-                                         "def nan(completion, answer, record):\n    return float('nan')\n")
+    _user_module(
+        tmp_path,
+        monkeypatch,
+        "def length(completion, answer, record):\n    return len(completion) + record['bonus']\n"
+        "def boom(completion, answer, record):\n    raise KeyError('tests')\n"
+        "def nan(completion, answer, record):\n    return float('nan')\n",
+    )
     fn = rewards.reward_fn("my_rewards:length")
     probs = [Problem("p", "a", source="f.jsonl:3", record={"bonus": 10})]
     assert rewards.score(fn, "my_rewards:length", ["abc"], probs) == [13.0]
-    with pytest.raises(rewards.RewardError, match=r"reward 'my_rewards:boom' raised on record f.jsonl:3: KeyError: 'tests'"):
+    with pytest.raises(
+        rewards.RewardError, match=r"reward 'my_rewards:boom' raised on record f.jsonl:3: KeyError: 'tests'"
+    ):
         rewards.score(rewards.reward_fn("my_rewards:boom"), "my_rewards:boom", ["abc"], probs)
     with pytest.raises(rewards.RewardError, match="returned nan on record f.jsonl:3"):
         rewards.score(rewards.reward_fn("my_rewards:nan"), "my_rewards:nan", ["abc"], probs)
@@ -212,14 +242,22 @@ def test_a_raising_reward_stops_the_run_with_one_line_naming_the_record(capsys):
         raise ZeroDivisionError("division by zero")
 
     tok = CharTokenizer()
-    fake = SimpleNamespace(rl=SimpleNamespace(group_size=2), tokenizer=tok, reward=boom, _warn_if_degenerate=print,
-                           config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(reward="mine:boom"))))
-    batch = SimpleNamespace(problems=[Problem("1+1=", "2", source="train.jsonl:7")],
-                            rollouts=[SimpleNamespace(output_ids=tok.encode("2", add_eos=True))] * 2)
+    fake = SimpleNamespace(
+        rl=SimpleNamespace(group_size=2),
+        tokenizer=tok,
+        reward=boom,
+        _warn_if_degenerate=print,
+        config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(reward="mine:boom"))),
+    )
+    batch = SimpleNamespace(
+        problems=[Problem("1+1=", "2", source="train.jsonl:7")],
+        rollouts=[SimpleNamespace(output_ids=tok.encode("2", add_eos=True))] * 2,
+    )
     with pytest.raises(rewards.RewardError) as e:
         RLTrainer.score(fake, batch)
-    assert str(e.value) == ("reward 'mine:boom' raised on record train.jsonl:7: ZeroDivisionError: division by zero "
-                            "(completion '2')")
+    assert str(e.value) == (
+        "reward 'mine:boom' raised on record train.jsonl:7: ZeroDivisionError: division by zero (completion '2')"
+    )
 
     class Trainer:
         closed = False
@@ -246,6 +284,7 @@ def test_reward_names_are_checked():
 
 # --- dataset records --------------------------------------------------------------------------
 
+
 def _task(path, **kw):
     return TaskConfig(name="dataset", path=str(path), **kw)
 
@@ -254,7 +293,11 @@ def test_gsm8k_jsonl_as_distributed(tmp_path):
     recs = gsm8k_records(5)
     task = DatasetTask(_task(write_jsonl(tmp_path / "train.jsonl", recs)))
     p = task.problems[2]
-    assert (p.prompt, p.answer, p.sft_target) == (recs[2]["question"], recs[2]["answer"].split("#### ")[1], recs[2]["answer"])
+    assert (p.prompt, p.answer, p.sft_target) == (
+        recs[2]["question"],
+        recs[2]["answer"].split("#### ")[1],
+        recs[2]["answer"],
+    )
     assert p.source == f"{tmp_path / 'train.jsonl'}:3" and p.record == recs[2]
 
 
@@ -262,15 +305,32 @@ def test_math_and_dapo_parquet_as_distributed(tmp_path):
     datasets = pytest.importorskip("datasets")
     math_rows = [{"problem": "Simplify 6/8.", "solution": "Divide by 2: $\\boxed{\\frac{3}{4}}$.", "level": "Level 1"}]
     datasets.Dataset.from_list(math_rows).to_parquet(str(tmp_path / "math.parquet"))
-    task = DatasetTask(_task(tmp_path / "math.parquet", prompt_field="problem", answer_field="solution",
-                             prompt_template="{prompt} Put the final answer in \\boxed{}."))
+    task = DatasetTask(
+        _task(
+            tmp_path / "math.parquet",
+            prompt_field="problem",
+            answer_field="solution",
+            prompt_template="{prompt} Put the final answer in \\boxed{}.",
+        )
+    )
     (p,) = task.problems
-    assert (p.prompt, p.answer, p.sft_target) == ("Simplify 6/8. Put the final answer in \\boxed{}.", "\\frac{3}{4}",
-                                                  math_rows[0]["solution"])
-    dapo_rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": "Find x if 2x = 10."}],
-                  "ability": "MATH", "reward_model": {"ground_truth": "5", "style": "rule-lighteval/MATH_v2"}}]
+    assert (p.prompt, p.answer, p.sft_target) == (
+        "Simplify 6/8. Put the final answer in \\boxed{}.",
+        "\\frac{3}{4}",
+        math_rows[0]["solution"],
+    )
+    dapo_rows = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "user", "content": "Find x if 2x = 10."}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": "5", "style": "rule-lighteval/MATH_v2"},
+        }
+    ]
     datasets.Dataset.from_list(dapo_rows).to_parquet(str(tmp_path / "dapo.parquet"))
-    task = DatasetTask(_task(tmp_path / "dapo.parquet", prompt_field="prompt", answer_field="reward_model.ground_truth"))
+    task = DatasetTask(
+        _task(tmp_path / "dapo.parquet", prompt_field="prompt", answer_field="reward_model.ground_truth")
+    )
     (p,) = task.problems
     assert (p.messages, p.answer, p.sft_target) == (({"role": "user", "content": "Find x if 2x = 10."},), "5", "5")
 
@@ -278,8 +338,14 @@ def test_math_and_dapo_parquet_as_distributed(tmp_path):
 def test_malformed_records_are_named_or_skipped(tmp_path):
     good = gsm8k_records(3)
     path = tmp_path / "bad.jsonl"
-    lines = [json.dumps(good[0]), "{not json", json.dumps({"question": "q"}), "",
-             json.dumps({"question": "q", "answer": "no mark"}), json.dumps(good[1])]
+    lines = [
+        json.dumps(good[0]),
+        "{not json",
+        json.dumps({"question": "q"}),
+        "",
+        json.dumps({"question": "q", "answer": "no mark"}),
+        json.dumps(good[1]),
+    ]
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"3 malformed record\(s\); first: .*bad.jsonl:2: not JSON"):
         DatasetTask(_task(path, answer_format="gsm8k"))
@@ -290,6 +356,7 @@ def test_malformed_records_are_named_or_skipped(tmp_path):
 
 
 # --- bad input: one line, exit 2, before anything trains ---------------------------------------
+
 
 def _check(capsys, *args):
     from titan_spec.train.entry import main
@@ -317,20 +384,28 @@ def test_bad_inputs_are_one_line_each(capsys, tiny_ckpt, tok_dir, tmp_path):
     dataset = ["--task.name", "dataset", "--task.path", data]
     cases = [
         (["--model.hf_checkpoint", ckpt], f"command line --model.hf_checkpoint: {ckpt!r} has no tokenizer files"),
-        (["--model.hf_checkpoint", str(root / "small_vocab"), "--tokenizer.path", tok_dir],
-         f"command line --tokenizer.path: the tokenizer of {tok_dir} has ids up to 326, but "
-         f"{root / 'small_vocab'} has a vocabulary of 200 (ids >= 200 have no embedding)"),
-        (["--task.name", "dataset", "--task.path", str(tmp_path / "math.jsonl")],
-         "no record has the field 'question' (task.prompt_field); its records have: ['problem', 'solution']"),
-        ([*dataset, "--task.reward", "mathh"], "command line --task.reward: task.reward = 'mathh' is not a reward (did you mean 'math'?)"),
+        (
+            ["--model.hf_checkpoint", str(root / "small_vocab"), "--tokenizer.path", tok_dir],
+            f"command line --tokenizer.path: the tokenizer of {tok_dir} has ids up to 326, but "
+            f"{root / 'small_vocab'} has a vocabulary of 200 (ids >= 200 have no embedding)",
+        ),
+        (
+            ["--task.name", "dataset", "--task.path", str(tmp_path / "math.jsonl")],
+            "no record has the field 'question' (task.prompt_field); its records have: ['problem', 'solution']",
+        ),
+        (
+            [*dataset, "--task.reward", "mathh"],
+            "command line --task.reward: task.reward = 'mathh' is not a reward (did you mean 'math'?)",
+        ),
         ([*dataset, "--task.reward", "no_such_module_x:score"], "module 'no_such_module_x' does not import"),
     ]
     for args, needle in cases:
         rc, err = _check(capsys, *args)
         assert rc == 2 and len(err) == 1 and needle in err[0], (args, err)
     # The same checkpoint with its tokenizer named passes, and so does 'char' (the built-in ids).
-    assert _check(capsys, "--model.hf_checkpoint", ckpt, "--tokenizer.path", tok_dir, *dataset,
-                  "--task.reward", "math") == (0, [])
+    assert _check(
+        capsys, "--model.hf_checkpoint", ckpt, "--tokenizer.path", tok_dir, *dataset, "--task.reward", "math"
+    ) == (0, [])
 
 
 def test_sglang_serves_the_trainers_tokenizer(tok_dir, tmp_path):
@@ -346,8 +421,13 @@ def test_sglang_serves_the_trainers_tokenizer(tok_dir, tmp_path):
     shutil.copytree(served, same)
 
     def check(path):
-        _check_sglang_tokenizer(load_config(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", str(served),
-                                                   "--tokenizer.path", path], check_paths=False))
+        _check_sglang_tokenizer(
+            load_config(
+                None,
+                ["--rollout.engine", "sglang", "--model.hf_checkpoint", str(served), "--tokenizer.path", path],
+                check_paths=False,
+            )
+        )
 
     check(str(same))
     with pytest.raises(ConfigError, match="is not the tokenizer SGLang serves model.hf_checkpoint"):

@@ -29,8 +29,10 @@ def _solve(prompt: str) -> tuple[str, int, int]:
     expressions; returns (answer, char offset of record A, char offset of record B)."""
     m = re.fullmatch(r"(#*)((?:\d{4}=\d;)+)\?(\d{4})\+(\d{4})=", prompt)
     assert m, prompt[:80]
-    records = {k: (int(v), m.start(2) + i.start()) for i, (k, v) in
-               ((i, i.groups()) for i in re.finditer(r"(\d{4})=(\d);", m.group(2)))}
+    records = {
+        k: (int(v), m.start(2) + i.start())
+        for i, (k, v) in ((i, i.groups()) for i in re.finditer(r"(\d{4})=(\d);", m.group(2)))
+    }
     assert len(records) == len(re.findall(r"\d{4}=\d;", m.group(2))), "keys repeat"
     (va, pa), (vb, pb) = records[m.group(3)], records[m.group(4)]
     return f"{m.group(3)}={va},{m.group(4)}={vb},{va + vb}", pa, pb
@@ -86,15 +88,25 @@ def test_records_noisy_demonstrations_keep_the_true_answer():
         assert p.demonstration != p.answer
 
 
-@pytest.mark.parametrize("overrides,needles", [
-    (["--task.generated.prompt_len", "40"], ["task.generated.prompt_len = 40 is not allowed", "at least 67 tokens"]),
-    (["--task.generated.prompt_len", "80000", "--training.seq_len", "80020"],
-     ["task.generated.prompt_len = 80000 is not allowed", "cannot fit", "at most 70017"]),
-    # SFT: <bos> + 8190 + the longest answer (16) + <eos> = 8208 > 8192
-    (["--task.generated.prompt_len", "8190", "--training.seq_len", "8192"],
-     ["task.generated.prompt_len = 8190 does not fit training.seq_len = 8192", "= 8208 tokens", "at least 8208"]),
-    (["--training.seq_len", "70000"], ["training.seq_len = 70000 exceeds the model's maximum of 65536"]),
-])
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (
+            ["--task.generated.prompt_len", "40"],
+            ["task.generated.prompt_len = 40 is not allowed", "at least 67 tokens"],
+        ),
+        (
+            ["--task.generated.prompt_len", "80000", "--training.seq_len", "80020"],
+            ["task.generated.prompt_len = 80000 is not allowed", "cannot fit", "at most 70017"],
+        ),
+        # SFT: <bos> + 8190 + the longest answer (16) + <eos> = 8208 > 8192
+        (
+            ["--task.generated.prompt_len", "8190", "--training.seq_len", "8192"],
+            ["task.generated.prompt_len = 8190 does not fit training.seq_len = 8192", "= 8208 tokens", "at least 8208"],
+        ),
+        (["--training.seq_len", "70000"], ["training.seq_len = 70000 exceeds the model's maximum of 65536"]),
+    ],
+)
 def test_records_bad_lengths_are_one_config_line(overrides, needles):
     from titan_spec.preflight import validate_run
 
@@ -111,14 +123,32 @@ def test_records_rl_prompt_that_does_not_fit_stops_the_chain_before_it_starts(tm
     """`--plan` of the long-context chain (what run_train.sh runs first): an RL prompt whose
     document (<bos> + 8200 + rl.max_new_tokens 24 = 8225) does not fit training.seq_len 8224 is
     one line, exit 2, with no run started (the SFT run it requires included)."""
-    cmd = [sys.executable, "-m", "titan_spec.train", "--plan", "--config", LONG, "--task.generated.prompt_len", "8200",
-           "--job.dump_folder", str(tmp_path / "never")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titan_spec.train",
+        "--plan",
+        "--config",
+        LONG,
+        "--task.generated.prompt_len",
+        "8200",
+        "--job.dump_folder",
+        str(tmp_path / "never"),
+    ]
     env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 2, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "register_constant" not in line]
+    lines = [
+        line
+        for line in out.stderr.splitlines()
+        if line.strip() and "Warning" not in line and "register_constant" not in line
+    ]
     assert len(lines) == 1, out.stderr
-    for needle in ["command line --task.generated.prompt_len", "task.generated.prompt_len = 8200 does not fit training.seq_len = 8224",
-                   "rl.max_new_tokens 24", "= 8225 tokens"]:
+    for needle in [
+        "command line --task.generated.prompt_len",
+        "task.generated.prompt_len = 8200 does not fit training.seq_len = 8224",
+        "rl.max_new_tokens 24",
+        "= 8225 tokens",
+    ]:
         assert needle in lines[0], lines[0]
     assert not (tmp_path / "never").exists() and out.stdout == ""

@@ -26,9 +26,21 @@ V, L, E, K = 97, 6, 8, 2
 
 def _hf_moe(path, **kw):
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=L,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=K,
-        max_position_embeddings=256, norm_topk_prob=True, rope_theta=10000.0, attn_implementation="eager", **kw,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=E,
+        num_experts_per_tok=K,
+        max_position_embeddings=256,
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        attn_implementation="eager",
+        **kw,
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).eval()
@@ -105,19 +117,45 @@ def test_fsdp_dp2_and_expert_parallel_ep2_match_dp1(tmp_path, train, many):
     dp=2 (FSDP) and dp=2 x ep=2 (torchtitan's expert parallelism: each rank holds 4 of the 8
     experts, tokens travel by all-to-all over gloo) give the single-process run's policy and
     draft losses and gradient norms on the same global batch."""
-    common = ["--model.flavor", "tiny_moe", "--checkpoint.enable", "false", "--job.export_hf", "",
-              "--training.steps", "2", "--lr_scheduler.total_steps", "2", "--draft.enable", "true",
-              "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "2"]
+    common = [
+        "--model.flavor",
+        "tiny_moe",
+        "--checkpoint.enable",
+        "false",
+        "--job.export_hf",
+        "",
+        "--training.steps",
+        "2",
+        "--lr_scheduler.total_steps",
+        "2",
+        "--draft.enable",
+        "true",
+        "--draft.draft_vocab_size",
+        "24",
+        "--draft.eagle3.ttt_steps",
+        "2",
+    ]
     one = train(str(tmp_path / "dp1"), 1, (*common, "--training.local_batch_size", "4"))
     two = ("--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2")
-    dp2, ep2 = many(2, [(str(tmp_path / "dp2"), (*common, *two)),
-                        (str(tmp_path / "ep2"), (*common, *two, "--parallelism.expert_parallel_degree", "2"))],
-                    config="debug_cpu_sft.toml")
+    dp2, ep2 = many(
+        2,
+        [
+            (str(tmp_path / "dp2"), (*common, *two)),
+            (str(tmp_path / "ep2"), (*common, *two, "--parallelism.expert_parallel_degree", "2")),
+        ],
+        config="debug_cpu_sft.toml",
+    )
     assert [r["step"] for r in one] == [r["step"] for r in dp2] == [r["step"] for r in ep2] == [1, 2]
     assert one[-1]["loss"] < one[0]["loss"]
     for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm"):  # the numbers, for the record (-s)
-        print(key, [r[key] for r in one], "max |dp2 - dp1|", max(abs(a[key] - b[key]) for a, b in zip(one, dp2)),
-              "max |ep2 - dp1|", max(abs(a[key] - c[key]) for a, c in zip(one, ep2)))
+        print(
+            key,
+            [r[key] for r in one],
+            "max |dp2 - dp1|",
+            max(abs(a[key] - b[key]) for a, b in zip(one, dp2)),
+            "max |ep2 - dp1|",
+            max(abs(a[key] - c[key]) for a, c in zip(one, ep2)),
+        )
     for a, b, c in zip(one, dp2, ep2):
         for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm"):
             # tolerance: fp32 sums in another order; step 2 after an AdamW step whose sign flips
@@ -135,17 +173,60 @@ def test_rl_step_on_a_moe_policy_with_the_draft_co_trained_and_bias_balancing(tm
     (the second update's ratio moves although a fresh policy's rewards are all equal, so its
     policy gradient is zero), both optimizers step."""
     args = [
-        "--config", os.path.join(ROOT, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
-        "--model.hf_checkpoint", "", "--model.flavor", "tiny_moe", "--draft.init_from", "", "--draft.export_dir", "",
-        "--model.moe_load_balance_coeff", "0.05", "--training.seq_len", "128", "--training.steps", "2",
-        "--rl.ppo_epochs", "2", "--rl.prompts_per_step", "2", "--rl.group_size", "4", "--rl.max_new_tokens", "8",
-        "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0",
+        "--config",
+        os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--model.hf_checkpoint",
+        "",
+        "--model.flavor",
+        "tiny_moe",
+        "--draft.init_from",
+        "",
+        "--draft.export_dir",
+        "",
+        "--model.moe_load_balance_coeff",
+        "0.05",
+        "--training.seq_len",
+        "128",
+        "--training.steps",
+        "2",
+        "--rl.ppo_epochs",
+        "2",
+        "--rl.prompts_per_step",
+        "2",
+        "--rl.group_size",
+        "4",
+        "--rl.max_new_tokens",
+        "8",
+        "--rl.baseline_interval",
+        "0",
+        "--rollout.progress",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--lr_scheduler.warmup_steps",
+        "0",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(ROOT, "tests/helpers/rl_updates.py"), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        os.path.join(ROOT, "tests/helpers/rl_updates.py"),
+        *args,
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     line = next(x for x in out.stdout.splitlines() if "rl_updates: " in x)
     steps = json.loads(line.split("rl_updates: ", 1)[1])
@@ -157,18 +238,41 @@ def test_rl_step_on_a_moe_policy_with_the_draft_co_trained_and_bias_balancing(tm
     assert steps[1]["ratio_dev"][1] > 1e-4, steps  # the moved bias re-routes some tokens
 
 
-@pytest.mark.parametrize("config,world,args,needle", [
-    ("debug_cpu_sft.toml", 2, ["--parallelism.expert_parallel_degree", "2"],
-     "parallelism.expert_parallel_degree = 2 needs a MoE target"),
-    ("debug_cpu_sft.toml", 1, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"],
-     "parallelism.expert_parallel_degree = 2 must divide the 1 FSDP ranks"),
-    ("debug_cpu.toml", 2, ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"],
-     "parallelism.expert_parallel_degree = 2 with rl.enable is not supported"),
-    ("debug_cpu_sft.toml", 1, ["--model.moe_load_balance_coeff", "0.001"],
-     "model.moe_load_balance_coeff = 0.001 needs a MoE target; this one is dense"),
-    ("debug_cpu_sft.toml", 1, ["--model.flavor", "tiny_moe", "--model.moe_load_balance_coeff", "0.001", "--job.export_hf", "hf"],
-     "so job.export_hf = 'hf' would route tokens differently"),
-])
+@pytest.mark.parametrize(
+    "config,world,args,needle",
+    [
+        (
+            "debug_cpu_sft.toml",
+            2,
+            ["--parallelism.expert_parallel_degree", "2"],
+            "parallelism.expert_parallel_degree = 2 needs a MoE target",
+        ),
+        (
+            "debug_cpu_sft.toml",
+            1,
+            ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"],
+            "parallelism.expert_parallel_degree = 2 must divide the 1 FSDP ranks",
+        ),
+        (
+            "debug_cpu.toml",
+            2,
+            ["--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"],
+            "parallelism.expert_parallel_degree = 2 with rl.enable is not supported",
+        ),
+        (
+            "debug_cpu_sft.toml",
+            1,
+            ["--model.moe_load_balance_coeff", "0.001"],
+            "model.moe_load_balance_coeff = 0.001 needs a MoE target; this one is dense",
+        ),
+        (
+            "debug_cpu_sft.toml",
+            1,
+            ["--model.flavor", "tiny_moe", "--model.moe_load_balance_coeff", "0.001", "--job.export_hf", "hf"],
+            "so job.export_hf = 'hf' would route tokens differently",
+        ),
+    ],
+)
 def test_moe_config_errors_are_one_line(tmp_path, capsys, monkeypatch, config, world, args, needle):
     from titan_spec.train.entry import main
 
@@ -181,15 +285,40 @@ def test_moe_config_errors_are_one_line(tmp_path, capsys, monkeypatch, config, w
 
 # The published Qwen3-30B-A3B config.json (Hugging Face Qwen/Qwen3-30B-A3B), as distributed.
 QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
-    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -217,8 +346,18 @@ def test_qwen3_30b_a3b_recipe_checks_against_the_real_config_without_weights(tmp
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text('{"question": "What is 2+2?", "answer": "It is 4. #### 4"}\n')
     recipe = os.path.join(ROOT, "train_configs", "qwen3_30b_a3b_sglang.toml")
-    args = ["--config", recipe, "--model.hf_checkpoint", str(policy), "--draft.init_from", str(draft),
-            "--task.path", str(gsm), "--job.dump_folder", str(tmp_path / "out")]
+    args = [
+        "--config",
+        recipe,
+        "--model.hf_checkpoint",
+        str(policy),
+        "--draft.init_from",
+        str(draft),
+        "--task.path",
+        str(gsm),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+    ]
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert main(["--check", "--no-weights", *args]) == 0
     out = capsys.readouterr().out

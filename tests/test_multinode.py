@@ -22,28 +22,70 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # no policy gradient): rl_dynamic:coin (tests/helpers/rl_dynamic.py) rewards about one in five
 # by the text's CRC32, so groups have reward spread and the policy's gradients cross the nodes.
 RL = (
-    "--job.requires", "[]", "--model.hf_checkpoint", "", "--draft.init_from", "", "--draft.export_dir", "",
-    "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3", "--task.reward", "rl_dynamic:coin", "--task.seed", "5",
-    "--training.steps", "3", "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "1",
-    "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12", "--rl.baseline_interval", "0",
-    "--speculative.depth", "fixed",  # adaptive depth calibrates on the machine's timing
-    "--rollout.progress", "false", "--checkpoint.enable", "false", "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
+    "--job.requires",
+    "[]",
+    "--model.hf_checkpoint",
+    "",
+    "--draft.init_from",
+    "",
+    "--draft.export_dir",
+    "",
+    "--draft.draft_vocab_size",
+    "24",
+    "--draft.eagle3.ttt_steps",
+    "3",
+    "--task.reward",
+    "rl_dynamic:coin",
+    "--task.seed",
+    "5",
+    "--training.steps",
+    "3",
+    "--training.seq_len",
+    "128",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--rl.prompts_per_step",
+    "4",
+    "--rl.group_size",
+    "4",
+    "--rl.max_new_tokens",
+    "12",
+    "--rl.baseline_interval",
+    "0",
+    "--speculative.depth",
+    "fixed",  # adaptive depth calibrates on the machine's timing
+    "--rollout.progress",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
 )
 
 
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID")}
     # One thread per process in both layouts: the same kernels, the same sums.
-    return dict(env, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "tests", "helpers"), **extra)
+    return dict(
+        env, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.path.join(ROOT, "tests", "helpers"), **extra
+    )
 
 
 def _start(dump: str, log: str, **env: str) -> subprocess.Popen:
     """run_train.sh in the background, its output to ``log``.out / .err (files, not pipes: a
     node blocked on a full pipe while the other is read would hold up the rendezvous)."""
     with open(log + ".out", "w") as out, open(log + ".err", "w") as err:
-        return subprocess.Popen(["./run_train.sh", "--job.dump_folder", dump, *RL], cwd=ROOT, env=_env(**env),
-                                stdout=out, stderr=err, text=True, start_new_session=True)
+        return subprocess.Popen(
+            ["./run_train.sh", "--job.dump_folder", dump, *RL],
+            cwd=ROOT,
+            env=_env(**env),
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
 
 
 def _wait(procs: dict[str, subprocess.Popen], timeout: int = 300) -> dict[str, tuple[int, str]]:
@@ -77,7 +119,7 @@ def _free_port() -> int:
 def test_two_nodes_train_as_one_node_of_two_processes(tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     log = str(tmp_path / "one_node")
-    (rc, tail), = _wait({log: _start(one, log, NGPU="2")}).values()
+    ((rc, tail),) = _wait({log: _start(one, log, NGPU="2")}).values()
     assert rc == 0, tail
 
     # Both nodes write to one dump folder, as on a filesystem every node sees. Node 1 starts
@@ -102,27 +144,61 @@ def test_two_nodes_train_as_one_node_of_two_processes(tmp_path):
         assert {k: b[k] for k in same} == pytest.approx(same, rel=1e-6, abs=1e-9), a["step"]
 
 
-@pytest.mark.parametrize("env,line", [
-    (dict(NNODES="0"), "run_train.sh: NNODES = '0' is not allowed; it must be a positive integer (nodes in the job)"),
-    (dict(NNODES="two"), "run_train.sh: NNODES = 'two' is not allowed; it must be a positive integer (nodes in the job)"),
-    (dict(NNODES="2", NODE_RANK="2", RDZV_ENDPOINT="127.0.0.1:29500"),
-     "run_train.sh: NODE_RANK = '2' is not allowed; it must be an integer from 0 to NNODES-1 = 1 (this node's index)"),
-    (dict(NODE_RANK="-1"),
-     "run_train.sh: NODE_RANK = '-1' is not allowed; it must be an integer from 0 to NNODES-1 = 0 (this node's index)"),
-    (dict(NNODES="2"), "run_train.sh: RDZV_ENDPOINT = '' is not allowed; with NNODES = 2 it must be host:port, "
-                       "node 0's address and a port free there (e.g. 10.0.0.1:29500), the same on every node"),
-    (dict(NNODES="2", NODE_RANK="1", RDZV_ENDPOINT="127.0.0.1:99999"),
-     "run_train.sh: RDZV_ENDPOINT = '127.0.0.1:99999' is not allowed; with NNODES = 2 it must be host:port, "
-     "node 0's address and a port free there (e.g. 10.0.0.1:29500), the same on every node"),
-    (dict(NNODES="2", RDZV_ENDPOINT="127.0.0.1:29500", RDZV_ID="my job"),
-     "run_train.sh: RDZV_ID = 'my job' is not allowed; it must be letters, digits, '.', '_' or '-', the same on every node"),
-], ids=["nnodes_zero", "nnodes_word", "node_rank_past_nnodes", "node_rank_negative", "no_endpoint", "bad_port",
-        "rdzv_id_space"])
+@pytest.mark.parametrize(
+    "env,line",
+    [
+        (
+            dict(NNODES="0"),
+            "run_train.sh: NNODES = '0' is not allowed; it must be a positive integer (nodes in the job)",
+        ),
+        (
+            dict(NNODES="two"),
+            "run_train.sh: NNODES = 'two' is not allowed; it must be a positive integer (nodes in the job)",
+        ),
+        (
+            dict(NNODES="2", NODE_RANK="2", RDZV_ENDPOINT="127.0.0.1:29500"),
+            "run_train.sh: NODE_RANK = '2' is not allowed; it must be an integer from 0 to NNODES-1 = 1 (this node's index)",
+        ),
+        (
+            dict(NODE_RANK="-1"),
+            "run_train.sh: NODE_RANK = '-1' is not allowed; it must be an integer from 0 to NNODES-1 = 0 (this node's index)",
+        ),
+        (
+            dict(NNODES="2"),
+            "run_train.sh: RDZV_ENDPOINT = '' is not allowed; with NNODES = 2 it must be host:port, "
+            "node 0's address and a port free there (e.g. 10.0.0.1:29500), the same on every node",
+        ),
+        (
+            dict(NNODES="2", NODE_RANK="1", RDZV_ENDPOINT="127.0.0.1:99999"),
+            "run_train.sh: RDZV_ENDPOINT = '127.0.0.1:99999' is not allowed; with NNODES = 2 it must be host:port, "
+            "node 0's address and a port free there (e.g. 10.0.0.1:29500), the same on every node",
+        ),
+        (
+            dict(NNODES="2", RDZV_ENDPOINT="127.0.0.1:29500", RDZV_ID="my job"),
+            "run_train.sh: RDZV_ID = 'my job' is not allowed; it must be letters, digits, '.', '_' or '-', the same on every node",
+        ),
+    ],
+    ids=[
+        "nnodes_zero",
+        "nnodes_word",
+        "node_rank_past_nnodes",
+        "node_rank_negative",
+        "no_endpoint",
+        "bad_port",
+        "rdzv_id_space",
+    ],
+)
 def test_run_train_rejects_bad_node_settings_before_python(env, line, tmp_path):
     """Like NGPU (tests/test_plan_validation.py): the variable named with what is allowed, exit 2,
     before the environment set-up and the plan."""
-    out = subprocess.run(["bash", "run_train.sh", "--job.dump_folder", str(tmp_path / "never")],
-                         capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env(**env))
+    out = subprocess.run(
+        ["bash", "run_train.sh", "--job.dump_folder", str(tmp_path / "never")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        env=_env(**env),
+    )
     assert out.returncode == 2, out.stderr
     assert out.stdout == ""
     assert out.stderr.splitlines() == [line]

@@ -33,8 +33,9 @@ def _shard_grads(order, drop=None):
     cancel to rounding: its true gradient is ~0, so Adam's normalised update flips sign with
     the rounding noise (the case assert_adam_weights_close exists for)."""
     g = torch.Generator().manual_seed(1)
-    shards = [{"fc.weight": torch.randn(48, 96, generator=g), "norm.weight": torch.randn(96, generator=g)}
-              for _ in range(4)]
+    shards = [
+        {"fc.weight": torch.randn(48, 96, generator=g), "norm.weight": torch.randn(96, generator=g)} for _ in range(4)
+    ]
     shards[1]["fc.weight"][0] = -shards[0]["fc.weight"][0] * (1 + 1e-7)
     shards[3]["fc.weight"][0] = -shards[2]["fc.weight"][0]
     out = {}
@@ -106,11 +107,12 @@ def test_tests_that_read_weights_from_files_compare_them_with_a_stated_tolerance
                 continue
             lines = source.splitlines()
             for ln in _fixed_tolerance_calls(ast.parse(source)):
-                near = "".join(lines[max(0, ln - 4):ln])  # its line or the 3 above (one comment, a block)
+                near = "".join(lines[max(0, ln - 4) : ln])  # its line or the 3 above (one comment, a block)
                 if MARK not in near:
                     missing.append(f"{os.path.relpath(path, TESTS)}:{ln}: {lines[ln - 1].strip()}")
-    assert not missing, ("fixed tolerances without a reason (add '# tolerance: why' or use tests/numerics.py):\n"
-                         + "\n".join(missing))
+    assert not missing, (
+        "fixed tolerances without a reason (add '# tolerance: why' or use tests/numerics.py):\n" + "\n".join(missing)
+    )
 
 
 def test_the_guard_sees_an_unmarked_tolerance():

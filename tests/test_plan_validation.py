@@ -37,7 +37,9 @@ def fresh_checkout(tmp_path, edit: dict[str, tuple[str, str]] | None = None) -> 
     confs.mkdir()
     for name in os.listdir(os.path.join(ROOT, "train_configs")):
         if name.endswith(".toml"):
-            text = open(os.path.join(ROOT, "train_configs", name)).read().replace('"./outputs/', f'"{tmp_path}/outputs/')
+            text = (
+                open(os.path.join(ROOT, "train_configs", name)).read().replace('"./outputs/', f'"{tmp_path}/outputs/')
+            )
             if edit and name in edit:
                 old, new = edit[name]
                 assert old in text, (name, old)
@@ -120,6 +122,7 @@ def inputs(tmp_path_factory):
             if "eagle_aux_hidden_state_layer_ids" in fields:
                 cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = fields["eagle_aux_hidden_state_layer_ids"]
             (p / "config.json").write_text(json.dumps(cfg))
+
         return edit
 
     def draft_d2t(fn):  # the draft's d2t rewritten by fn (the other tensors and config.json kept)
@@ -127,6 +130,7 @@ def inputs(tmp_path_factory):
             sd = load_file(str(p / "model.safetensors"))
             sd["d2t"] = fn(sd["d2t"].clone())
             write_safetensors_dir(str(p), sd, json.loads((p / "config.json").read_text()))
+
         return edit
 
     def d2t_outside(d2t):  # draft id 31 -> target id 31 + 80 = 111, past the 100-id vocabulary
@@ -139,11 +143,17 @@ def inputs(tmp_path_factory):
 
     # Dataset files: a record whose question alone is 150+ tokens; MATH-style \\boxed{} solutions.
     (base / "long_question.jsonl").write_text(
-        json.dumps({"question": "long words " * 15, "answer": "#### 2"}) + "\n"
-        + json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+        json.dumps({"question": "long words " * 15, "answer": "#### 2"})
+        + "\n"
+        + json.dumps({"question": "2+2?", "answer": "#### 4"})
+        + "\n"
+    )
     (base / "math.jsonl").write_text(
-        json.dumps({"problem": "1+1?", "solution": "so \\boxed{2}"}) + "\n"
-        + json.dumps({"problem": "2+2?", "solution": "\\boxed{4}"}) + "\n")
+        json.dumps({"problem": "1+1?", "solution": "so \\boxed{2}"})
+        + "\n"
+        + json.dumps({"problem": "2+2?", "solution": "\\boxed{4}"})
+        + "\n"
+    )
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -183,122 +193,328 @@ def inputs(tmp_path_factory):
 CASES = {
     # Only detectable through the chain: the RL run's policy and draft are what the SFT and draft
     # runs will export (qwen3/tiny sized to the tokenizer: 8 layers, vocab 100, 2048 positions).
-    "chain_tap_ids_out_of_range": (RL, ["--draft.tap_layer_ids", "[0,1,99]"], None,
-                                   ["command line --draft.tap_layer_ids", "[99] are out of range", "0..7"]),
-    "chain_draft_vocab": (RL, ["--draft.draft_vocab_size", "100000"], None,
-                          ["command line --draft.draft_vocab_size", "must be in 1..100"]),
-    "chain_seq_len": (RL, ["--training.seq_len", "100000"], None,
-                      ["command line --training.seq_len", "exceeds the model's maximum of 2048"]),
-    "chain_task_path_missing": (RL, ["--task.name", "jsonl", "--task.path", "{tmp}/missing.jsonl"], None,
-                                ["command line --task.path", "missing.jsonl", "is not a file"]),
-    "chain_init_from_taps_mismatch": (RL, ["--draft.tap_layer_ids", "[1,2,3]"], None,
-                                      ["debug_cpu.toml: draft.init_from", "tap ids: directory [1, 3, 4] vs config [1, 2, 3]"]),
-    "chain_hf_checkpoint_not_exported": (RL, ["--model.hf_checkpoint", "{tmp}/outputs/debug_cpu/sft/hff"], None,
-                                         ["command line --model.hf_checkpoint", "inside the dump folder of",
-                                          "outputs/debug_cpu/sft/hf']"]),
-    "chain_init_from_is_the_policy": (RL, ["--draft.init_from", "{tmp}/outputs/debug_cpu/sft/hf"], None,
-                                      ["command line --draft.init_from", "exports its policy, not a draft"]),
-    "chain_model_family": (RL, ["--model.name", "llama3"], None,
-                           ["command line --model.name", "holds a qwen3 model"]),
-    "chain_error_in_required_file": (RL, [], {DRAFT: ("lr = 3e-3", "lr = 3e-3\ndraft_vocab_size = 100000")},
-                                     ["debug_cpu_draft.toml: draft.draft_vocab_size = 100000", "1..100"]),
+    "chain_tap_ids_out_of_range": (
+        RL,
+        ["--draft.tap_layer_ids", "[0,1,99]"],
+        None,
+        ["command line --draft.tap_layer_ids", "[99] are out of range", "0..7"],
+    ),
+    "chain_draft_vocab": (
+        RL,
+        ["--draft.draft_vocab_size", "100000"],
+        None,
+        ["command line --draft.draft_vocab_size", "must be in 1..100"],
+    ),
+    "chain_seq_len": (
+        RL,
+        ["--training.seq_len", "100000"],
+        None,
+        ["command line --training.seq_len", "exceeds the model's maximum of 2048"],
+    ),
+    "chain_task_path_missing": (
+        RL,
+        ["--task.name", "jsonl", "--task.path", "{tmp}/missing.jsonl"],
+        None,
+        ["command line --task.path", "missing.jsonl", "is not a file"],
+    ),
+    "chain_init_from_taps_mismatch": (
+        RL,
+        ["--draft.tap_layer_ids", "[1,2,3]"],
+        None,
+        ["debug_cpu.toml: draft.init_from", "tap ids: directory [1, 3, 4] vs config [1, 2, 3]"],
+    ),
+    "chain_hf_checkpoint_not_exported": (
+        RL,
+        ["--model.hf_checkpoint", "{tmp}/outputs/debug_cpu/sft/hff"],
+        None,
+        ["command line --model.hf_checkpoint", "inside the dump folder of", "outputs/debug_cpu/sft/hf']"],
+    ),
+    "chain_init_from_is_the_policy": (
+        RL,
+        ["--draft.init_from", "{tmp}/outputs/debug_cpu/sft/hf"],
+        None,
+        ["command line --draft.init_from", "exports its policy, not a draft"],
+    ),
+    "chain_model_family": (RL, ["--model.name", "llama3"], None, ["command line --model.name", "holds a qwen3 model"]),
+    "chain_error_in_required_file": (
+        RL,
+        [],
+        {DRAFT: ("lr = 3e-3", "lr = 3e-3\ndraft_vocab_size = 100000")},
+        ["debug_cpu_draft.toml: draft.draft_vocab_size = 100000", "1..100"],
+    ),
     # The SFT run exports qwen3/small (128 wide), so the draft run's draft is 128 wide; the RL
     # run's own policy is a 64-wide checkpoint: the promised draft does not fit it.
-    "chain_draft_dims_vs_target": (RL, ["--model.hf_checkpoint", "{in:hf}"], {SFT: ('flavor = "tiny"', 'flavor = "small"')},
-                                   ["debug_cpu.toml: draft.init_from", "hidden: directory 128 vs target/config 64"]),
-    "chain_error_in_required_taps": (RL, [], {DRAFT: ("export_dir = \"draft\"", "export_dir = \"draft\"\ntap_layer_ids = [0, 1, 99]")},
-                                     ["debug_cpu_draft.toml: draft.tap_layer_ids", "[99] are out of range", "0..7"]),
+    "chain_draft_dims_vs_target": (
+        RL,
+        ["--model.hf_checkpoint", "{in:hf}"],
+        {SFT: ('flavor = "tiny"', 'flavor = "small"')},
+        ["debug_cpu.toml: draft.init_from", "hidden: directory 128 vs target/config 64"],
+    ),
+    "chain_error_in_required_taps": (
+        RL,
+        [],
+        {DRAFT: ('export_dir = "draft"', 'export_dir = "draft"\ntap_layer_ids = [0, 1, 99]')},
+        ["debug_cpu_draft.toml: draft.tap_layer_ids", "[99] are out of range", "0..7"],
+    ),
     # Non-finite numbers: one check in the loader, for titan_spec's and torchtitan's sections.
     "lr_inf": (RL, ["--optimizer.lr", "inf"], None, ["command line --optimizer.lr", "optimizer.lr = inf", "finite"]),
     "lr_nan": (SFT, ["--optimizer.lr", "nan"], None, ["command line --optimizer.lr", "optimizer.lr = nan", "finite"]),
     "draft_lr_inf": (RL, ["--draft.lr", "inf"], None, ["command line --draft.lr", "draft.lr = inf", "finite"]),
     "temperature_inf": (RL, ["--rl.temperature", "inf"], None, ["command line --rl.temperature", "finite"]),
     "max_norm_inf": (RL, ["--training.max_norm", "inf"], None, ["command line --training.max_norm", "finite"]),
-    "min_lr_factor_nan": (SFT, ["--lr_scheduler.min_lr_factor", "-nan"], None,
-                          ["command line --lr_scheduler.min_lr_factor", "finite"]),
+    "min_lr_factor_nan": (
+        SFT,
+        ["--lr_scheduler.min_lr_factor", "-nan"],
+        None,
+        ["command line --lr_scheduler.min_lr_factor", "finite"],
+    ),
     "toml_lr_inf": (RL, [], {RL: ("lr = 1e-4", "lr = inf")}, ["debug_cpu.toml: optimizer.lr = inf", "finite"]),
     # Empty paths.
-    "dump_folder_empty": (RL, ["--job.dump_folder", ""], None,
-                          ["command line --job.dump_folder", "job.dump_folder = ''", "a non-empty path"]),
-    "checkpoint_folder_empty": (SFT, ["--checkpoint.folder", ""], None,
-                                ["command line --checkpoint.folder", "a non-empty path"]),
+    "dump_folder_empty": (
+        RL,
+        ["--job.dump_folder", ""],
+        None,
+        ["command line --job.dump_folder", "job.dump_folder = ''", "a non-empty path"],
+    ),
+    "checkpoint_folder_empty": (
+        SFT,
+        ["--checkpoint.folder", ""],
+        None,
+        ["command line --checkpoint.folder", "a non-empty path"],
+    ),
     # Input files, checked against the architecture before the trainer starts.
-    "hf_no_safetensors": (SFT, ["--model.hf_checkpoint", "{in:hf_no_weights}"], None,
-                          ["command line --model.hf_checkpoint", "no model.safetensors", "only safetensors"]),
-    "hf_truncated": (SFT, ["--model.hf_checkpoint", "{in:hf_truncated}"], None,
-                     ["command line --model.hf_checkpoint", "model.safetensors: not a complete safetensors file: incomplete metadata"]),
-    "hf_corrupt_header": (SFT, ["--model.hf_checkpoint", "{in:hf_corrupt}"], None,
-                          ["command line --model.hf_checkpoint", "model.safetensors: not a complete safetensors file: "]),
-    "hf_missing_tensor": (SFT, ["--model.hf_checkpoint", "{in:hf_missing_tensor}"], None,
-                          ["command line --model.hf_checkpoint", "missing ['model.layers.3.mlp.up_proj.weight']"]),
-    "hf_wrong_shapes": (SFT, ["--model.hf_checkpoint", "{in:hf_wrong_shapes}"], None,
-                        ["command line --model.hf_checkpoint", "tensor shapes do not match its config.json",
-                         "[192, 64] (config.json needs [256, 64])"]),
-    "draft_other_hidden_size": (RL, ["--draft.init_from", "{in:draft_wide}"], None,
-                                ["command line --draft.init_from", "hidden: directory 128 vs target/config 64"]),
-    "hf_bad_header_length": (SFT, ["--model.hf_checkpoint", "{in:hf_bad_length}"], None,
-                             ["command line --model.hf_checkpoint", "model.safetensors: not a complete safetensors file: header too large"]),
-    "hf_trailing_bytes": (SFT, ["--model.hf_checkpoint", "{in:hf_trailing_bytes}"], None,
-                          ["command line --model.hf_checkpoint", "model.safetensors: not a complete safetensors file: incomplete metadata"]),
-    "init_from_is_a_policy_checkpoint": (RL, ["--draft.init_from", "{in:hf}"], None,
-                                         ["command line --draft.init_from", "is not LlamaForCausalLMEagle3"]),
-    "flavor_unknown": (SFT, ["--model.flavor", "huge"], None,
-                       ["command line --model.flavor", "'huge' is not a qwen3 flavor; allowed: tiny, small"]),
-    "draft_truncated": (RL, ["--draft.init_from", "{in:draft_truncated}"], None,
-                        ["command line --draft.init_from", "model.safetensors: not a complete safetensors file: incomplete metadata"]),
+    "hf_no_safetensors": (
+        SFT,
+        ["--model.hf_checkpoint", "{in:hf_no_weights}"],
+        None,
+        ["command line --model.hf_checkpoint", "no model.safetensors", "only safetensors"],
+    ),
+    "hf_truncated": (
+        SFT,
+        ["--model.hf_checkpoint", "{in:hf_truncated}"],
+        None,
+        [
+            "command line --model.hf_checkpoint",
+            "model.safetensors: not a complete safetensors file: incomplete metadata",
+        ],
+    ),
+    "hf_corrupt_header": (
+        SFT,
+        ["--model.hf_checkpoint", "{in:hf_corrupt}"],
+        None,
+        ["command line --model.hf_checkpoint", "model.safetensors: not a complete safetensors file: "],
+    ),
+    "hf_missing_tensor": (
+        SFT,
+        ["--model.hf_checkpoint", "{in:hf_missing_tensor}"],
+        None,
+        ["command line --model.hf_checkpoint", "missing ['model.layers.3.mlp.up_proj.weight']"],
+    ),
+    "hf_wrong_shapes": (
+        SFT,
+        ["--model.hf_checkpoint", "{in:hf_wrong_shapes}"],
+        None,
+        [
+            "command line --model.hf_checkpoint",
+            "tensor shapes do not match its config.json",
+            "[192, 64] (config.json needs [256, 64])",
+        ],
+    ),
+    "draft_other_hidden_size": (
+        RL,
+        ["--draft.init_from", "{in:draft_wide}"],
+        None,
+        ["command line --draft.init_from", "hidden: directory 128 vs target/config 64"],
+    ),
+    "hf_bad_header_length": (
+        SFT,
+        ["--model.hf_checkpoint", "{in:hf_bad_length}"],
+        None,
+        ["command line --model.hf_checkpoint", "model.safetensors: not a complete safetensors file: header too large"],
+    ),
+    "hf_trailing_bytes": (
+        SFT,
+        ["--model.hf_checkpoint", "{in:hf_trailing_bytes}"],
+        None,
+        [
+            "command line --model.hf_checkpoint",
+            "model.safetensors: not a complete safetensors file: incomplete metadata",
+        ],
+    ),
+    "init_from_is_a_policy_checkpoint": (
+        RL,
+        ["--draft.init_from", "{in:hf}"],
+        None,
+        ["command line --draft.init_from", "is not LlamaForCausalLMEagle3"],
+    ),
+    "flavor_unknown": (
+        SFT,
+        ["--model.flavor", "huge"],
+        None,
+        ["command line --model.flavor", "'huge' is not a qwen3 flavor; allowed: tiny, small"],
+    ),
+    "draft_truncated": (
+        RL,
+        ["--draft.init_from", "{in:draft_truncated}"],
+        None,
+        ["command line --draft.init_from", "model.safetensors: not a complete safetensors file: incomplete metadata"],
+    ),
     # The draft directory's config.json is the origin of its own values (issue 31): the file and
     # the field are named, through draft.init_from (the key the user set), never a [draft] key.
-    "draft_config_null_field": (RL, ["--draft.init_from", "{in:draft_null_heads}"], None,
-                                ["command line --draft.init_from: ", "draft_null_heads/config.json: field "
-                                 "'num_attention_heads' is null; it must be a positive integer"]),
-    "draft_config_field_not_a_number": (RL, ["--draft.init_from", "{in:draft_hidden_words}"], None,
-                                        ["command line --draft.init_from: ", "draft_hidden_words/config.json: hidden_size = "
-                                         '"sixty-four" is not allowed; it must be a positive integer']),
-    "draft_config_vocab_out_of_range": (RL, ["--draft.init_from", "{in:draft_vocab_500}"], None,
-                                        ["command line --draft.init_from: ", "draft_vocab_500/config.json: draft_vocab_size "
-                                         "= 500 must be in 1..100 (the target vocabulary"]),
-    "draft_config_tap_out_of_range": (RL, ["--draft.init_from", "{in:draft_tap_99}"], None,
-                                      ["command line --draft.init_from: ", "draft_tap_99/config.json: "
-                                       "eagle_aux_hidden_state_layer_ids [1, 3, 99]: tap layer ids [99] are out of range", "0..7"]),
-    "draft_d2t_outside_vocab": (RL, ["--draft.init_from", "{in:draft_d2t_outside}"], None,
-                                ["command line --draft.init_from: ", "draft_d2t_outside/model.safetensors: d2t maps 1 draft id(s) "
-                                 "outside the target vocabulary 0..99 (first: draft id 31 -> 111)"]),
-    "draft_d2t_repeated_ids": (RL, ["--draft.init_from", "{in:draft_d2t_repeated}"], None,
-                               ["command line --draft.init_from: ", "draft_d2t_repeated/model.safetensors: d2t maps several "
-                                "draft ids onto the same target id (1 repeated, first: 4)"]),
+    "draft_config_null_field": (
+        RL,
+        ["--draft.init_from", "{in:draft_null_heads}"],
+        None,
+        [
+            "command line --draft.init_from: ",
+            "draft_null_heads/config.json: field 'num_attention_heads' is null; it must be a positive integer",
+        ],
+    ),
+    "draft_config_field_not_a_number": (
+        RL,
+        ["--draft.init_from", "{in:draft_hidden_words}"],
+        None,
+        [
+            "command line --draft.init_from: ",
+            'draft_hidden_words/config.json: hidden_size = "sixty-four" is not allowed; it must be a positive integer',
+        ],
+    ),
+    "draft_config_vocab_out_of_range": (
+        RL,
+        ["--draft.init_from", "{in:draft_vocab_500}"],
+        None,
+        [
+            "command line --draft.init_from: ",
+            "draft_vocab_500/config.json: draft_vocab_size = 500 must be in 1..100 (the target vocabulary",
+        ],
+    ),
+    "draft_config_tap_out_of_range": (
+        RL,
+        ["--draft.init_from", "{in:draft_tap_99}"],
+        None,
+        [
+            "command line --draft.init_from: ",
+            "draft_tap_99/config.json: "
+            "eagle_aux_hidden_state_layer_ids [1, 3, 99]: tap layer ids [99] are out of range",
+            "0..7",
+        ],
+    ),
+    "draft_d2t_outside_vocab": (
+        RL,
+        ["--draft.init_from", "{in:draft_d2t_outside}"],
+        None,
+        [
+            "command line --draft.init_from: ",
+            "draft_d2t_outside/model.safetensors: d2t maps 1 draft id(s) "
+            "outside the target vocabulary 0..99 (first: draft id 31 -> 111)",
+        ],
+    ),
+    "draft_d2t_repeated_ids": (
+        RL,
+        ["--draft.init_from", "{in:draft_d2t_repeated}"],
+        None,
+        [
+            "command line --draft.init_from: ",
+            "draft_d2t_repeated/model.safetensors: d2t maps several "
+            "draft ids onto the same target id (1 repeated, first: 4)",
+        ],
+    ),
     # A rollout is packed whole into one row of training.seq_len (256 here), with its prompt.
-    "rl_max_new_tokens_over_a_row": (RL, ["--rl.max_new_tokens", "300"], None,
-                                     ["command line --rl.max_new_tokens: rl.max_new_tokens = 300 does not fit a packed "
-                                      "row of training.seq_len = 256", "at most 254"]),
-    "rl_max_new_tokens_with_the_longest_prompt": (RL, ["--task.name", "jsonl", "--task.path", "{in:long_question}",
-                                                       "--rl.max_new_tokens", "200"], None,
-                                                  ["command line --rl.max_new_tokens: rl.max_new_tokens = 200 does not fit",
-                                                   "with the longest prompt (", "long_question.jsonl:1, ",
-                                                   "allowed: rl.max_new_tokens <= ", "raise training.seq_len to "]),
-    "rl_max_new_tokens_generated_prompts": (RL, ["--rl.max_new_tokens", "252"], None,
-                                            ["command line --rl.max_new_tokens: rl.max_new_tokens = 252 does not fit",
-                                             "the longest of 512 sampled prompts", "allowed: rl.max_new_tokens <= "]),
+    "rl_max_new_tokens_over_a_row": (
+        RL,
+        ["--rl.max_new_tokens", "300"],
+        None,
+        [
+            "command line --rl.max_new_tokens: rl.max_new_tokens = 300 does not fit a packed "
+            "row of training.seq_len = 256",
+            "at most 254",
+        ],
+    ),
+    "rl_max_new_tokens_with_the_longest_prompt": (
+        RL,
+        ["--task.name", "jsonl", "--task.path", "{in:long_question}", "--rl.max_new_tokens", "200"],
+        None,
+        [
+            "command line --rl.max_new_tokens: rl.max_new_tokens = 200 does not fit",
+            "with the longest prompt (",
+            "long_question.jsonl:1, ",
+            "allowed: rl.max_new_tokens <= ",
+            "raise training.seq_len to ",
+        ],
+    ),
+    "rl_max_new_tokens_generated_prompts": (
+        RL,
+        ["--rl.max_new_tokens", "252"],
+        None,
+        [
+            "command line --rl.max_new_tokens: rl.max_new_tokens = 252 does not fit",
+            "the longest of 512 sampled prompts",
+            "allowed: rl.max_new_tokens <= ",
+        ],
+    ),
     # Dataset records: the file and the record are named.
-    "sft_record_longer_than_a_row": (SFT, ["--task.name", "jsonl", "--task.path", "{in:long_question}",
-                                           "--training.seq_len", "64"], None,
-                                     ["command line --task.path: 1 of 2 records are longer than a packed row of "
-                                      "training.seq_len = 64", "the longest: ", "long_question.jsonl:1 ("]),
+    "sft_record_longer_than_a_row": (
+        SFT,
+        ["--task.name", "jsonl", "--task.path", "{in:long_question}", "--training.seq_len", "64"],
+        None,
+        [
+            "command line --task.path: 1 of 2 records are longer than a packed row of training.seq_len = 64",
+            "the longest: ",
+            "long_question.jsonl:1 (",
+        ],
+    ),
     # task.answer_format: the key is the origin, not task.path.
-    "answer_format_reads_no_record": (SFT, ["--task.name", "dataset", "--task.path", "{in:math_jsonl}",
-                                            "--task.prompt_field", "problem", "--task.answer_field", "solution",
-                                            "--task.answer_format", "gsm8k"], None,
-                                      ["command line --task.answer_format: task.answer_format = 'gsm8k' finds no final "
-                                       "answer in any of the 2 records", "math.jsonl:1", "allowed: 'auto'",
-                                       "did you mean 'boxed'? it reads every record"]),
-    "parquet_truncated": (SFT, ["--task.name", "dataset", "--task.path", "{in:parquet_truncated}"], None,
-                          ["command line --task.path: ", "truncated.parquet: not a complete Parquet file (truncated or "
-                           "corrupt): Parquet magic bytes not found in footer"]),
-    "parquet_empty": (SFT, ["--task.name", "dataset", "--task.path", "{in:parquet_empty}"], None,
-                      ["command line --task.path: ", "empty.parquet: the file is empty (0 bytes); allowed: a .jsonl, "
-                       ".json or .parquet file of records"]),
-    "answer_format_unknown": (SFT, ["--task.answer_format", "boxd"], None,
-                              ["command line --task.answer_format: task.answer_format = 'boxd' is not allowed; it must "
-                               "be one of 'auto', 'gsm8k', 'boxed', 'plain' (did you mean 'boxed'?)"]),
+    "answer_format_reads_no_record": (
+        SFT,
+        [
+            "--task.name",
+            "dataset",
+            "--task.path",
+            "{in:math_jsonl}",
+            "--task.prompt_field",
+            "problem",
+            "--task.answer_field",
+            "solution",
+            "--task.answer_format",
+            "gsm8k",
+        ],
+        None,
+        [
+            "command line --task.answer_format: task.answer_format = 'gsm8k' finds no final "
+            "answer in any of the 2 records",
+            "math.jsonl:1",
+            "allowed: 'auto'",
+            "did you mean 'boxed'? it reads every record",
+        ],
+    ),
+    "parquet_truncated": (
+        SFT,
+        ["--task.name", "dataset", "--task.path", "{in:parquet_truncated}"],
+        None,
+        [
+            "command line --task.path: ",
+            "truncated.parquet: not a complete Parquet file (truncated or "
+            "corrupt): Parquet magic bytes not found in footer",
+        ],
+    ),
+    "parquet_empty": (
+        SFT,
+        ["--task.name", "dataset", "--task.path", "{in:parquet_empty}"],
+        None,
+        [
+            "command line --task.path: ",
+            "empty.parquet: the file is empty (0 bytes); allowed: a .jsonl, .json or .parquet file of records",
+        ],
+    ),
+    "answer_format_unknown": (
+        SFT,
+        ["--task.answer_format", "boxd"],
+        None,
+        [
+            "command line --task.answer_format: task.answer_format = 'boxd' is not allowed; it must "
+            "be one of 'auto', 'gsm8k', 'boxed', 'plain' (did you mean 'boxed'?)"
+        ],
+    ),
 }
 
 
@@ -366,8 +582,19 @@ def test_sglang_checks_wait_for_inputs_the_chain_writes(tmp_path, capsys, inputs
     rc, out, err = plan_in_process(capsys, confs, RL, ["--rollout.engine", "sglang"])
     assert rc == 0, err
     assert [os.path.basename(p) for p in out.split()] == [SFT, DRAFT, RL]
-    rc, out, err = plan_in_process(capsys, confs, RL, ["--rollout.engine", "sglang", "--model.hf_checkpoint",
-                                                       inputs["hf"], "--draft.init_from", inputs["draft_wide"]])
+    rc, out, err = plan_in_process(
+        capsys,
+        confs,
+        RL,
+        [
+            "--rollout.engine",
+            "sglang",
+            "--model.hf_checkpoint",
+            inputs["hf"],
+            "--draft.init_from",
+            inputs["draft_wide"],
+        ],
+    )
     assert rc == 2 and err.count("\n") == 1 and "does not fit the policy" in err, err
 
 
@@ -378,10 +605,15 @@ def _env():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--draft.tap_layer_ids", "[0,1,99]"], "command line --draft.tap_layer_ids: tap layer ids [99] are out of range"),
+        (
+            ["--draft.tap_layer_ids", "[0,1,99]"],
+            "command line --draft.tap_layer_ids: tap layer ids [99] are out of range",
+        ),
         # The datasets library logs its own line before raising: only ours is printed.
-        (["--task.name", "dataset", "--task.path", "{in:parquet_truncated}"],
-         "truncated.parquet: not a complete Parquet file (truncated or corrupt)"),
+        (
+            ["--task.name", "dataset", "--task.path", "{in:parquet_truncated}"],
+            "truncated.parquet: not a complete Parquet file (truncated or corrupt)",
+        ),
     ],
 )
 def test_plan_command_fresh_checkout(args, needle, tmp_path, inputs, capsys):
@@ -390,14 +622,29 @@ def test_plan_command_fresh_checkout(args, needle, tmp_path, inputs, capsys):
     before = tree(tmp_path), tree(ROOT)
     start = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-m", "titan_spec.train", "--plan", "--config", os.path.join(confs, RL),
-         *_args(args, tmp_path, inputs)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env=_env(),
+        [
+            sys.executable,
+            "-m",
+            "titan_spec.train",
+            "--plan",
+            "--config",
+            os.path.join(confs, RL),
+            *_args(args, tmp_path, inputs),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=_env(),
     )
     # What a user waits for (Python, torch and torchtitan start-up included): printed, not asserted.
     with capsys.disabled():
         print(f"\n--plan refusal (the real command): {time.perf_counter() - start:.2f} s wall")
-    lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "register_constant" not in line]
+    lines = [
+        line
+        for line in out.stderr.splitlines()
+        if line.strip() and "Warning" not in line and "register_constant" not in line
+    ]
     assert out.returncode == 2, out.stderr
     assert len(lines) == 1 and needle in lines[0], out.stderr
     assert out.stdout == ""
@@ -409,8 +656,14 @@ def test_run_train_rejects_bad_ngpu_before_python(ngpu, tmp_path):
     """run_train.sh names NGPU and what is allowed, exit 2, and starts nothing (the check
     comes before the environment set-up and the plan)."""
     env = dict(_env(), NGPU=ngpu)
-    out = subprocess.run(["bash", "run_train.sh", "--job.dump_folder", str(tmp_path / "never")],
-                         capture_output=True, text=True, timeout=30, cwd=ROOT, env=env)
+    out = subprocess.run(
+        ["bash", "run_train.sh", "--job.dump_folder", str(tmp_path / "never")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode == 2, out.stderr
     assert out.stdout == ""
     assert out.stderr.splitlines() == [
@@ -426,11 +679,19 @@ def test_transformers_checkpoints_pass_the_header_check(family, tmp_path):
     transformers = pytest.importorskip("transformers")
     from titan_spec.models.hf_io import HFCheckpointError, check_hf_weights, read_hf_arch
 
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     if family.startswith("qwen3"):
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-            **common, head_dim=16, tie_word_embeddings=family == "qwen3_tied"))
+        model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=family == "qwen3_tied")
+        )
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     # max_shard_size splits the llama checkpoint into several files + model.safetensors.index.json
@@ -476,21 +737,26 @@ def test_read_only_dump_folder_is_one_line(inside, read_only_folder, tmp_path, c
         print(f"\n--plan refusal read_only_dump_folder: {time.perf_counter() - start:.3f} s in-process")
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and out == "", err
-    assert lines == [f"titan_spec: config error: command line --job.dump_folder: job.dump_folder '{dump}' is not "
-                     f"writable: {read_only_folder}: {'Read-only file system' if os.geteuid() == 0 else 'Permission denied'}; "
-                     "allowed: a folder this user can create files in (the run writes its checkpoints, metrics and "
-                     "exports there)"], err
+    assert lines == [
+        f"titan_spec: config error: command line --job.dump_folder: job.dump_folder '{dump}' is not "
+        f"writable: {read_only_folder}: {'Read-only file system' if os.geteuid() == 0 else 'Permission denied'}; "
+        "allowed: a folder this user can create files in (the run writes its checkpoints, metrics and "
+        "exports there)"
+    ], err
     assert (tree(tmp_path), tree(ROOT)) == before
 
 
-@pytest.mark.parametrize("body,needle", [
-    ("def reward(completion, answer, record):\n    raise KeyError('score')\n",
-     "raised on record", ),
-    ("def reward(completion, answer, record):\n    return 'yes'\n",
-     "returned str 'yes'"),
-    ("def reward(completion, answer, record):\n    return float('nan')\n",
-     "returned nan"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (
+            "def reward(completion, answer, record):\n    raise KeyError('score')\n",
+            "raised on record",
+        ),
+        ("def reward(completion, answer, record):\n    return 'yes'\n", "returned str 'yes'"),
+        ("def reward(completion, answer, record):\n    return float('nan')\n", "returned nan"),
+    ],
+)
 def test_a_reward_that_cannot_score_is_one_line_before_the_start(body, needle, tmp_path, capsys, monkeypatch):
     """A user's reward (task.reward = 'module:function') that raises or returns a non-number on
     the task's first problems is refused by --plan (preflight/inputs.py check_reward_scores),
@@ -503,11 +769,15 @@ def test_a_reward_that_cannot_score_is_one_line_before_the_start(body, needle, t
     rc, out, err = plan_in_process(capsys, confs, RL, ["--task.reward", "user_reward_probe:reward"])
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and out == "" and len(lines) == 1, err
-    assert lines[0].startswith("titan_spec: config error: command line --task.reward: task.reward = "
-                               "'user_reward_probe:reward' does not score the task before the start: "), lines[0]
+    assert lines[0].startswith(
+        "titan_spec: config error: command line --task.reward: task.reward = "
+        "'user_reward_probe:reward' does not score the task before the start: "
+    ), lines[0]
     assert needle in lines[0] and "allowed: a function (completion, answer, record) -> a finite number" in lines[0]
     assert tree(tmp_path / "train_configs") == before and not (tmp_path / "outputs").exists()
-    (tmp_path / "user_reward_probe.py").write_text("def reward(completion, answer, record):\n    return len(completion)\n")
+    (tmp_path / "user_reward_probe.py").write_text(
+        "def reward(completion, answer, record):\n    return len(completion)\n"
+    )
     sys.modules.pop("user_reward_probe", None)
     rc, out, err = plan_in_process(capsys, confs, RL, ["--task.reward", "user_reward_probe:reward"])
     assert rc == 0, err
@@ -530,12 +800,15 @@ def test_a_disk_without_room_for_the_first_checkpoint_is_one_line(tmp_path, caps
         rc, out, err = plan_in_process(capsys, confs, SFT, ["--job.dump_folder", str(small / "run")])
         lines = [line for line in err.splitlines() if line.strip()]
         assert rc == 2 and out == "" and len(lines) == 1, err
-        assert lines[0].startswith(f"titan_spec: config error: command line --job.dump_folder: job.dump_folder "
-                                   f"'{small / 'run'}' has no space left for the run: {small} has "), err
+        assert lines[0].startswith(
+            f"titan_spec: config error: command line --job.dump_folder: job.dump_folder "
+            f"'{small / 'run'}' has no space left for the run: {small} has "
+        ), err
         assert "MiB free, one checkpoint and the exports of 400,960 parameters need 6.1 MiB; allowed:" in lines[0], err
         # With checkpoints off the exports alone (1.5 MiB) still do not fit.
-        rc, _, err = plan_in_process(capsys, confs, SFT, ["--job.dump_folder", str(small / "run"),
-                                                          "--checkpoint.enable", "false"])
+        rc, _, err = plan_in_process(
+            capsys, confs, SFT, ["--job.dump_folder", str(small / "run"), "--checkpoint.enable", "false"]
+        )
         assert rc == 2 and "need 1.5 MiB" in err, err
         assert (tree(tmp_path), tree(ROOT)) == before
     finally:

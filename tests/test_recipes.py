@@ -28,21 +28,69 @@ from helpers.hf_assets import gsm8k_records, write_jsonl, write_qwen_sized_token
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _COMMON = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "initializer_range": 0.02,
-    "max_position_embeddings": 40960, "model_type": "qwen3", "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 # name -> (config.json fields, safetensors shards of the published checkpoint, published total
 # and non-embedding parameters as the model card rounds them: (value in B, decimals)).
 MODELS = {
-    "0.6b": ({"hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16, "num_hidden_layers": 28,
-              "max_window_layers": 28, "tie_word_embeddings": True}, 1, (0.6, 1), (0.44, 2)),
-    "1.7b": ({"hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 16, "num_hidden_layers": 28,
-              "max_window_layers": 28, "tie_word_embeddings": True}, 2, (1.7, 1), (1.4, 1)),
-    "8b": ({"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_hidden_layers": 36,
-            "max_window_layers": 36, "tie_word_embeddings": False}, 5, (8.2, 1), (6.95, 2)),
+    "0.6b": (
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 28,
+            "max_window_layers": 28,
+            "tie_word_embeddings": True,
+        },
+        1,
+        (0.6, 1),
+        (0.44, 2),
+    ),
+    "1.7b": (
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 28,
+            "max_window_layers": 28,
+            "tie_word_embeddings": True,
+        },
+        2,
+        (1.7, 1),
+        (1.4, 1),
+    ),
+    "8b": (
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 36,
+            "max_window_layers": 36,
+            "tie_word_embeddings": False,
+        },
+        5,
+        (8.2, 1),
+        (6.95, 2),
+    ),
 }
 
 
@@ -87,14 +135,16 @@ def header_commands(path: str) -> list[tuple[dict[str, str], list[str]]]:
         start = at
         while start > 0 and "=" in words[start - 1] and words[start - 1].split("=")[0].isupper():
             start -= 1
-        args = words[at + 1:]
+        args = words[at + 1 :]
         if args and not args[0].startswith("--"):
             continue  # prose about run_train.sh, not a command
         commands.append((dict(w.split("=", 1) for w in words[start:at]), args))
     return commands
 
 
-@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "train_configs")) if f.endswith(".toml")))
+@pytest.mark.parametrize(
+    "name", sorted(f for f in os.listdir(os.path.join(ROOT, "train_configs")) if f.endswith(".toml"))
+)
 def test_every_header_command_is_one_run_train_accepts(name, monkeypatch, tmp_path, capsys):
     """run_train.sh takes its config from CONFIG_FILE and its arguments as overrides
     (``--config`` is refused): every command a header shows runs in ``--plan`` form (what
@@ -117,13 +167,21 @@ def test_every_header_command_is_one_run_train_accepts(name, monkeypatch, tmp_pa
 
 
 # Every GPU recipe qwen3_<size>_<engine>.toml of a size in MODELS, for each rollout engine it exists for.
-RECIPES = sorted(f for f in os.listdir(os.path.join(ROOT, "train_configs"))
-                 if f.startswith("qwen3_") and f.endswith(".toml") and f.split("_")[1] in MODELS)
+RECIPES = sorted(
+    f
+    for f in os.listdir(os.path.join(ROOT, "train_configs"))
+    if f.startswith("qwen3_") and f.endswith(".toml") and f.split("_")[1] in MODELS
+)
 
 
 def test_the_recipes_cover_both_server_engines():
-    assert {"qwen3_0.6b_sglang.toml", "qwen3_1.7b_sglang.toml", "qwen3_8b_sglang.toml",
-            "qwen3_0.6b_vllm.toml", "qwen3_8b_vllm.toml"} <= set(RECIPES), RECIPES
+    assert {
+        "qwen3_0.6b_sglang.toml",
+        "qwen3_1.7b_sglang.toml",
+        "qwen3_8b_sglang.toml",
+        "qwen3_0.6b_vllm.toml",
+        "qwen3_8b_vllm.toml",
+    } <= set(RECIPES), RECIPES
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -139,7 +197,7 @@ def test_recipe_checks_against_the_real_structure(recipe, tmp_path, tokenizer_fi
     from titan_spec.models.registry import parameter_count
     from titan_spec.train.entry import main
 
-    size, engine = recipe[len("qwen3_"):-len(".toml")].split("_")
+    size, engine = recipe[len("qwen3_") : -len(".toml")].split("_")
     fields, shards, total, non_embedding = MODELS[size]
     cfg = {**_COMMON, **fields}
     model_dir = tmp_path / f"Qwen3-{size}"
@@ -154,8 +212,9 @@ def test_recipe_checks_against_the_real_structure(recipe, tmp_path, tokenizer_fi
     draft_dir = tmp_path / "eagle3"
     with torch.device("meta"):
         dsd = Eagle3Draft(draft).state_dict()
-    write_sparse_safetensors(draft_dir, {k: tuple(dsd[k].shape) for k in EXPORT_KEYS},
-                             dtypes={"d2t": "int64", "t2d": "bool"})
+    write_sparse_safetensors(
+        draft_dir, {k: tuple(dsd[k].shape) for k in EXPORT_KEYS}, dtypes={"d2t": "int64", "t2d": "bool"}
+    )
     (draft_dir / "config.json").write_text(json.dumps(draft_config_json(draft, torch.bfloat16)))
     data = write_jsonl(tmp_path / "train.jsonl", gsm8k_records(4))
 
@@ -163,15 +222,34 @@ def test_recipe_checks_against_the_real_structure(recipe, tmp_path, tokenizer_fi
     path = os.path.join(ROOT, "train_configs", recipe)
     with open(path, "rb") as f:
         assert tomllib.load(f)["rollout"]["engine"] == engine  # the file's name says its rollout engine
-    rc = main(["--check", "--config", path,
-               "--model.hf_checkpoint", str(model_dir), "--draft.init_from", str(draft_dir), "--task.path", data])
+    rc = main(
+        [
+            "--check",
+            "--config",
+            path,
+            "--model.hf_checkpoint",
+            str(model_dir),
+            "--draft.init_from",
+            str(draft_dir),
+            "--task.path",
+            data,
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     # The header's command for the draft this recipe needs, as written, in --plan form: on
     # this model directory and data file (the header's /models and /data paths).
-    (env, args), = [c for c in header_commands(path) if c[0].get("CONFIG_FILE") != f"train_configs/{recipe}"]
+    ((env, args),) = [c for c in header_commands(path) if c[0].get("CONFIG_FILE") != f"train_configs/{recipe}"]
     args = [str(model_dir) if a.startswith("/models/") else data if a.startswith("/data/") else a for a in args]
-    rc = main(["--plan", "--config", os.path.join(ROOT, env["CONFIG_FILE"]), *args,
-               "--job.dump_folder", str(tmp_path / "draft_run")])
+    rc = main(
+        [
+            "--plan",
+            "--config",
+            os.path.join(ROOT, env["CONFIG_FILE"]),
+            *args,
+            "--job.dump_folder",
+            str(tmp_path / "draft_run"),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
 
     n = parameter_count(arch)

@@ -26,15 +26,20 @@ ROW = 64
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     pytest.importorskip("transformers")
-    return write_tiny_qwen3(tmp_path_factory.mktemp("regen") / "hf", CharTokenizer().get_vocab_size(), seed=3,
-                            num_hidden_layers=2)
+    return write_tiny_qwen3(
+        tmp_path_factory.mktemp("regen") / "hf", CharTokenizer().get_vocab_size(), seed=3, num_hidden_layers=2
+    )
 
 
 def _loader(tok, regenerate=None):
-    task = TaskConfig(name="trace", generated=GeneratedTaskConfig(max_operand=20, min_count=2, max_count=6, trace_fraction=0.3),
-                      seed=5)
-    loader = TaskDataLoader(TaskDataLoader.Config(task=task), dp_world_size=1, dp_rank=0, tokenizer=tok,
-                            seq_len=ROW, local_batch_size=4)
+    task = TaskConfig(
+        name="trace",
+        generated=GeneratedTaskConfig(max_operand=20, min_count=2, max_count=6, trace_fraction=0.3),
+        seed=5,
+    )
+    loader = TaskDataLoader(
+        TaskDataLoader.Config(task=task), dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=ROW, local_batch_size=4
+    )
     loader.use_regenerator(regenerate)
     return loader
 

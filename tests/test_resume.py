@@ -22,17 +22,51 @@ import torch
 from safetensors.torch import load_file
 
 N, K = 4, 2  # uninterrupted steps; the interrupted run stops at the step-K checkpoint
-COMMON = ("--model.name", "llama3", "--training.seq_len", "64", "--lr_scheduler.total_steps", str(N),
-          "--lr_scheduler.warmup_steps", "2", "--draft.enable", "true", "--draft.draft_vocab_size", "24",
-          "--draft.eagle3.ttt_steps", "3", "--checkpoint.interval", str(K))
+COMMON = (
+    "--model.name",
+    "llama3",
+    "--training.seq_len",
+    "64",
+    "--lr_scheduler.total_steps",
+    str(N),
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--draft.enable",
+    "true",
+    "--draft.draft_vocab_size",
+    "24",
+    "--draft.eagle3.ttt_steps",
+    "3",
+    "--checkpoint.interval",
+    str(K),
+)
 LAYOUTS = {
-    "dp2": ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "2",
-            "--training.local_batch_size", "2"),
-    "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-            "--parallelism.pipeline_parallel_microbatch_size", "2"),
-    "cp2": ("--parallelism.pipeline_parallel_degree", "1", "--parallelism.context_parallel_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "1"),
+    "dp2": (
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ),
+    "pp2": (
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ),
+    "cp2": (
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ),
 }
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -66,8 +100,16 @@ def test_resume_is_bitwise(runs, layout):
     want, got = _rows(full), _rows(cut)  # the cut run's file holds both of its halves
     assert [r["step"] for r in want] == [r["step"] for r in got] == list(range(1, N + 1)), layout
     # metrics.jsonl holds no wall-clock metric: every row is a function of the training state.
-    assert {"loss", "grad_norm", "draft/loss", "draft/grad_norm", "draft/acc_0", "draft/lr", "lr/AdamW",
-            "n_tokens_seen"} <= set(want[0]), want[0]
+    assert {
+        "loss",
+        "grad_norm",
+        "draft/loss",
+        "draft/grad_norm",
+        "draft/acc_0",
+        "draft/lr",
+        "lr/AdamW",
+        "n_tokens_seen",
+    } <= set(want[0]), want[0]
     for a, b in zip(want, got):
         assert b == a, (layout, a, b)
     # The last step's update is in no logged metric; the exported draft holds it.

@@ -57,10 +57,16 @@ def _batch(vocab=40, seed=1, multiple=1):
     for i in range(5):
         p = torch.randint(3, vocab, (4,), generator=g).tolist()
         c = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
-        docs.append(Document([1] + p + c, loss_from=5, values={
-            "behaviour_logp": (-torch.rand(len(c), generator=g) * 3).tolist(),
-            "advantages": [float(i % 3) - 1.0] * len(c),
-        }))
+        docs.append(
+            Document(
+                [1] + p + c,
+                loss_from=5,
+                values={
+                    "behaviour_logp": (-torch.rand(len(c), generator=g) * 3).tolist(),
+                    "advantages": [float(i % 3) - 1.0] * len(c),
+                },
+            )
+        )
     packed, _ = pack_documents(docs, None, 32, pad_id=0, multiple=multiple)
     return packed
 
@@ -73,13 +79,22 @@ def test_documents_padded_to_a_multiple_keep_their_real_tokens_logits_and_labels
     out = {}
     for name, packed in (("tight", tight), ("aligned", aligned)):
         with torch.no_grad():
-            logits_BLV, _ = model(packed.input_BL, positions=packed.positions_BL,
-                                  attention_masks=model.get_attention_masks(packed.positions_BL))
+            logits_BLV, _ = model(
+                packed.input_BL,
+                positions=packed.positions_BL,
+                attention_masks=model.get_attention_masks(packed.positions_BL),
+            )
         starts = (packed.positions_BL.reshape(-1) == 0).nonzero().flatten().tolist()
         ends = starts[1:] + [packed.positions_BL.numel()]
         docs = [(s, e) for s, e in zip(starts, ends) if packed.input_BL.reshape(-1)[s] == 1]  # BOS: a document
-        out[name] = [(packed.input_BL.reshape(-1)[s:e], packed.labels_BL.reshape(-1)[s:e],
-                      logits_BLV.reshape(-1, logits_BLV.shape[-1])[s:e]) for s, e in docs]
+        out[name] = [
+            (
+                packed.input_BL.reshape(-1)[s:e],
+                packed.labels_BL.reshape(-1)[s:e],
+                logits_BLV.reshape(-1, logits_BLV.shape[-1])[s:e],
+            )
+            for s, e in docs
+        ]
         if name == "aligned":
             assert all((e - s) % 4 == 0 for s, e in docs)
     assert len(out["tight"]) == len(out["aligned"]) == 5
@@ -94,8 +109,14 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
     model, arch = _tiny()
     draft_cfg = DraftConfig(enable=True, eagle3=Eagle3Config(ttt_steps=3))
     dt = DraftTraining(
-        draft_cfg, DraftArch.from_target(arch, (1, 3, 4), arch.vocab_size), device=torch.device("cpu"),
-        dp_mesh=None, lr_scheduler_cfg=load_config(None).lr_scheduler, training_steps=10, token_counts_V=None, seed=0,
+        draft_cfg,
+        DraftArch.from_target(arch, (1, 3, 4), arch.vocab_size),
+        device=torch.device("cpu"),
+        dp_mesh=None,
+        lr_scheduler_cfg=load_config(None).lr_scheduler,
+        training_steps=10,
+        token_counts_V=None,
+        seed=0,
     )
     rl = RLConfig(enable=True, temperature=0.7, kl_beta=0.0)
     b = _batch()
@@ -110,7 +131,13 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
         logits, taps = model(b.input_BL, positions=b.positions_BL, attention_masks=meta)
         policy = ppo_policy_loss(b.values_BL["behaviour_logp"], b.values_BL["advantages"], rl, n_tokens)
         out = CoTrainingLoss(dt, weight=0.5)(
-            policy, logits, taps, b.labels_BL, n_tokens, positions_BL=b.positions_BL, attention_meta=meta,
+            policy,
+            logits,
+            taps,
+            b.labels_BL,
+            n_tokens,
+            positions_BL=b.positions_BL,
+            attention_meta=meta,
         )
         {"total": out.total, "policy": out.policy, "draft": out.draft.loss}[which].backward()
         zero = lambda ps: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ps]  # noqa: E731
@@ -132,7 +159,9 @@ def test_co_training_loss_gradients_reach_each_model_only_through_its_own_loss()
         lp = torch.log_softmax(logits.double() / 0.7, -1)
         mask = b.labels_BL != IGNORE
         ref = lp.gather(-1, b.labels_BL.clamp(min=0)[..., None])[..., 0]
-        torch.testing.assert_close(token_logprobs(logits, b.labels_BL, 0.7)[mask], ref[mask].float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            token_logprobs(logits, b.labels_BL, 0.7)[mask], ref[mask].float(), rtol=1e-5, atol=1e-5
+        )
         ratio = torch.exp(ref[mask].float() - b.values_BL["behaviour_logp"][mask])
         adv = b.values_BL["advantages"][mask]
         expect = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum() / n_tokens
@@ -144,8 +173,21 @@ def _worker(tmp_path, retries=1, costs_dir=None):
     from titan_spec.rl.worker import RolloutWorker
 
     model, arch = _tiny()
-    cfg = load_config(None, ["--rl.enable", "true", "--draft.enable", "true", "--rl.rollout_retries", str(retries),
-                             "--rl.baseline_interval", "1", "--rollout.progress", "false"])
+    cfg = load_config(
+        None,
+        [
+            "--rl.enable",
+            "true",
+            "--draft.enable",
+            "true",
+            "--rl.rollout_retries",
+            str(retries),
+            "--rl.baseline_interval",
+            "1",
+            "--rollout.progress",
+            "false",
+        ],
+    )
     darch = DraftArch.from_target(arch, (1, 3, 4), 24)
     draft = initial_draft(cfg.draft, darch, torch.arange(arch.vocab_size).flip(0), seed=3)
     worker = RolloutWorker(cfg, arch, torch.device("cpu"), draft, costs_dir=costs_dir)
@@ -181,7 +223,8 @@ def test_rollout_worker_keeps_its_depth_cost_table_for_a_resume(tmp_path):
     later, _ = _worker(tmp_path, costs_dir=str(tmp_path))
     later.load_state_dict(state)
     assert [r.output_ids for r in later.generate(prompts, dataclasses.replace(sp, seed=4))[0]] == [
-        r.output_ids for r in nxt]
+        r.output_ids for r in nxt
+    ]
     assert later.main.last_depths == worker.main.last_depths
 
 
@@ -213,12 +256,17 @@ def test_baselines_measure_both_drafts_at_fixed_depth_whatever_adaptive_depth_ch
     # Priced by the same table, one K = 0 round of a row costs less than one K = 4 round of it.
     assert base["nospec"].priced_s / base["nospec"].tokens < base["fixed"].priced_s / base["fixed"].rounds
     fixed, frozen = base["fixed"], base["frozen_fixed"]
-    assert (fixed.tokens, fixed.verify_steps, fixed.drafted_tokens) == (frozen.tokens, frozen.verify_steps,
-                                                                        frozen.drafted_tokens)
+    assert (fixed.tokens, fixed.verify_steps, fixed.drafted_tokens) == (
+        frozen.tokens,
+        frozen.verify_steps,
+        frozen.drafted_tokens,
+    )
     assert fixed.rounds > 0 and fixed.drafted_tokens > 0.8 * K * fixed.rounds  # K per round but the last ones
     # A different draft pushed into the step's engines (the co-trained one moved).
-    moved = {k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v
-             for k, v in worker.main.draft.state_dict().items()}
+    moved = {
+        k: (v + 0.05 * torch.randn_like(v)) if v.is_floating_point() else v
+        for k, v in worker.main.draft.state_dict().items()
+    }
     worker.push(worker.target.state_dict(), moved, version=8)
     assert torch.equal(engines["fixed"].draft.fc.weight, moved["fc.weight"])
     again = worker.baselines.measure(prompts, sp)
@@ -350,25 +398,46 @@ def test_jsonl_task_reports_malformed_lines_and_rejects_or_skips(tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--draft.enable", "true", "--speculative.enabled", "false"], "draft.co_train = true needs speculative.enabled"),
+        (
+            ["--draft.enable", "true", "--speculative.enabled", "false"],
+            "draft.co_train = true needs speculative.enabled",
+        ),
         (["--draft.enable", "false"], "needs a draft"),
         (["--draft.enable", "true", "--draft.offline", "true"], "draft.offline = true freezes the policy"),
         (["--draft.enable", "true", "--rl.prompts_per_step", "3"], "multiple of the 2 data-parallel ranks"),
         (["--draft.enable", "true", "--rl.group_size", "1"], "rl.group_size"),
         (["--draft.enable", "true", "--rl.temperature", "0"], "rl.temperature"),
-        (["--draft.enable", "true", "--rl.prompts_per_step", "6", "--rl.group_size", "3", "--rl.minibatches", "2"],
-         "rl.minibatches = 2 must divide each rank's 9 completions of a step"),
+        (
+            ["--draft.enable", "true", "--rl.prompts_per_step", "6", "--rl.group_size", "3", "--rl.minibatches", "2"],
+            "rl.minibatches = 2 must divide each rank's 9 completions of a step",
+        ),
         (["--draft.enable", "true", "--rl.ppo_epochs", "0"], "rl.ppo_epochs"),
-        (["--draft.enable", "true", "--training.global_batch_size", "16"],
-         "training.global_batch_size = 16 with rl.enable = true"),
+        (
+            ["--draft.enable", "true", "--training.global_batch_size", "16"],
+            "training.global_batch_size = 16 with rl.enable = true",
+        ),
         (["--draft.enable", "true", "--rl.async_steps", "-1"], "rl.async_steps = -1 is not allowed"),
-        (["--draft.enable", "true", "--rl.async_steps", "1", "--rl.behaviour_logprobs", "recompute"],
-         "rl.behaviour_logprobs = 'recompute' does not go with rl.async_steps = 1; allowed: rl.behaviour_logprobs = 'engine'"),
-        (["--draft.enable", "true", "--rl.async_steps", "2", "--rl.dynamic_sampling", "true"],
-         "rl.dynamic_sampling = True does not go with rl.async_steps = 2"),
-        (["--draft.enable", "true", "--rl.async_steps", "1", "--parallelism.tensor_parallel_degree", "2",
-          "--parallelism.data_parallel_shard_degree", "1"],
-         "rl.async_steps = 1 runs with data and context parallelism; parallelism.tensor_parallel_degree = 2 is not allowed"),
+        (
+            ["--draft.enable", "true", "--rl.async_steps", "1", "--rl.behaviour_logprobs", "recompute"],
+            "rl.behaviour_logprobs = 'recompute' does not go with rl.async_steps = 1; allowed: rl.behaviour_logprobs = 'engine'",
+        ),
+        (
+            ["--draft.enable", "true", "--rl.async_steps", "2", "--rl.dynamic_sampling", "true"],
+            "rl.dynamic_sampling = True does not go with rl.async_steps = 2",
+        ),
+        (
+            [
+                "--draft.enable",
+                "true",
+                "--rl.async_steps",
+                "1",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            ],
+            "rl.async_steps = 1 runs with data and context parallelism; parallelism.tensor_parallel_degree = 2 is not allowed",
+        ),
     ],
 )
 def test_rl_config_errors(args, needle):

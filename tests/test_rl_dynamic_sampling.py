@@ -77,8 +77,14 @@ def _batch(tag: str, rewards_PG: list[list[float]], seconds: float = 1.0) -> Rol
     G = len(rewards_PG[0])
     rollouts = [(f"{tag}{i}", j) for i in range(len(rewards_PG)) for j in range(G)]
     stats = RolloutStats(tokens=10, verify_steps=4, seconds=seconds, drafted_tokens=6, rounds=2)
-    return RolloutBatch([f"{tag}{i}" for i in range(len(rewards_PG))], rollouts, stats,
-                        {"nospec": RolloutStats(1, 1, 0.5)} if tag == "a" else {}, 7, 0.25)
+    return RolloutBatch(
+        [f"{tag}{i}" for i in range(len(rewards_PG))],
+        rollouts,
+        stats,
+        {"nospec": RolloutStats(1, 1, 0.5)} if tag == "a" else {},
+        7,
+        0.25,
+    )
 
 
 def _run(rounds: list[list[list[float]]], extra: int):
@@ -92,8 +98,9 @@ def _run(rounds: list[list[list[float]]], extra: int):
         return _batch(made[-1], scripted[made[-1]])
 
     first = _batch("a", rounds[0])
-    batch, rewards_PG = dynamic_sample(first, torch.tensor(rounds[0]), generate,
-                                       lambda b: torch.tensor(scripted[b.problems[0][0]]), extra)
+    batch, rewards_PG = dynamic_sample(
+        first, torch.tensor(rounds[0]), generate, lambda b: torch.tensor(scripted[b.problems[0][0]]), extra
+    )
     return batch, rewards_PG, made
 
 
@@ -129,29 +136,73 @@ def _expected(rounds: list, share: int, extra: int) -> tuple[int, list[int]]:
     """The rule written out again, independently: (rounds used, kept group indices)."""
     groups = [g for r in rounds for g in r]
     for used in range(1, 2 + extra):
-        spread = [i for i, g in enumerate(groups[:used * share]) if max(g) != min(g)]
+        spread = [i for i, g in enumerate(groups[: used * share]) if max(g) != min(g)]
         if len(spread) >= share:
             return used, spread[:share]
     flat = [i for i, g in enumerate(groups) if max(g) == min(g)]
-    return 1 + extra, sorted(spread + flat[:share - len(spread)])
+    return 1 + extra, sorted(spread + flat[: share - len(spread)])
 
 
 def test_real_rl_steps_keep_the_groups_with_spread_and_log_what_they_did(tmp_path):
     steps, share, extra = 3, 4, 1
     args = [
-        "--config", os.path.join(ROOT, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
-        "--model.hf_checkpoint", "", "--draft.init_from", "", "--draft.export_dir", "",
-        "--task.reward", "rl_dynamic:coin", "--task.seed", "5",
-        "--rl.dynamic_sampling", "true", "--rl.dynamic_sampling_rounds", str(extra),
-        "--rl.prompts_per_step", str(share), "--rl.group_size", "4", "--rl.max_new_tokens", "8",
-        "--rl.baseline_interval", "0", "--training.seq_len", "128", "--rollout.progress", "false",
-        "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "0",
+        "--config",
+        os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--model.hf_checkpoint",
+        "",
+        "--draft.init_from",
+        "",
+        "--draft.export_dir",
+        "",
+        "--task.reward",
+        "rl_dynamic:coin",
+        "--task.seed",
+        "5",
+        "--rl.dynamic_sampling",
+        "true",
+        "--rl.dynamic_sampling_rounds",
+        str(extra),
+        "--rl.prompts_per_step",
+        str(share),
+        "--rl.group_size",
+        "4",
+        "--rl.max_new_tokens",
+        "8",
+        "--rl.baseline_interval",
+        "0",
+        "--training.seq_len",
+        "128",
+        "--rollout.progress",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "0",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(ROOT, "tests/helpers/rl_dynamic.py"), str(steps), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        os.path.join(ROOT, "tests/helpers/rl_dynamic.py"),
+        str(steps),
+        *args,
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     line = next(x for x in out.stdout.splitlines() if "rl_dynamic: " in x)
     got = json.loads(line.split("rl_dynamic: ", 1)[1])
@@ -174,8 +225,12 @@ def test_real_rl_steps_keep_the_groups_with_spread_and_log_what_they_did(tmp_pat
         assert step["dynamic"] == [used, flat - topped, topped, len(groups)], step
         # The logged metrics: rl/reward is the kept batch's, the rl/dynamic_* what was done.
         assert row["rl/reward"] == pytest.approx(sum(map(sum, step["kept"])) / (share * 4)), row
-        assert (row["rl/dynamic_rounds"], row["rl/dynamic_groups_dropped"], row["rl/dynamic_topped_up"],
-                row["rl/dynamic_groups_generated"]) == (used, flat - topped, topped, len(groups)), row
+        assert (
+            row["rl/dynamic_rounds"],
+            row["rl/dynamic_groups_dropped"],
+            row["rl/dynamic_topped_up"],
+            row["rl/dynamic_groups_generated"],
+        ) == (used, flat - topped, topped, len(groups)), row
         used_total += used
         assert step["batch_index"] == used_total  # one dataloader batch of problems per round
     assert used_total > steps, got  # some step needed another round (else this tested nothing)

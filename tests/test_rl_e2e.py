@@ -23,8 +23,20 @@ import sys
 
 import pytest
 
-TASK = ("--task.name", "arithmetic", "--task.generated.max_operand", "12", "--task.generated.num_operands", "2", "--task.generated.show_work", "true",
-        "--task.generated.wrong_answer_rate", "0.5", "--task.seed", "5")
+TASK = (
+    "--task.name",
+    "arithmetic",
+    "--task.generated.max_operand",
+    "12",
+    "--task.generated.num_operands",
+    "2",
+    "--task.generated.show_work",
+    "true",
+    "--task.generated.wrong_answer_rate",
+    "0.5",
+    "--task.seed",
+    "5",
+)
 """The test-size task: 2-operand arithmetic with short completions (the embedded default's
 trace task needs ~100-token completions, too slow here). Half the SFT demonstrations state a
 wrong result, so the warm start knows the right one and GRPO has something to sharpen: with
@@ -41,12 +53,35 @@ def warm_start(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("warm")
     sft, draft = str(root / "sft"), str(root / "draft")
-    train_many(1, [  # one launch, the draft run after the SFT run it reads
-        (sft, (*SMALL, *TASK, "--training.steps", "300", "--job.export_hf", "hf", "--lr_scheduler.warmup_steps", "5")),
-        (draft, ("--config", "debug_cpu_draft.toml", *SMALL, *TASK, "--training.steps", "40",
-                 "--model.hf_checkpoint", os.path.join(sft, "hf"), "--lr_scheduler.warmup_steps", "5",
-                 "--draft.data", "demonstrations", "--draft.draft_vocab_size", "32")),
-    ], config="debug_cpu_sft.toml")
+    train_many(
+        1,
+        [  # one launch, the draft run after the SFT run it reads
+            (
+                sft,
+                (*SMALL, *TASK, "--training.steps", "300", "--job.export_hf", "hf", "--lr_scheduler.warmup_steps", "5"),
+            ),
+            (
+                draft,
+                (
+                    "--config",
+                    "debug_cpu_draft.toml",
+                    *SMALL,
+                    *TASK,
+                    "--training.steps",
+                    "40",
+                    "--model.hf_checkpoint",
+                    os.path.join(sft, "hf"),
+                    "--lr_scheduler.warmup_steps",
+                    "5",
+                    "--draft.data",
+                    "demonstrations",
+                    "--draft.draft_vocab_size",
+                    "32",
+                ),
+            ),
+        ],
+        config="debug_cpu_sft.toml",
+    )
     return os.path.join(sft, "hf"), os.path.join(draft, "draft")
 
 
@@ -54,21 +89,50 @@ def _rl(warm_start, dump, steps, *extra, nproc: int = 1):
     from conftest import run_train
 
     hf, draft = warm_start
-    return run_train(dump, nproc, (
-        "--model.hf_checkpoint", hf, "--draft.init_from", draft, *TASK,
-        "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1", "--training.seq_len", "128",
-        "--rl.prompts_per_step", "16", "--rl.group_size", "8", "--rl.max_new_tokens", "12",
-        "--rl.baseline_interval", "6", "--rollout.progress", "false",
-        # Fixed depth: adaptive depth picks K from each run's own timed calibration, so a fresh
-        # run's sampled trajectory would follow the machine's load (its resume exactness is
-        # tested on the worker, test_rl.py / test_rollout_engine.py).
-        "--speculative.depth", "fixed",
-        # The draft's learning rate this test was sized with (the default's is 3e-3): the
-        # draft does not change the policy's distribution, but it does change which samples
-        # a seed draws, so the 30-step trajectory below is this one's.
-        "--draft.lr", "1e-3",
-        "--checkpoint.interval", "3", "--metrics.log_freq", "1", *extra,
-    ), config="debug_cpu.toml", timeout=900)
+    return run_train(
+        dump,
+        nproc,
+        (
+            "--model.hf_checkpoint",
+            hf,
+            "--draft.init_from",
+            draft,
+            *TASK,
+            "--training.steps",
+            str(steps),
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--training.seq_len",
+            "128",
+            "--rl.prompts_per_step",
+            "16",
+            "--rl.group_size",
+            "8",
+            "--rl.max_new_tokens",
+            "12",
+            "--rl.baseline_interval",
+            "6",
+            "--rollout.progress",
+            "false",
+            # Fixed depth: adaptive depth picks K from each run's own timed calibration, so a fresh
+            # run's sampled trajectory would follow the machine's load (its resume exactness is
+            # tested on the worker, test_rl.py / test_rollout_engine.py).
+            "--speculative.depth",
+            "fixed",
+            # The draft's learning rate this test was sized with (the default's is 3e-3): the
+            # draft does not change the policy's distribution, but it does change which samples
+            # a seed draws, so the 30-step trajectory below is this one's.
+            "--draft.lr",
+            "1e-3",
+            "--checkpoint.interval",
+            "3",
+            "--metrics.log_freq",
+            "1",
+            *extra,
+        ),
+        config="debug_cpu.toml",
+        timeout=900,
+    )
 
 
 def test_rl_reward_rises_cotrained_draft_keeps_up_and_resume_is_exact(warm_start, tmp_path):
@@ -150,16 +214,50 @@ def rl_updates(warm_start, tmp_path, *extra, helper: str = "rl_updates") -> list
     hf, draft = warm_start
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = [
-        "--config", os.path.join(root, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
-        "--model.hf_checkpoint", hf, "--draft.init_from", draft, "--draft.export_dir", "", *TASK,
-        "--training.seq_len", "128", "--training.steps", "2",
-        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
-        "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0",
-        "--speculative.depth", "fixed", *extra,  # sampled rollouts independent of the machine's timing
+        "--config",
+        os.path.join(root, "train_configs", "debug_cpu.toml"),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--model.hf_checkpoint",
+        hf,
+        "--draft.init_from",
+        draft,
+        "--draft.export_dir",
+        "",
+        *TASK,
+        "--training.seq_len",
+        "128",
+        "--training.steps",
+        "2",
+        "--rl.prompts_per_step",
+        "4",
+        "--rl.group_size",
+        "4",
+        "--rl.max_new_tokens",
+        "12",
+        "--rl.baseline_interval",
+        "0",
+        "--rollout.progress",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--speculative.depth",
+        "fixed",
+        *extra,  # sampled rollouts independent of the machine's timing
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(root, f"tests/helpers/{helper}.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        os.path.join(root, f"tests/helpers/{helper}.py"),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -167,10 +265,23 @@ def rl_updates(warm_start, tmp_path, *extra, helper: str = "rl_updates") -> list
     return json.loads(line.split(f"{helper}: ", 1)[1])
 
 
-@pytest.mark.parametrize("loss", [
-    ("--rl.loss", "dapo", "--rl.clip_high", "0.28", "--rl.dapo.overlong_filter", "true", "--rl.dapo.overlong_buffer", "4"),
-    ("--rl.loss", "gspo", "--rl.clip_low", "3e-4", "--rl.clip_high", "4e-4"),
-], ids=["dapo", "gspo"])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        (
+            "--rl.loss",
+            "dapo",
+            "--rl.clip_high",
+            "0.28",
+            "--rl.dapo.overlong_filter",
+            "true",
+            "--rl.dapo.overlong_buffer",
+            "4",
+        ),
+        ("--rl.loss", "gspo", "--rl.clip_low", "3e-4", "--rl.clip_high", "4e-4"),
+    ],
+    ids=["dapo", "gspo"],
+)
 def test_dapo_and_gspo_run_real_rl_steps(warm_start, tmp_path, loss):
     """rl.loss = dapo (clip-higher, overlong filtering and shaping) and gspo (sequence ratios
     with the paper's clip ranges) through RLTrainer.policy_loss: two RL steps of 2 PPO epochs
@@ -206,15 +317,55 @@ def test_drift_metrics_are_zero_at_the_start_and_match_an_independent_computatio
     hf, draft = warm_start
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = [
-        "--config", os.path.join(root, "train_configs", "debug_cpu.toml"), "--job.dump_folder", str(tmp_path),
-        "--model.hf_checkpoint", hf, "--draft.init_from", draft, "--draft.export_dir", "", *TASK,
-        "--training.seq_len", "128", "--training.steps", "2", "--rl.drift_metrics", "true", "--rl.minibatches", "2",
-        "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12", "--optimizer.lr", "3e-4",
-        "--rl.baseline_interval", "0", "--rollout.progress", "false", "--checkpoint.enable", "false",
-        "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0", "--speculative.depth", "fixed",
+        "--config",
+        os.path.join(root, "train_configs", "debug_cpu.toml"),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--model.hf_checkpoint",
+        hf,
+        "--draft.init_from",
+        draft,
+        "--draft.export_dir",
+        "",
+        *TASK,
+        "--training.seq_len",
+        "128",
+        "--training.steps",
+        "2",
+        "--rl.drift_metrics",
+        "true",
+        "--rl.minibatches",
+        "2",
+        "--rl.prompts_per_step",
+        "4",
+        "--rl.group_size",
+        "4",
+        "--rl.max_new_tokens",
+        "12",
+        "--optimizer.lr",
+        "3e-4",
+        "--rl.baseline_interval",
+        "0",
+        "--rollout.progress",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--speculative.depth",
+        "fixed",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           os.path.join(root, "tests/helpers/rl_drift.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        os.path.join(root, "tests/helpers/rl_drift.py"),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -227,7 +378,9 @@ def test_drift_metrics_are_zero_at_the_start_and_match_an_independent_computatio
         assert got["rollout/completion_len"] == pytest.approx(ref["len_mean"], rel=1e-12)
         assert got["rollout/completion_len_max"] == ref["len_max"]
         lengths = ref["lengths"]  # sorted; p90 = the smallest length with >= 90% at or below it
-        assert got["rollout/completion_len_p90"] == next(v for v in lengths if sum(x <= v for x in lengths) >= 0.9 * len(lengths))
+        assert got["rollout/completion_len_p90"] == next(
+            v for v in lengths if sum(x <= v for x in lengths) >= 0.9 * len(lengths)
+        )
     # Before any update the policy is the starting one: both estimates vanish.
     assert abs(first["logged"]["drift/kl"]) < KL_TOL and first["logged"]["drift/kl_k3"] < KL_TOL, first
     # Two AdamW steps at lr 1e-3 later the policy has moved: k3 > 0 clearly, on the same scale as k1.
@@ -244,7 +397,10 @@ def test_async_steps_train_on_the_batch_of_the_weights_one_step_older_exactly(wa
     step 1's first update, off by one step's move at steps 2 and 3."""
     steps = rl_updates(warm_start, tmp_path, "--rl.async_steps", "1", "--training.steps", "3", helper="rl_async")
     assert [(s["trainer_version"], s["batch_version"], s["draft_versions"]) for s in steps] == [
-        (0, 0, [0]), (1, 0, [0]), (2, 1, [1])], steps
+        (0, 0, [0]),
+        (1, 0, [0]),
+        (2, 1, [1]),
+    ], steps
     for s, made_by in zip(steps, (0, 0, 1)):
         gaps = s["logp_gap_by_copy"]
         assert gaps[made_by] < ON_POLICY, steps
@@ -285,12 +441,26 @@ def test_async_steps_under_data_and_context_parallelism(warm_start, tmp_path):
     common = ("--rl.async_steps", "1", "--rl.baseline_interval", "0", "--checkpoint.enable", "false")
     runs = {
         "dp": _rl(warm_start, str(tmp_path / "dp"), 2, *common, nproc=2),
-        "cp": _rl(warm_start, str(tmp_path / "cp"), 2, *common, "--parallelism.context_parallel_degree", "2",
-                  "--parallelism.data_parallel_shard_degree", "1", nproc=2),
+        "cp": _rl(
+            warm_start,
+            str(tmp_path / "cp"),
+            2,
+            *common,
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            nproc=2,
+        ),
     }
     for rows in runs.values():
         assert [(r["step"], r["rl/policy_version"], r["rl/policy_lag"], r["rl/draft_lag"]) for r in rows] == [
-            (1, 0, 0, 0), (2, 0, 1, 1)]
+            (1, 0, 0, 0),
+            (2, 0, 1, 1),
+        ]
     for a, b in zip(runs["dp"], runs["cp"]):
         assert (a["rl/reward"], a["rollout/tokens"], a["rollout/accept_len"]) == (
-            b["rl/reward"], b["rollout/tokens"], b["rollout/accept_len"])
+            b["rl/reward"],
+            b["rollout/tokens"],
+            b["rollout/accept_len"],
+        )

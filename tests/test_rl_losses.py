@@ -57,16 +57,22 @@ def test_dapo_clip_higher_and_overlong_filter_by_hand():
 
     # The same through DAPOPolicyLoss from logits (one row of 7 tokens): the filtered tokens
     # and the normalizer are its own; the label ids pick the log-probs.
-    rl = RLConfig(enable=True, loss="dapo", dapo=DAPOConfig(overlong_filter=True), clip_low=0.2, clip_high=0.28, temperature=1.0)
+    rl = RLConfig(
+        enable=True, loss="dapo", dapo=DAPOConfig(overlong_filter=True), clip_low=0.2, clip_high=0.28, temperature=1.0
+    )
     V = 5
     logits = torch.randn(1, 7, V, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
     labels = torch.tensor([[-100, 1, 2, 3, 4, 0, 2]])
     lp = torch.log_softmax(logits.detach(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     beh = lp - torch.tensor([ratio], dtype=F64).log()
-    values = {"behaviour_logp": beh, "advantages": torch.tensor([adv], dtype=F64),
-              "truncated": 1.0 - keep[None].to(F64)}
+    values = {
+        "behaviour_logp": beh,
+        "advantages": torch.tensor([adv], dtype=F64),
+        "truncated": 1.0 - keep[None].to(F64),
+    }
     loss, stats = DAPOPolicyLoss(values, {"tokens": torch.tensor(N), "sequences": 3}, rl)(
-        logits, labels, torch.tensor(999))
+        logits, labels, torch.tensor(999)
+    )
     assert loss.item() == pytest.approx(sum(value) / N, rel=1e-5)  # token_logprobs runs in fp32
     assert stats.out_of_band.item() == pytest.approx(2 / 5)
 
@@ -104,7 +110,13 @@ def _gspo_inputs():
             mask.append(1)
     behaviour.append(-1.0), log_ratio.append(-3.0), adv.append(5.0), seq.append(0), mask.append(0)
     b = torch.tensor(behaviour, dtype=F64)
-    return b, _logp(b, log_ratio), torch.tensor(adv, dtype=F64), torch.tensor(mask), torch.tensor(seq, dtype=torch.float32)
+    return (
+        b,
+        _logp(b, log_ratio),
+        torch.tensor(adv, dtype=F64),
+        torch.tensor(mask),
+        torch.tensor(seq, dtype=torch.float32),
+    )
 
 
 def test_gspo_sequence_ratio_loss_and_gradient_by_hand():
@@ -164,8 +176,16 @@ def test_gspo_kl_and_far_off_policy_cap():
     kl_seq = [(k3[0] + k3[1]) / 2, k3[2]]
     assert out.loss.item() == pytest.approx(0.5 * sum(kl_seq) / 2, rel=1e-12)
     assert out.kl.item() == pytest.approx((kl_seq[0] * 2 + kl_seq[1]) / 3, rel=1e-12)
-    far = gspo_loss(torch.full((2,), 50.0, dtype=F64), torch.zeros(2, dtype=F64), torch.ones(2, dtype=F64),
-                    torch.ones(2), torch.ones(2), 1, 0.2, 0.2)
+    far = gspo_loss(
+        torch.full((2,), 50.0, dtype=F64),
+        torch.zeros(2, dtype=F64),
+        torch.ones(2, dtype=F64),
+        torch.ones(2),
+        torch.ones(2),
+        1,
+        0.2,
+        0.2,
+    )
     assert far.ratio_dev.item() == pytest.approx(math.exp(10) - 1, rel=1e-12)
 
 
@@ -178,12 +198,16 @@ def _rollout(prompt, out, reason):
 
 def _fake_trainer(rl):
     return SimpleNamespace(
-        rl=rl, reference=None, device=torch.device("cpu"),
+        rl=rl,
+        reference=None,
+        device=torch.device("cpu"),
         parallel_dims=SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=False),
-        config=SimpleNamespace(training=SimpleNamespace(seq_len=32, local_batch_size=1)), tokenizer=SimpleNamespace(pad_id=0),
+        config=SimpleNamespace(training=SimpleNamespace(seq_len=32, local_batch_size=1)),
+        tokenizer=SimpleNamespace(pad_id=0),
         dataloader=SimpleNamespace(document_multiple=1),
-        _global_sum=lambda n: RLTrainer._global_sum(SimpleNamespace(device=torch.device("cpu"),
-                                                                   parallel_dims=SimpleNamespace(dp_enabled=False)), n),
+        _global_sum=lambda n: RLTrainer._global_sum(
+            SimpleNamespace(device=torch.device("cpu"), parallel_dims=SimpleNamespace(dp_enabled=False)), n
+        ),
     )
 
 
@@ -191,8 +215,12 @@ def test_pack_policy_loss_and_reward_shaping_wire_each_variant():
     """RLTrainer.pack puts each completion's 1-based index (per minibatch) and its truncation
     on its label tokens; policy_loss builds the variant rl.loss names with the right
     normalizer (DAPO: kept tokens; GSPO: completions); reward_shaping adds DAPO's penalty."""
-    rollouts = [_rollout([1, 5], [6, 7, 2], "stop"), _rollout([1, 5], [8, 9, 9, 9], "length"),
-                _rollout([1, 4], [3], "stop"), _rollout([1, 4], [3, 3], "stop")]
+    rollouts = [
+        _rollout([1, 5], [6, 7, 2], "stop"),
+        _rollout([1, 5], [8, 9, 9, 9], "length"),
+        _rollout([1, 4], [3], "stop"),
+        _rollout([1, 4], [3, 3], "stop"),
+    ]
     batch = SimpleNamespace(rollouts=rollouts, problems=[None, None])
     rl = RLConfig(enable=True, group_size=2, minibatches=2, max_new_tokens=4)
     fake = _fake_trainer(rl)
@@ -218,8 +246,13 @@ def test_pack_policy_loss_and_reward_shaping_wire_each_variant():
     fake.rl = RLConfig(enable=True, loss="gspo", group_size=2)
     gspo = policy_loss()
     assert isinstance(gspo, GSPOPolicyLoss) and int(gspo.totals["sequences"]) == 2
-    fake.rl = RLConfig(enable=True, loss="dapo", group_size=2, max_new_tokens=4,
-                       dapo=DAPOConfig(overlong_buffer=2, overlong_penalty=1.0))
+    fake.rl = RLConfig(
+        enable=True,
+        loss="dapo",
+        group_size=2,
+        max_new_tokens=4,
+        dapo=DAPOConfig(overlong_buffer=2, overlong_penalty=1.0),
+    )
     torch.testing.assert_close(RLTrainer.reward_shaping(fake, batch), torch.tensor([[-0.5, -1.0], [0.0, 0.0]]))
     fake.rl = rl
     assert not RLTrainer.reward_shaping(fake, batch).any()  # grpo: nothing added

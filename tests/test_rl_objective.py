@@ -120,8 +120,11 @@ def test_each_aggregation_equals_its_formula_and_the_shards_add_up(agg, sequence
     reference; then the same tokens split into two shards (as CP ranks or PP microbatches see
     them, each with the whole minibatch's counts): the shards' losses and gradients sum to
     the whole. The modes really differ here (each pair of values is apart)."""
-    rl = settings(loss="gspo" if sequence_ratio else "grpo", loss_agg=agg,
-                  loss_agg_norm=NORM if agg == "seq-mean-token-sum-norm" else 0)
+    rl = settings(
+        loss="gspo" if sequence_ratio else "grpo",
+        loss_agg=agg,
+        loss_agg_norm=NORM if agg == "seq-mean-token-sum-norm" else 0,
+    )
     counts = {"tokens": N_GLOBAL, "sequences": S_GLOBAL}
     logp, values, mask = _packed()
     out = policy_objective(logp, values, mask, counts, rl, sequence_ratio=sequence_ratio)
@@ -153,7 +156,8 @@ def test_default_aggregation_is_token_mean_for_ppo_and_per_sequence_for_gspo():
     gspo = policy_objective(logp.detach(), values, mask, counts, settings(loss="gspo"), sequence_ratio=True)
     assert grpo.loss.item() == pytest.approx(_reference(logp.detach(), values, mask, "token-mean").item(), rel=1e-12)
     assert gspo.loss.item() == pytest.approx(
-        _reference(logp.detach(), values, mask, "seq-mean-token-mean", True).item(), rel=1e-12)
+        _reference(logp.detach(), values, mask, "seq-mean-token-mean", True).item(), rel=1e-12
+    )
 
 
 def test_dr_grpos_constant_defaults_to_the_completion_budget():
@@ -161,10 +165,12 @@ def test_dr_grpos_constant_defaults_to_the_completion_budget():
     dr_grpo: num sequences x max_completion_length)."""
     logp, values, mask = _packed(2)
     counts = {"tokens": N_GLOBAL, "sequences": S_GLOBAL}
-    out = policy_objective(logp.detach(), values, mask, counts,
-                           settings(loss_agg="seq-mean-token-sum-norm", max_new_tokens=NORM))
+    out = policy_objective(
+        logp.detach(), values, mask, counts, settings(loss_agg="seq-mean-token-sum-norm", max_new_tokens=NORM)
+    )
     assert out.loss.item() == pytest.approx(
-        _reference(logp.detach(), values, mask, "seq-mean-token-sum-norm").item(), rel=1e-12)
+        _reference(logp.detach(), values, mask, "seq-mean-token-sum-norm").item(), rel=1e-12
+    )
 
 
 # --- KL estimators ---------------------------------------------------------------------------
@@ -177,11 +183,20 @@ def test_kl_estimators_value_and_gradient_by_closed_form(estimator):
     logp = torch.tensor([-1.0, -2.0, -0.3], dtype=F64, requires_grad=True)
     ref = torch.tensor([-1.5, -1.0, -0.3], dtype=F64)
     d = (logp - ref).detach()
-    value, grad = {"k1": (d, torch.ones(3, dtype=F64)), "k2": (d * d / 2, d),
-                   "k3": (torch.exp(-d) + d - 1, 1 - torch.exp(-d))}[estimator]
+    value, grad = {
+        "k1": (d, torch.ones(3, dtype=F64)),
+        "k2": (d * d / 2, d),
+        "k3": (torch.exp(-d) + d - 1, 1 - torch.exp(-d)),
+    }[estimator]
     zero = torch.zeros(3, dtype=F64)
-    out = policy_objective(logp, {"behaviour_logp": logp.detach(), "advantages": zero}, torch.ones(3, dtype=torch.bool),
-                           {"tokens": 4, "sequences": 1}, settings(kl_beta=0.5, kl_estimator=estimator), ref_logp_T=ref)
+    out = policy_objective(
+        logp,
+        {"behaviour_logp": logp.detach(), "advantages": zero},
+        torch.ones(3, dtype=torch.bool),
+        {"tokens": 4, "sequences": 1},
+        settings(kl_beta=0.5, kl_estimator=estimator),
+        ref_logp_T=ref,
+    )
     assert out.kl.item() == pytest.approx(float(value.mean()), rel=1e-12)
     assert out.loss.item() == pytest.approx(0.5 * float(value.sum()) / 4, rel=1e-12)
     out.loss.backward()

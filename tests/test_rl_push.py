@@ -38,9 +38,21 @@ def setup():
     policy = build_target_config(arch, tap_layer_ids=TAPS).build()
     policy.init_weights(buffer_device=None)
     # Fixed depth: the test compares engines K for K (adaptive depth times its own rounds).
-    cfg = load_config(None, ["--rl.enable", "true", "--draft.enable", "true", "--rl.baseline_interval", "1",
-                             "--speculative.depth", "fixed",
-                             "--rollout.progress", "false"])
+    cfg = load_config(
+        None,
+        [
+            "--rl.enable",
+            "true",
+            "--draft.enable",
+            "true",
+            "--rl.baseline_interval",
+            "1",
+            "--speculative.depth",
+            "fixed",
+            "--rollout.progress",
+            "false",
+        ],
+    )
     # Counts falling with the id: the draft vocabulary is target ids 0..23 (d2t = 0).
     draft = initial_draft(cfg.draft, DraftArch.from_target(arch, TAPS, 24), torch.arange(40).flip(0), seed=3)
     return cfg, arch, policy, draft
@@ -88,7 +100,9 @@ def test_pushed_draft_reaches_the_main_engine_only_and_changes_its_acceptance(se
     assert all(r.draft_version == 5 and r.policy_version == 5 for r in main)
     # The policy push reached all three engines (they share one target): identical greedy tokens,
     # those of a plain engine over the trainer's policy.
-    plain = BuiltinRolloutEngine(copy.deepcopy(policy), None, dataclasses.replace(worker.engine_config, num_draft_tokens=0))
+    plain = BuiltinRolloutEngine(
+        copy.deepcopy(policy), None, dataclasses.replace(worker.engine_config, num_draft_tokens=0)
+    )
     want = [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
     assert [r.output_ids for r in main] == [r.output_ids for r in frozen] == [r.output_ids for r in nospec] == want
 
@@ -97,7 +111,9 @@ def test_pushed_draft_reaches_the_main_engine_only_and_changes_its_acceptance(se
     def fresh(draft_state):
         d = copy.deepcopy(draft)
         d.load_state_dict(draft_state)
-        return _acceptance(BuiltinRolloutEngine(copy.deepcopy(policy), d, worker.engine_config).generate(PROMPTS, GREEDY))
+        return _acceptance(
+            BuiltinRolloutEngine(copy.deepcopy(policy), d, worker.engine_config).generate(PROMPTS, GREEDY)
+        )
 
     assert _acceptance(main) == fresh(pushed)
     assert _acceptance(frozen) == fresh(draft.state_dict())
@@ -110,8 +126,21 @@ def test_a_frozen_draft_run_ignores_draft_pushes(setup):
     """draft.co_train = false serves the rollouts with the pre-RL draft: a draft state handed to
     push (there is none in that loop, but the worker must not depend on it) is not loaded."""
     cfg, arch, policy, draft = setup
-    cfg = load_config(None, ["--rl.enable", "true", "--draft.enable", "true", "--draft.co_train", "false",
-                             "--rl.baseline_interval", "0", "--rollout.progress", "false"])
+    cfg = load_config(
+        None,
+        [
+            "--rl.enable",
+            "true",
+            "--draft.enable",
+            "true",
+            "--draft.co_train",
+            "false",
+            "--rl.baseline_interval",
+            "0",
+            "--rollout.progress",
+            "false",
+        ],
+    )
     worker = RolloutWorker(cfg, arch, torch.device("cpu"), draft)
     worker.push(policy.state_dict(), _proposes_always(draft, 6), version=2)
     for k, v in worker.main.draft.state_dict().items():

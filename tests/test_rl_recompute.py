@@ -29,22 +29,36 @@ def test_recompute_replaces_the_engine_logprobs_with_the_policys_and_weights_eac
     docs = []  # engine log-probs near a fresh policy's (about -log 40): some TIS weights reach the cap
     for i in range(3):
         c = torch.randint(3, 40, (3 + i,), generator=g).tolist()
-        docs.append(Document([1] + torch.randint(3, 40, (4,), generator=g).tolist() + c, loss_from=5, values={
-            "behaviour_logp": (-2.7 - 2 * torch.rand(len(c), generator=g)).tolist(), "advantages": [i - 1.0] * len(c),
-            "seq_index": [float(i + 1)] * len(c)}))
+        docs.append(
+            Document(
+                [1] + torch.randint(3, 40, (4,), generator=g).tolist() + c,
+                loss_from=5,
+                values={
+                    "behaviour_logp": (-2.7 - 2 * torch.rand(len(c), generator=g)).tolist(),
+                    "advantages": [i - 1.0] * len(c),
+                    "seq_index": [float(i + 1)] * len(c),
+                },
+            )
+        )
     b, _ = pack_documents(docs, None, 32, pad_id=0)
     engine_BL = b.values_BL["behaviour_logp"].clone()
     mb = Minibatch({"input": b.input_BL, "positions": b.positions_BL}, b.labels_BL, b.values_BL)
 
     def post_dataloading_process(input_dict, labels):
         positions = input_dict["positions"]
-        return input_dict["input"], labels, {"positions": positions,
-                                             "attention_masks": model.get_attention_masks(positions)}
+        return (
+            input_dict["input"],
+            labels,
+            {"positions": positions, "attention_masks": model.get_attention_masks(positions)},
+        )
 
     fake = SimpleNamespace(
         rl=RLConfig(enable=True, temperature=T, behaviour_logprobs="recompute", tis="token", tis_cap=cap),
-        parallel_dims=SimpleNamespace(pp_enabled=False, cp_enabled=False), device=torch.device("cpu"),
-        model_parts=[model], train_context=nullcontext, post_dataloading_process=post_dataloading_process,
+        parallel_dims=SimpleNamespace(pp_enabled=False, cp_enabled=False),
+        device=torch.device("cpu"),
+        model_parts=[model],
+        train_context=nullcontext,
+        post_dataloading_process=post_dataloading_process,
     )
     fake.on_device = lambda mb, rows=slice(None): RLTrainer.on_device(fake, mb, rows)
     fake.token_values = lambda mb, rows=slice(None): RLTrainer.token_values(fake, mb, rows)

@@ -17,17 +17,33 @@ from titan_spec.rl.report import inrun_variants, variant_summary, variants_table
 def synthetic_rows(steps=30, draft_k=False, baselines=True, rollout_s=1.0):
     rows = []
     for s in range(1, steps + 1):
-        r = {"step": s, "rl/reward": 0.2 + 0.5 * s / steps, "rollout/accept_len": 3.0,
-             "rollout/completion_len": 30.0 + s, "rollout/completion_len_p90": 60.0 + s,
-             "rollout/completion_len_max": 100.0, "drift/kl": 0.01 * (s - 1), "drift/kl_k3": 0.008 * (s - 1),
-             "time/push_s": 0.1, "time/rollout_s": rollout_s, "time/train_s": 2.0, "time/step_s": 2.1 + rollout_s,
-             "rollout/tokens_per_s": 1000.0}
+        r = {
+            "step": s,
+            "rl/reward": 0.2 + 0.5 * s / steps,
+            "rollout/accept_len": 3.0,
+            "rollout/completion_len": 30.0 + s,
+            "rollout/completion_len_p90": 60.0 + s,
+            "rollout/completion_len_max": 100.0,
+            "drift/kl": 0.01 * (s - 1),
+            "drift/kl_k3": 0.008 * (s - 1),
+            "time/push_s": 0.1,
+            "time/rollout_s": rollout_s,
+            "time/train_s": 2.0,
+            "time/step_s": 2.1 + rollout_s,
+            "rollout/tokens_per_s": 1000.0,
+        }
         if draft_k:
             r["rollout/draft_k"] = 4.0 - 3.0 * s / steps
         if baselines and (s == 1 or s % 10 == 0):
-            r.update({"rollout/accept_len_frozen": 3.0 - s / steps, "time/rollout_s_frozen": 1.5,
-                      "rollout/tokens_per_s_frozen": 700.0, "time/rollout_s_nospec": 2.0,
-                      "rollout/tokens_per_s_nospec": 500.0})
+            r.update(
+                {
+                    "rollout/accept_len_frozen": 3.0 - s / steps,
+                    "time/rollout_s_frozen": 1.5,
+                    "rollout/tokens_per_s_frozen": 700.0,
+                    "time/rollout_s_nospec": 2.0,
+                    "rollout/tokens_per_s_nospec": 500.0,
+                }
+            )
         rows.append(r)
     return rows
 
@@ -54,7 +70,9 @@ def test_report_tables_and_plots(tmp_path, draft_k):
     assert "| rollout s/step | 1.000 | 1.500 | 2.000 |" in lines
     assert "| rollout vs no-spec | 0.50x | 0.75x | 1.00x |" in lines
     assert "| acceptance length, start -> end | 3.00 -> 3.00 | 2.97 -> 2.00 | 1.00 -> 1.00 |" in lines
-    names = {"reward", "acceptance", "completion_len", "kl", "rollout_time", "rollout_tps", "overview"} | ({"draft_k"} if draft_k else set())
+    names = {"reward", "acceptance", "completion_len", "kl", "rollout_time", "rollout_tps", "overview"} | (
+        {"draft_k"} if draft_k else set()
+    )
     assert {n[:-4] for n in os.listdir(tmp_path / "plots")} == names
     for n in names:
         assert os.path.getsize(tmp_path / "plots" / f"{n}.png") > 5000
@@ -113,8 +131,13 @@ def test_the_headline_compares_the_drafts_at_fixed_depth_and_shows_the_adaptive_
     rows = synthetic_rows()
     for r in rows:
         if "rollout/accept_len_frozen" in r:
-            r.update({"rollout/accept_len_fixed": 3.0 + r["step"] / 30, "rollout/accept_len_frozen_fixed": 2.5,
-                      "rollout/fixed_k": 4})
+            r.update(
+                {
+                    "rollout/accept_len_fixed": 3.0 + r["step"] / 30,
+                    "rollout/accept_len_frozen_fixed": 2.5,
+                    "rollout/fixed_k": 4,
+                }
+            )
     _write(tmp_path, rows)
     lines = write_report(str(tmp_path), plots=False).splitlines()
     assert "| acceptance at fixed K = 4, co-trained draft (same prompts) | 3.033 | 4.000 |" in lines
@@ -134,15 +157,21 @@ def test_regret_of_adaptive_depth_and_start_end_windows_that_do_not_overlap(tmp_
     never overlap on a short run, and the seconds rows leave out step 1's warm-up."""
     rows = synthetic_rows()
     for step, (regret, best) in {1: (0.5, 4), 10: (0.02, 4), 20: (-0.01, 3), 30: (0.04, 3)}.items():
-        rows[step - 1].update({"rollout/depth_regret": regret, "rollout/best_fixed_k": best,
-                               "rollout/depth_regret_wall": 2 * regret})
+        rows[step - 1].update(
+            {"rollout/depth_regret": regret, "rollout/best_fixed_k": best, "rollout/depth_regret_wall": 2 * regret}
+        )
     rows[0]["time/rollout_s"] = 50.0  # step 1: warm-up
     _write(tmp_path, rows)
     lines = write_report(str(tmp_path), plots=False).splitlines()
     assert "| adaptive depth's regret vs the best fixed K (same prompts) | +0.500 | +0.040 |" in lines
     line = next(ln for ln in lines if ln.startswith("Adaptive depth vs the best fixed K"))
-    assert "3 baseline steps after the first, rounds priced by the engine's round-cost table: regret median " \
-           "+0.020, worst +0.040" in line and "[4, 3, 3]" in line and "by wall seconds" in line
+    assert (
+        "3 baseline steps after the first, rounds priced by the engine's round-cost table: regret median "
+        "+0.020, worst +0.040"
+        in line
+        and "[4, 3, 3]" in line
+        and "by wall seconds" in line
+    )
     assert line.endswith("median +0.040.")
     assert "| rollout s/step | 1.000 | 1.000 |" in lines  # steps 2..11 and 21..30: not the 50 s of step 1
     short = synthetic_rows(steps=6, baselines=False)

@@ -30,28 +30,77 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # llama3/tiny (untied embedding and lm_head): torchtitan has no weight tying under pipeline
 # parallelism, and every layout compares against the one reference.
 RL = (
-    "--config", os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
-    "--model.name", "llama3", "--model.hf_checkpoint", "", "--draft.init_from", "", "--draft.draft_vocab_size", "24",
-    "--draft.eagle3.ttt_steps", "3", "--training.steps", "2",
-    "--training.seq_len", "128", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "false",
-    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--rollout.progress", "false",
-    "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "12",
-    "--rl.baseline_interval", "0", "--task.seed", "5",
+    "--config",
+    os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
+    "--model.name",
+    "llama3",
+    "--model.hf_checkpoint",
+    "",
+    "--draft.init_from",
+    "",
+    "--draft.draft_vocab_size",
+    "24",
+    "--draft.eagle3.ttt_steps",
+    "3",
+    "--training.steps",
+    "2",
+    "--training.seq_len",
+    "128",
+    "--lr_scheduler.warmup_steps",
+    "0",
+    "--checkpoint.enable",
+    "false",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--rollout.progress",
+    "false",
+    "--rl.prompts_per_step",
+    "4",
+    "--rl.group_size",
+    "4",
+    "--rl.max_new_tokens",
+    "12",
+    "--rl.baseline_interval",
+    "0",
+    "--task.seed",
+    "5",
 )
 TP2 = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
 SCALARS = ("loss", "grad_norm", "draft/loss", "draft/grad_norm", "rl/reward", "rl/clip_fraction")
 
 
-def fixed_batch_run(dump: str, nproc: int, overrides: tuple[str, ...] = (), batch: str | None = None,
-                    record: bool = False, timeout: int = 600, generate: bool = False) -> dict:
+def fixed_batch_run(
+    dump: str,
+    nproc: int,
+    overrides: tuple[str, ...] = (),
+    batch: str | None = None,
+    record: bool = False,
+    timeout: int = 600,
+    generate: bool = False,
+) -> dict:
     """One RL step of tests/helpers/rl_fixed_batch.py; returns {"row": metrics row,
     "policy": tensors, "draft": tensors, "draft_ranks": {rank: tensors} of the other ranks,
     "rollouts": {rank: its really generated rollouts} with ``generate``}."""
     batch = batch or os.path.join(dump, "batch.json")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        os.path.join(ROOT, "tests/helpers/rl_fixed_batch.py"), "--batch", batch, "--out", dump,
-        *(["--record"] if record else []), *(["--generate"] if generate else []), *RL, "--job.dump_folder", dump, *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        os.path.join(ROOT, "tests/helpers/rl_fixed_batch.py"),
+        "--batch",
+        batch,
+        "--out",
+        dump,
+        *(["--record"] if record else []),
+        *(["--generate"] if generate else []),
+        *RL,
+        "--job.dump_folder",
+        dump,
+        *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -66,9 +115,14 @@ def fixed_batch_run(dump: str, nproc: int, overrides: tuple[str, ...] = (), batc
     for r in range(nproc) if generate else ():
         with open(os.path.join(dump, f"rollouts_rank{r}.json")) as f:
             rollouts[r] = json.load(f)
-    return {"row": rows[0], "batch": batch, "policy": load_file(os.path.join(dump, "policy.safetensors")),
-            "draft": load_file(os.path.join(dump, "draft.safetensors")),
-            "draft_ranks": {r: load_file(p) for r, p in found.items() if os.path.exists(p)}, "rollouts": rollouts}
+    return {
+        "row": rows[0],
+        "batch": batch,
+        "policy": load_file(os.path.join(dump, "policy.safetensors")),
+        "draft": load_file(os.path.join(dump, "draft.safetensors")),
+        "draft_ranks": {r: load_file(p) for r, p in found.items() if os.path.exists(p)},
+        "rollouts": rollouts,
+    }
 
 
 def assert_same_weights(ref: dict, got: dict, what: str) -> None:
@@ -116,8 +170,9 @@ def test_cp2_step_equals_one_process(reference, tmp_path):
     train on their zigzag shards of it: the behaviour log-probs and advantages travel with
     their tokens (cp_batch.shard_values), the PPO loss sums each shard over the global token
     count, the draft's TTT loss reads its cross-shard rows through the halo."""
-    got = fixed_batch_run(str(tmp_path / "cp2"), 2, (*CP2, "--parallelism.data_parallel_shard_degree", "1"),
-                          batch=reference["batch"])
+    got = fixed_batch_run(
+        str(tmp_path / "cp2"), 2, (*CP2, "--parallelism.data_parallel_shard_degree", "1"), batch=reference["batch"]
+    )
     assert_same_step(reference, got, "cp=2")
 
 
@@ -128,15 +183,30 @@ def test_dp2_cp2_step_equals_one_process_and_the_reference_forward_runs_on_the_s
     so a reference forward that sees the shards as the policy does gives KL 0 (and a KL
     gradient of 0: the step equals the kl_beta = 0 reference run); one that reads them
     another way (without the ring, unsharded) gives KL > 0."""
-    got = fixed_batch_run(str(tmp_path / "dp2cp2"), 4, (*CP2, "--parallelism.data_parallel_shard_degree", "2",
-                                                       "--rl.kl_beta", "0.5"), batch=reference["batch"])
+    got = fixed_batch_run(
+        str(tmp_path / "dp2cp2"),
+        4,
+        (*CP2, "--parallelism.data_parallel_shard_degree", "2", "--rl.kl_beta", "0.5"),
+        batch=reference["batch"],
+    )
     assert got["row"]["rl/kl"] == pytest.approx(0.0, abs=1e-6), got["row"]
     assert_same_step(reference, got, "dp=2 x cp=2")
 
 
-EASY = ("--task.name", "arithmetic", "--task.generated.max_operand", "3", "--task.generated.operators", "+", "--task.generated.show_work", "false",
-        "--task.seed", "5",
-        "--checkpoint.enable", "false")
+EASY = (
+    "--task.name",
+    "arithmetic",
+    "--task.generated.max_operand",
+    "3",
+    "--task.generated.operators",
+    "+",
+    "--task.generated.show_work",
+    "false",
+    "--task.seed",
+    "5",
+    "--checkpoint.enable",
+    "false",
+)
 """A task a 40-step SFT gets partly right (one-digit answers), so rewards differ within groups."""
 
 
@@ -171,20 +241,60 @@ def test_cp2_and_pp2_rl_runs_through_the_entry_point_equal_the_same_run_without_
 
     sft, dp2, cp2, pp2 = (str(tmp_path / name) for name in ("sft", "dp2", "cp2", "pp2"))
     llama = ("--model.name", "llama3")  # untied: pipeline parallelism needs it
-    rl = (*llama, "--model.hf_checkpoint", os.path.join(sft, "hf"), "--draft.init_from", "", "--draft.eagle3.ttt_steps", "3",
-          "--draft.draft_vocab_size", "24", *EASY, "--training.steps", "2", "--lr_scheduler.warmup_steps", "0",
-          "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--rl.max_new_tokens", "8",
-          "--rl.baseline_interval", "2", "--rollout.progress", "false",
-          "--speculative.depth", "fixed")  # adaptive depth times each rank's own rounds: other K, other samples
+    rl = (
+        *llama,
+        "--model.hf_checkpoint",
+        os.path.join(sft, "hf"),
+        "--draft.init_from",
+        "",
+        "--draft.eagle3.ttt_steps",
+        "3",
+        "--draft.draft_vocab_size",
+        "24",
+        *EASY,
+        "--training.steps",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--rl.prompts_per_step",
+        "4",
+        "--rl.group_size",
+        "4",
+        "--rl.max_new_tokens",
+        "8",
+        "--rl.baseline_interval",
+        "2",
+        "--rollout.progress",
+        "false",
+        "--speculative.depth",
+        "fixed",
+    )  # adaptive depth times each rank's own rounds: other K, other samples
     # local_batch_size: the draft's vocabulary comes from the first batches' token counts,
     # the data-parallel ranks' rows together: 2 x 2 rows = 1 x 4.
-    a, *others = train_many(2, [
-        (sft, ("--config", "debug_cpu_sft.toml", *llama, *EASY, "--training.steps", "40", "--job.export_hf", "hf",
-               "--task.generated.wrong_answer_rate", "0")),
-        (dp2, (*rl, "--training.local_batch_size", "2")),
-        (cp2, (*rl, *CP2, "--parallelism.data_parallel_shard_degree", "1")),
-        (pp2, (*rl, *PP2)),
-    ], config="debug_cpu.toml")[1:]
+    a, *others = train_many(
+        2,
+        [
+            (
+                sft,
+                (
+                    "--config",
+                    "debug_cpu_sft.toml",
+                    *llama,
+                    *EASY,
+                    "--training.steps",
+                    "40",
+                    "--job.export_hf",
+                    "hf",
+                    "--task.generated.wrong_answer_rate",
+                    "0",
+                ),
+            ),
+            (dp2, (*rl, "--training.local_batch_size", "2")),
+            (cp2, (*rl, *CP2, "--parallelism.data_parallel_shard_degree", "1")),
+            (pp2, (*rl, *PP2)),
+        ],
+        config="debug_cpu.toml",
+    )[1:]
     assert 0 < a[0]["rl/reward"] < 1 and a[0]["grad_norm"] > 0, a[0]  # the policy moves
     for b, layout in zip(others, ("cp=2", "pp=2")):
         _assert_same_run(a, b, layout)
@@ -197,8 +307,14 @@ def _assert_same_run(a: list[dict], b: list[dict], layout: str) -> None:
         # Adam's sign-flip bound, tests/numerics.py): a sampled token changes only if the
         # inverse-CDF draw falls within the logits' difference (~1e-6) of a boundary, about
         # 1e-6 per token, ~1e-4 for the run's ~100 sampled tokens; a real layout bug moves many.
-        for key in ("rl/reward", "rl/stop_fraction", "rollout/tokens", "rollout/accept_len",
-                    "rollout/accept_len_frozen", "rl/policy_version"):
+        for key in (
+            "rl/reward",
+            "rl/stop_fraction",
+            "rollout/tokens",
+            "rollout/accept_len",
+            "rollout/accept_len_frozen",
+            "rl/policy_version",
+        ):
             assert rb[key] == ra[key], (layout, ra["step"], key, ra, rb)
         for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm", "rl/clip_fraction"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (layout, ra["step"], key, ra, rb)
@@ -210,10 +326,20 @@ def _assert_same_run(a: list[dict], b: list[dict], layout: str) -> None:
 # lm_head + the draft (tap 4 used in place). A minibatch fills training.local_batch_size rows,
 # cut into microbatches of pipeline_parallel_microbatch_size rows (the reference's packed rows
 # followed by empty ones).
-PP2 = ("--rl.drift_metrics", "false",  # its reference forward does not run under PP (a config error)
-       "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-       "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4",
-       "--parallelism.pipeline_parallel_microbatch_size", "2")
+PP2 = (
+    "--rl.drift_metrics",
+    "false",  # its reference forward does not run under PP (a config error)
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_schedule",
+    "1F1B",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+    "--training.local_batch_size",
+    "4",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "2",
+)
 
 
 def test_pp2_step_equals_one_process(reference, tmp_path):
@@ -235,8 +361,6 @@ def test_pp2_x_cp2_step_equals_one_process(reference, tmp_path):
     got = fixed_batch_run(str(tmp_path / "pp2cp2"), 4, (*PP2, *CP2), batch=reference["batch"])
     assert_same_step(reference, got, "pp=2 x cp=2")
     assert got["row"]["pp/taps_delivered"] == 2 * 4
-
-
 
 
 def test_tp2_step_equals_one_process(reference, tmp_path):
@@ -261,8 +385,16 @@ def test_tp2_step_equals_one_process(reference, tmp_path):
 # update runs it), sequence-level TIS against the file's engine log-probs (shifted, so the
 # weights are far from 1 and the cap binds on some completions), dual-clip and per-sequence
 # aggregation: one process, then dp 2 x cp 2, pp 2 and tp 2 on the same file.
-VERL = ("--rl.behaviour_logprobs", "recompute", "--rl.tis", "sequence", "--rl.dual_clip", "3",
-        "--rl.loss_agg", "seq-mean-token-mean")
+VERL = (
+    "--rl.behaviour_logprobs",
+    "recompute",
+    "--rl.tis",
+    "sequence",
+    "--rl.dual_clip",
+    "3",
+    "--rl.loss_agg",
+    "seq-mean-token-mean",
+)
 MISMATCH = ("rl/logp_mismatch_mean", "rl/logp_mismatch_max", "rl/logp_mismatch_out_of_band")
 
 
@@ -278,13 +410,17 @@ def verl_reference(reference, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["dp2cp2", "pp2", "tp2"])
-def test_recompute_tis_dual_clip_and_seq_mean_under_each_parallelism_equal_one_process(verl_reference, reference,
-                                                                                       tmp_path, layout):
+def test_recompute_tis_dual_clip_and_seq_mean_under_each_parallelism_equal_one_process(
+    verl_reference, reference, tmp_path, layout
+):
     """Under CP the recompute runs on each rank's zigzag shard and the log-probs are gathered
     back for the sequence weights; under PP through the schedule's forward alone
     (schedule.eval), recorded on the last stage; under TP from vocab-sharded logits."""
-    nproc, extra = {"dp2cp2": (4, (*CP2, "--parallelism.data_parallel_shard_degree", "2")),
-                    "pp2": (2, PP2), "tp2": (2, TP2)}[layout]
+    nproc, extra = {
+        "dp2cp2": (4, (*CP2, "--parallelism.data_parallel_shard_degree", "2")),
+        "pp2": (2, PP2),
+        "tp2": (2, TP2),
+    }[layout]
     got = fixed_batch_run(str(tmp_path / layout), nproc, (*VERL, *extra), batch=reference["batch"])
     assert_same_step(verl_reference, got, layout)
     for key in MISMATCH:

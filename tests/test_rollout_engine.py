@@ -100,7 +100,7 @@ def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(full_logits(model, seq)[-1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def check_stats(rollouts, K):
@@ -155,7 +155,9 @@ def test_cached_target_and_draft_mirror_the_training_forward_and_ttt():
         cd.new_cache(1, n + steps)
         with torch.inference_mode():
             # Trunk rows 0..t0 (taps at t, embedding of x[t+1]), then the chain on x[t0+2], ...
-            h, lg = cd.extend(torch.stack(taps.hidden, 2)[:, : t0 + 1], x[None, 1 : t0 + 2], torch.tensor([0]), torch.tensor([t0 + 1]))
+            h, lg = cd.extend(
+                torch.stack(taps.hidden, 2)[:, : t0 + 1], x[None, 1 : t0 + 2], torch.tensor([0]), torch.tensor([t0 + 1])
+            )
             got = [torch.log_softmax(lg[0], -1)[c]]
             for j in range(1, steps):
                 h, lg = cd.step(h, x[t0 + 1 + j][None], torch.tensor([t0 + j]))
@@ -223,8 +225,13 @@ def test_batching_and_chunking_do_not_change_greedy_output(pair):
     prompts = random_prompts(5, seed=9)
     sp = SamplingParams(temperature=0.0, max_new_tokens=20)
     whole = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3)).generate(prompts, sp)
-    chunked = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3, max_batch_size=2)).generate(prompts, sp)
-    single = [BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3)).generate([p], sp)[0] for p in prompts]
+    chunked = BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3, max_batch_size=2)).generate(
+        prompts, sp
+    )
+    single = [
+        BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=3)).generate([p], sp)[0]
+        for p in prompts
+    ]
     for a, b, c in zip(whole, chunked, single):
         assert a.output_ids == b.output_ids == c.output_ids
 
@@ -251,7 +258,9 @@ def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17
     results[1] = chi2_groups([(torch.bincount(toks[:, 0], minlength=V), p1)])
     firsts = toks[:, 0].unique().tolist()
     p2 = policy_probs(model, [prompt + [f] for f in firsts], sp)
-    results[2] = chi2_groups([(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2[i]) for i, f in enumerate(firsts)])
+    results[2] = chi2_groups(
+        [(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2[i]) for i, f in enumerate(firsts)]
+    )
     pairs, counts = toks[:, :2].unique(dim=0, return_counts=True)
     common = [pr.tolist() for pr, c in zip(pairs, counts) if c >= 50]
     p3 = policy_probs(model, [prompt + pr for pr in common], sp)
@@ -260,7 +269,9 @@ def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17
     # Power: the same samples against a somewhat different temperature must be rejected.
     hot = SamplingParams(sp.temperature * 1.5, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=3)
     p2_hot = policy_probs(model, [prompt + [f] for f in firsts], hot)
-    results["power"] = chi2_groups([(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2_hot[i]) for i, f in enumerate(firsts)])
+    results["power"] = chi2_groups(
+        [(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2_hot[i]) for i, f in enumerate(firsts)]
+    )
     accepted = sum(r.accepted_tokens for r in out)
     if depth == "adaptive":
         return results, accepted / n, engine.last_depths
@@ -321,7 +332,9 @@ def test_behaviour_logprobs_equal_a_full_forward(pair, temperature):
     t = temperature or 1.0  # greedy reports T = 1 log-probs
     for r in out:
         logits = full_logits(model, r.prompt_ids + r.output_ids)
-        want = torch.log_softmax(logits / t, -1)[len(r.prompt_ids) - 1 : -1].gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        want = torch.log_softmax(logits / t, -1)[len(r.prompt_ids) - 1 : -1].gather(
+            -1, torch.tensor(r.output_ids)[:, None]
+        )[:, 0]
         torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=1e-5, rtol=0)
 
 
@@ -431,9 +444,18 @@ def test_bad_inputs_give_clear_errors_and_the_engine_keeps_working(pair):
     bad_d2t = make_draft(arch, 1, draft_vocab=8)
     bad_d2t.d2t.fill_(V - 4)  # draft ids 4..7 land past the target vocabulary
     cases += [
-        (lambda: BuiltinRolloutEngine(model, bad_d2t, BuiltinEngineConfig(num_draft_tokens=2)), "d2t maps draft ids outside"),
-        (lambda: BuiltinRolloutEngine(model, wrong_vocab, BuiltinEngineConfig(num_draft_tokens=2)), "draft vocab_size 40 != target vocab 32"),
-        (lambda: BuiltinRolloutEngine(model, wrong_hidden, BuiltinEngineConfig(num_draft_tokens=2)), "target_hidden 48 != target dim 64"),
+        (
+            lambda: BuiltinRolloutEngine(model, bad_d2t, BuiltinEngineConfig(num_draft_tokens=2)),
+            "d2t maps draft ids outside",
+        ),
+        (
+            lambda: BuiltinRolloutEngine(model, wrong_vocab, BuiltinEngineConfig(num_draft_tokens=2)),
+            "draft vocab_size 40 != target vocab 32",
+        ),
+        (
+            lambda: BuiltinRolloutEngine(model, wrong_hidden, BuiltinEngineConfig(num_draft_tokens=2)),
+            "target_hidden 48 != target dim 64",
+        ),
     ]
     for fn, msg in cases:
         with pytest.raises(ValueError, match=msg) as e:
@@ -457,7 +479,9 @@ def pinned_costs(ratios=(1.0, 1.15, 1.3, 1.45, 1.6), modes=("greedy", "sample", 
 
 
 def _adaptive(model, draft, costs, K=4, **kw):
-    return BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=K, depth="adaptive", **kw), costs=costs)
+    return BuiltinRolloutEngine(
+        model, draft, BuiltinEngineConfig(num_draft_tokens=K, depth="adaptive", **kw), costs=costs
+    )
 
 
 @pytest.mark.parametrize("which", ["random", "fitted"])
@@ -486,7 +510,9 @@ def test_adaptive_depth_greedy_equals_plain_and_follows_the_draft(pair, which):
                 assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
                 torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
             assert all(r.drafted_tokens <= 4 * (r.verify_steps - 1) for r in got)
-            depths.append((list(spec.last_depths), sum(r.drafted_tokens for r in got), sum(r.verify_steps - 1 for r in got)))
+            depths.append(
+                (list(spec.last_depths), sum(r.drafted_tokens for r in got), sum(r.verify_steps - 1 for r in got))
+            )
     if which == "random":
         # The optimistic prior drafts in the first rounds; a few rejections take it to 0,
         # where it stays (but for a probe every depth.PROBE_EVERY = 64 rounds), and
@@ -510,7 +536,8 @@ def test_adaptive_depth_sampling_is_exact(pair):
     model, arch, fitted = pair
     sp = SamplingParams(1.0, max_new_tokens=8, seed=4)
     res, accepted_per_row, depths = sampled_tokens_distribution_check(
-        model, fitted, 3, sp, depth="adaptive", costs=pinned_costs((1.0, 1.1, 1.25, 1.45)))
+        model, fitted, 3, sp, depth="adaptive", costs=pinned_costs((1.0, 1.1, 1.25, 1.45))
+    )
     for k in (1, 2, 3):
         stat, df = res[k]
         assert df >= 5, (k, df)

@@ -18,10 +18,16 @@ KEYS = ("rl.enable", "draft.enable", "draft.offline", "draft.co_train", "specula
 
 # The three contradictions, as the RL validation phrased them before the mode (a3a54f2's
 # config.py _validate_rl), each with the key locate() names it by.
-CO_TRAIN = ("draft.co_train", "draft.co_train = true needs speculative.enabled = true (a co-trained draft serves the "
-            "rollouts); for the no-speculation baseline set draft.enable = false or draft.co_train = false")
-NO_DRAFT = ("speculative.enabled", "speculative.enabled = true in RL needs a draft: set draft.enable = true "
-            "(with draft.init_from), or speculative.enabled = false")
+CO_TRAIN = (
+    "draft.co_train",
+    "draft.co_train = true needs speculative.enabled = true (a co-trained draft serves the "
+    "rollouts); for the no-speculation baseline set draft.enable = false or draft.co_train = false",
+)
+NO_DRAFT = (
+    "speculative.enabled",
+    "speculative.enabled = true in RL needs a draft: set draft.enable = true "
+    "(with draft.init_from), or speculative.enabled = false",
+)
 OFFLINE = ("draft.offline", "draft.offline = true freezes the policy, which RL trains; use it in a warm-start run")
 
 LM, SFT_DRAFT, OFFLINE_DRAFT = ("lm", "none", False), ("lm", "trained", False), ("draft", "trained", False)
@@ -30,19 +36,40 @@ LM, SFT_DRAFT, OFFLINE_DRAFT = ("lm", "none", False), ("lm", "trained", False), 
 # Where several contradictions hold, the first of co_train / no draft / offline wins (the old order).
 TABLE = {
     # SFT: no rollouts, so speculative.enabled and co_train change nothing; offline needs the draft.
-    (0, 0, 0, 0, 0): LM, (0, 0, 0, 0, 1): LM, (0, 0, 0, 1, 0): LM, (0, 0, 0, 1, 1): LM,
-    (0, 0, 1, 0, 0): LM, (0, 0, 1, 0, 1): LM, (0, 0, 1, 1, 0): LM, (0, 0, 1, 1, 1): LM,
-    (0, 1, 0, 0, 0): SFT_DRAFT, (0, 1, 0, 0, 1): SFT_DRAFT, (0, 1, 0, 1, 0): SFT_DRAFT, (0, 1, 0, 1, 1): SFT_DRAFT,
-    (0, 1, 1, 0, 0): OFFLINE_DRAFT, (0, 1, 1, 0, 1): OFFLINE_DRAFT,
-    (0, 1, 1, 1, 0): OFFLINE_DRAFT, (0, 1, 1, 1, 1): OFFLINE_DRAFT,
+    (0, 0, 0, 0, 0): LM,
+    (0, 0, 0, 0, 1): LM,
+    (0, 0, 0, 1, 0): LM,
+    (0, 0, 0, 1, 1): LM,
+    (0, 0, 1, 0, 0): LM,
+    (0, 0, 1, 0, 1): LM,
+    (0, 0, 1, 1, 0): LM,
+    (0, 0, 1, 1, 1): LM,
+    (0, 1, 0, 0, 0): SFT_DRAFT,
+    (0, 1, 0, 0, 1): SFT_DRAFT,
+    (0, 1, 0, 1, 0): SFT_DRAFT,
+    (0, 1, 0, 1, 1): SFT_DRAFT,
+    (0, 1, 1, 0, 0): OFFLINE_DRAFT,
+    (0, 1, 1, 0, 1): OFFLINE_DRAFT,
+    (0, 1, 1, 1, 0): OFFLINE_DRAFT,
+    (0, 1, 1, 1, 1): OFFLINE_DRAFT,
     # RL without a draft: the no-spec baseline, or an error.
-    (1, 0, 0, 0, 0): ("rl", "none", False), (1, 0, 0, 0, 1): NO_DRAFT,
-    (1, 0, 0, 1, 0): ("rl", "none", False), (1, 0, 0, 1, 1): NO_DRAFT,
-    (1, 0, 1, 0, 0): OFFLINE, (1, 0, 1, 0, 1): NO_DRAFT, (1, 0, 1, 1, 0): OFFLINE, (1, 0, 1, 1, 1): NO_DRAFT,
+    (1, 0, 0, 0, 0): ("rl", "none", False),
+    (1, 0, 0, 0, 1): NO_DRAFT,
+    (1, 0, 0, 1, 0): ("rl", "none", False),
+    (1, 0, 0, 1, 1): NO_DRAFT,
+    (1, 0, 1, 0, 0): OFFLINE,
+    (1, 0, 1, 0, 1): NO_DRAFT,
+    (1, 0, 1, 1, 0): OFFLINE,
+    (1, 0, 1, 1, 1): NO_DRAFT,
     # RL with a draft: co-trained, frozen (serving or not), or an error.
-    (1, 1, 0, 0, 0): ("rl", "frozen", False), (1, 1, 0, 0, 1): ("rl", "frozen", True),
-    (1, 1, 0, 1, 0): CO_TRAIN, (1, 1, 0, 1, 1): ("rl", "trained", True),
-    (1, 1, 1, 0, 0): OFFLINE, (1, 1, 1, 0, 1): OFFLINE, (1, 1, 1, 1, 0): CO_TRAIN, (1, 1, 1, 1, 1): OFFLINE,
+    (1, 1, 0, 0, 0): ("rl", "frozen", False),
+    (1, 1, 0, 0, 1): ("rl", "frozen", True),
+    (1, 1, 0, 1, 0): CO_TRAIN,
+    (1, 1, 0, 1, 1): ("rl", "trained", True),
+    (1, 1, 1, 0, 0): OFFLINE,
+    (1, 1, 1, 0, 1): OFFLINE,
+    (1, 1, 1, 1, 0): CO_TRAIN,
+    (1, 1, 1, 1, 1): OFFLINE,
 }
 ROWS = sorted(TABLE.items())
 
@@ -99,14 +126,17 @@ def test_each_mode_answers_the_boolean_formulas_it_replaces(bits):
         assert not m.speculates
 
 
-@pytest.mark.parametrize("args,trainer,has_draft,taps", [
-    ([], SpecTrainer, False, False),
-    (["--draft.enable", "true"], SpecTrainer, True, True),
-    (["--draft.enable", "true", "--draft.offline", "true"], SpecTrainer, True, True),
-    (["--rl.enable", "true", "--speculative.enabled", "false"], RLTrainer, False, False),
-    (["--rl.enable", "true", "--draft.enable", "true"], RLTrainer, True, True),
-    (["--rl.enable", "true", "--draft.enable", "true", "--draft.co_train", "false"], RLTrainer, True, False),
-])
+@pytest.mark.parametrize(
+    "args,trainer,has_draft,taps",
+    [
+        ([], SpecTrainer, False, False),
+        (["--draft.enable", "true"], SpecTrainer, True, True),
+        (["--draft.enable", "true", "--draft.offline", "true"], SpecTrainer, True, True),
+        (["--rl.enable", "true", "--speculative.enabled", "false"], RLTrainer, False, False),
+        (["--rl.enable", "true", "--draft.enable", "true"], RLTrainer, True, True),
+        (["--rl.enable", "true", "--draft.enable", "true", "--draft.co_train", "false"], RLTrainer, True, False),
+    ],
+)
 def test_the_trainer_config_follows_the_mode(args, trainer, has_draft, taps):
     # What preflight builds from the mode: the trainer class, the draft's architecture (None
     # without a draft), and the taps the policy returns (only for a draft that trains).
@@ -122,7 +152,10 @@ def test_rl_under_context_parallelism_loads_and_its_mode_contradictions_still_st
     # cp = 2 with rl.enable loads as an RL run; a mode contradiction
     # (speculation without a draft) is still refused, for what it is.
     cp = ["--parallelism.context_parallel_degree", "2", "--rl.prompts_per_step", "2"]
-    assert load_config(None, ["--rl.enable", "true", "--speculative.enabled", "false", *cp], world_size=2).mode.trains == "rl"
+    assert (
+        load_config(None, ["--rl.enable", "true", "--speculative.enabled", "false", *cp], world_size=2).mode.trains
+        == "rl"
+    )
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--rl.enable", "true", *cp], world_size=2)
     assert "speculative.enabled = true in RL needs a draft" in str(e.value) and "context_parallel" not in str(e.value)

@@ -86,14 +86,36 @@ def _steps(dump) -> list[int]:
 
 
 def _launch(dump, log):
-    env = dict(os.environ, CONFIG_FILE="train_configs/debug_cpu_sft.toml", NGPU="2", OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1")
-    args = ["--job.dump_folder", str(dump), "--training.steps", str(STEPS), "--training.seq_len", "128",
-            "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-            "--metrics.enable_tensorboard", "false", "--checkpoint.interval", "2"]
-    return subprocess.Popen(["bash", os.path.join(ROOT, "run_train.sh"), *args], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_as_from_a_terminal)
+    env = dict(
+        os.environ, CONFIG_FILE="train_configs/debug_cpu_sft.toml", NGPU="2", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"
+    )
+    args = [
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.interval",
+        "2",
+    ]
+    return subprocess.Popen(
+        ["bash", os.path.join(ROOT, "run_train.sh"), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_as_from_a_terminal,
+    )
 
 
 def _as_from_a_terminal() -> None:
@@ -117,8 +139,13 @@ def test_sigterm_to_run_train_stops_every_rank_and_a_rerun_resumes(tmp_path):
             _remember(seen, script.pid)
             time.sleep(0.2)
         _remember(seen, script.pid)
-        ranks = [p for p in seen if _alive(p) and "-m titan_spec.train --config" in _cmdline(p)
-                 and "titan_spec.train.launch" not in _cmdline(p)]
+        ranks = [
+            p
+            for p in seen
+            if _alive(p)
+            and "-m titan_spec.train --config" in _cmdline(p)
+            and "titan_spec.train.launch" not in _cmdline(p)
+        ]
         assert len(ranks) == 2, [(p, _cmdline(p)) for p in seen]  # the signal meets a running run
         os.kill(script.pid, signal.SIGTERM)  # the script's process only, not its group
         rc = script.wait(timeout=120)
@@ -133,14 +160,18 @@ def test_sigterm_to_run_train_stops_every_rank_and_a_rerun_resumes(tmp_path):
     assert rc == 143, out[-3000:]
     assert out.rstrip().splitlines()[-1] == (
         "run_train.sh: stopped by SIGTERM; every process of the run has exited; "
-        "rerun the same command to resume from the last verified checkpoint")
+        "rerun the same command to resume from the last verified checkpoint"
+    )
     stopped_at = _steps(dump)
     assert stopped_at and max(stopped_at) < STEPS and not (dump / "DONE").exists()
 
     # The same command again: it resumes from the newest sealed checkpoint (a save the signal
     # cut short has no manifest; training/checkpoint.py passes over it) and finishes.
-    sealed = sorted(int(d.name.removeprefix("step-")) for d in (dump / "checkpoint").iterdir()
-                    if (d / "titan_spec_manifest.json").is_file())
+    sealed = sorted(
+        int(d.name.removeprefix("step-"))
+        for d in (dump / "checkpoint").iterdir()
+        if (d / "titan_spec_manifest.json").is_file()
+    )
     assert sealed, list((dump / "checkpoint").iterdir())
     rerun_log = tmp_path / "rerun.log"
     rerun = _launch(dump, rerun_log)
@@ -178,5 +209,7 @@ def test_sigint_during_the_plan_stops_it_and_starts_nothing(tmp_path):
         _kill_left(seen)
     out = log.read_text()
     assert left == [] and rc == 130, (left, out[-3000:])
-    assert out.rstrip().splitlines()[-1].startswith("run_train.sh: stopped by SIGINT; every process of the run has exited")
+    assert (
+        out.rstrip().splitlines()[-1].startswith("run_train.sh: stopped by SIGINT; every process of the run has exited")
+    )
     assert "titan_spec: run" not in out and not dump.exists()

@@ -41,8 +41,14 @@ def _engine(dirs, stubs, cfg=None, K=4, draft=None, **stub_kw):  # noqa: F811
 
     def connect(args):
         kw = {"deterministic": bool(args.get("enable_deterministic_inference")), **stub_kw}
-        stubs.append(StubSGLang(model_path=args["model_path"], draft_path=args.get("speculative_draft_model_path"),
-                                tp_size=args["tp_size"], **kw))
+        stubs.append(
+            StubSGLang(
+                model_path=args["model_path"],
+                draft_path=args.get("speculative_draft_model_path"),
+                tp_size=args["tp_size"],
+                **kw,
+            )
+        )
         return HttpClient(stubs[-1].url, cfg.request_timeout_s, args["tp_size"])
 
     return SGLangRolloutEngine(cfg, dirs.policy, draft or dirs.draft, K, connect=connect)
@@ -60,10 +66,12 @@ def test_pushes_a_loader_would_refuse_never_reach_the_server(dirs, stubs):  # no
     moved = {**draft, "d2t": draft["d2t"] + 1}  # another draft vocabulary map
     narrow = {"fc.weight": draft["fc.weight"][:, :-1]}
     as_float = {"d2t": draft["d2t"].float()}
-    for push, state, msg in ((engine.update_policy_weights, policy, r"model.embed_tokens.weight: shape \[136, 64\] != served \[128, 64\]"),
-                             (engine.update_draft_weights, moved, "d2t differs from the one SGLang loaded at start"),
-                             (engine.update_draft_weights, narrow, r"fc.weight: shape \[64, 191\] != served \[64, 192\]"),
-                             (engine.update_draft_weights, as_float, "d2t: dtype torch.float32 where the server holds torch.int64")):
+    for push, state, msg in (
+        (engine.update_policy_weights, policy, r"model.embed_tokens.weight: shape \[136, 64\] != served \[128, 64\]"),
+        (engine.update_draft_weights, moved, "d2t differs from the one SGLang loaded at start"),
+        (engine.update_draft_weights, narrow, r"fc.weight: shape \[64, 191\] != served \[64, 192\]"),
+        (engine.update_draft_weights, as_float, "d2t: dtype torch.float32 where the server holds torch.int64"),
+    ):
         with pytest.raises(ValueError, match=msg) as e:
             push(state, version=9)
         assert "\n" not in str(e.value) and "refused before sending" in str(e.value)
@@ -74,7 +82,9 @@ def test_pushes_a_loader_would_refuse_never_reach_the_server(dirs, stubs):  # no
     engine.update_policy_weights(dirs.model.state_dict(), version=1)
     engine.update_draft_weights(draft, version=1)
     assert s.dead is None and len(s.pushed) == 2 and engine.restarts == 0
-    assert sorted(s.runners["target"].loaded) == sorted(n for n, _ in policy_to_hf_names(dirs.model.state_dict(), dirs.arch))
+    assert sorted(s.runners["target"].loaded) == sorted(
+        n for n, _ in policy_to_hf_names(dirs.model.state_dict(), dirs.arch)
+    )
 
 
 # --- 2. a push that kills the server leaves the last good weights and version --------------
@@ -89,13 +99,19 @@ def test_server_death_during_a_push_rolls_back_to_the_last_good_weights(dirs, st
     with pytest.raises(EngineDied, match="gave up after 1 restart"):
         engine.update_policy_weights(bad.state_dict(), version=9)  # every server dies loading it
     assert engine.policy_version == 2
-    assert sorted(engine._policy) == sorted(good_hf) and all(torch.equal(engine._policy[n], t) for n, t in good_hf.items())
+    assert sorted(engine._policy) == sorted(good_hf) and all(
+        torch.equal(engine._policy[n], t) for n, t in good_hf.items()
+    )
     # Not poisoned: the next call starts a server with the last good weights and serves.
     out = engine.generate([[1, 2]], GREEDY)
     fresh = stubs[-1]
     assert fresh.dead is None and out[0].policy_version == 2
-    assert fresh.pushed[0].keys() == good_hf.keys() and all(torch.equal(fresh.pushed[0][n], t) for n, t in good_hf.items())
-    assert [c[1]["weight_version"] for c in fresh.calls if c[0] == "update_weights_from_tensor"] == ["policy-2.draft-0"] * 2
+    assert fresh.pushed[0].keys() == good_hf.keys() and all(
+        torch.equal(fresh.pushed[0][n], t) for n, t in good_hf.items()
+    )
+    assert [c[1]["weight_version"] for c in fresh.calls if c[0] == "update_weights_from_tensor"] == [
+        "policy-2.draft-0"
+    ] * 2
 
 
 def test_giving_up_leaves_the_engine_ready_to_restart(dirs, stubs):  # noqa: F811
@@ -175,21 +191,31 @@ def test_last_layer_tap_is_a_config_error_with_sglang(dirs, tmp_path):  # noqa: 
     with pytest.raises(ValueError, match=rf"tap ids \[1, 3, {L - 1}\] cannot be served by SGLang.*0..{L - 2}"):
         check_draft_fits_policy(dirs.policy, str(tmp_path / "last"))
     base = ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy]
-    for extra in (["--draft.init_from", str(tmp_path / "last")],
-                  ["--draft.init_from", dirs.draft, "--draft.tap_layer_ids", f"[1, 3, {L - 1}]"]):
+    for extra in (
+        ["--draft.init_from", str(tmp_path / "last")],
+        ["--draft.init_from", dirs.draft, "--draft.tap_layer_ids", f"[1, 3, {L - 1}]"],
+    ):
         with pytest.raises(ConfigError, match="cannot be served by SGLang") as e:
             load_checked(None, base + extra)
         assert "\n" not in str(e.value)
     load_checked(None, base + ["--draft.init_from", dirs.draft, "--draft.tap_layer_ids", f"[1, 3, {L - 2}]"])
-    load_checked(None, ["--model.hf_checkpoint", dirs.policy, "--draft.tap_layer_ids", f"[1, 3, {L - 1}]"])  # built-in engine
+    load_checked(
+        None, ["--model.hf_checkpoint", dirs.policy, "--draft.tap_layer_ids", f"[1, 3, {L - 1}]"]
+    )  # built-in engine
 
 
 # --- 6. counts as SGLang reports them -------------------------------------------------------
 
 
 def _meta(n, **kw):
-    return {"meta_info": {"output_token_logprobs": [[-1.0, 7, None]] * n, "completion_tokens": n,
-                          "finish_reason": {"type": "stop", "matched": 7}, **kw}}
+    return {
+        "meta_info": {
+            "output_token_logprobs": [[-1.0, 7, None]] * n,
+            "completion_tokens": n,
+            "finish_reason": {"type": "stop", "matched": 7},
+            **kw,
+        }
+    }
 
 
 def test_counts_include_retractions_and_not_drafts_past_the_stop():
@@ -231,13 +257,26 @@ def test_seeds_need_deterministic_inference(dirs, stubs, caplog):  # noqa: F811
     with caplog.at_level(logging.WARNING, logger="titan_spec.rollout.sglang.engine"):
         det.generate([[1], [2]], sp)
     assert not [r for r in caplog.records if "sampling_seed" in r.getMessage()]
-    assert [p["sampling_seed"] for p in dict(stubs[-1].calls)["generate"]["sampling_params"]] == [5 * SEED_MIX, 5 * SEED_MIX + 1]
+    assert [p["sampling_seed"] for p in dict(stubs[-1].calls)["generate"]["sampling_params"]] == [
+        5 * SEED_MIX,
+        5 * SEED_MIX + 1,
+    ]
     # The warning names what SGLang 0.5.23's deterministic mode costs (server_args/args.py
     # and its attention-backend check), and the key's reference (docs/CONFIG.md) says the same.
     text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "CONFIG.md")).read()
-    doc = text[text.index("`deterministic`", text.index("## `[rollout.sglang]`")):][:600]
+    doc = text[text.index("`deterministic`", text.index("## `[rollout.sglang]`")) :][:600]
     for where in (SEEDS_IGNORED, doc):
-        for needle in ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton", "batch-invariant", "pytorch sampler", "radix cache"):
+        for needle in (
+            "ascend",
+            "fa3",
+            "fa4",
+            "flashinfer",
+            "intel_xpu",
+            "triton",
+            "batch-invariant",
+            "pytorch sampler",
+            "radix cache",
+        ):
             assert needle in where, (needle, where)
 
 
@@ -255,7 +294,9 @@ def test_unseeded_copies_of_a_prompt_differ_under_deterministic_inference(dirs, 
     assert len({x for call in sent for x in call}) == 8
     # A seeded call stays reproducible: same seed, same samples (the stub's seeded sampler).
     seeded = SamplingParams(temperature=1.0, max_new_tokens=5, seed=9)
-    assert [r.output_ids for r in det.generate([[3]] * 4, seeded)] == [r.output_ids for r in det.generate([[3]] * 4, seeded)]
+    assert [r.output_ids for r in det.generate([[3]] * 4, seeded)] == [
+        r.output_ids for r in det.generate([[3]] * 4, seeded)
+    ]
 
 
 def test_adjacent_rank_seeds_never_share_a_request_seed(dirs, stubs):  # noqa: F811
@@ -284,9 +325,13 @@ def test_specforge_draft_without_eagle_config_serves_with_default_taps(dirs, stu
     (d / "config.json").write_text(json.dumps(cfg))
     assert default_tap_layer_ids(dirs.arch.n_layers) == tuple(dirs.d.arch.tap_layer_ids)
     check_draft_fits_policy(dirs.policy, str(d))
-    ok = load_checked(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from", str(d)])
+    ok = load_checked(
+        None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from", str(d)]
+    )
     assert ok.draft.init_from == str(d)
-    assert served_tap_ids(json.loads((d / "config.json").read_text()), dirs.arch.n_layers) == default_tap_layer_ids(dirs.arch.n_layers)
+    assert served_tap_ids(json.loads((d / "config.json").read_text()), dirs.arch.n_layers) == default_tap_layer_ids(
+        dirs.arch.n_layers
+    )
     engine = _engine(dirs, stubs, draft=str(d))
     assert stubs[-1].calls == [] and engine.server_args["speculative_draft_model_path"] == str(d)
     engine.update_draft_weights(dirs.d.state_dict(), version=1)
@@ -312,11 +357,18 @@ def test_sglang_serves_only_eagle_config_tap_ids(dirs, tmp_path):  # noqa: F811
     own = json.loads(open(os.path.join(dirs.draft, "config.json")).read())
     assert served_tap_ids(own, L) == tuple(dirs.d.arch.tap_layer_ids)
     # eagle_config's ids are served even when they are not the default.
-    d, cfg = variant("eagle_only", lambda c: (c.pop("eagle_aux_hidden_state_layer_ids"),
-                                              c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 5])))
+    d, cfg = variant(
+        "eagle_only",
+        lambda c: (
+            c.pop("eagle_aux_hidden_state_layer_ids"),
+            c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 5]),
+        ),
+    )
     assert served_tap_ids(cfg, L) == (0, 2, 5) != default_tap_layer_ids(L)
     # Top-level ids only: SGLang serves its default; they differ, so the directory is refused.
-    d, cfg = variant("top_only", lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 5])))
+    d, cfg = variant(
+        "top_only", lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 5]))
+    )
     assert served_tap_ids(cfg, L) == default_tap_layer_ids(L) == (1, 3, 4)
     refusals = [(d, r"top-level eagle_aux_hidden_state_layer_ids \[0, 2, 5\] .* SGLang serves \[1, 3, 4\]")]
     # Both keys, different: eagle_config's are served, the top-level list is refused.
@@ -347,19 +399,27 @@ def test_max_running_requests_base_gpu_and_one_server_per_rank(dirs, stubs, monk
 
     base = ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft]
     monkeypatch.setenv("LOCAL_RANK", "3")
-    SGLangRolloutEngine.from_config(load_config(None, base + ["--rl.prompts_per_step", "4", "--rl.group_size", "6"]), connect=connect)
-    SGLangRolloutEngine.from_config(load_config(None, base + ["--rollout.sglang.max_running_requests", "64"]), connect=connect)
+    SGLangRolloutEngine.from_config(
+        load_config(None, base + ["--rl.prompts_per_step", "4", "--rl.group_size", "6"]), connect=connect
+    )
+    SGLangRolloutEngine.from_config(
+        load_config(None, base + ["--rollout.sglang.max_running_requests", "64"]), connect=connect
+    )
     assert [a["max_running_requests"] for a in seen] == [24, 64]  # never SGLang's 48 under speculation
     assert [a["base_gpu_id"] for a in seen] == [3, 3]  # this rank's GPU
     with pytest.raises(ConfigError, match="one SGLang server runs per rank") as e:
-        load_config(None, base + ["--rl.enable", "true", "--draft.enable", "true", "--rollout.sglang.tp_size", "2"], world_size=2)
+        load_config(
+            None,
+            base + ["--rl.enable", "true", "--draft.enable", "true", "--rollout.sglang.tp_size", "2"],
+            world_size=2,
+        )
     assert "\n" not in str(e.value)
     # The server_args example names SGLang's field, not the CLI alias.
     from titan_spec.config import SGLangConfig
     from titan_spec.config.schema import __file__ as config_file
 
     text = open(config_file).read()
-    doc = text[text.index("server_args: dict[str, Any]", text.index("class SGLangConfig")):][:400]
+    doc = text[text.index("server_args: dict[str, Any]", text.index("class SGLangConfig")) :][:400]
     assert "{cuda_graph_max_bs_decode = 64}" in doc and "{cuda_graph_max_bs =" not in doc
     assert SGLangConfig().max_running_requests == 0
 
@@ -367,9 +427,19 @@ def test_max_running_requests_base_gpu_and_one_server_per_rank(dirs, stubs, monk
 def test_the_loader_module_imports_without_the_rollout_package():
     # What SGLang's scheduler process does with load_format (dynamic_import), on a GPU
     # machine (TITAN_SPEC_DEVICE=cuda: no CPU shims).
-    code = ("import sys; from titan_spec.rollout.sglang.loaders import load_target_weights; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('titan_spec', 'torchtitan')))")
+    code = (
+        "import sys; from titan_spec.rollout.sglang.loaders import load_target_weights; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('titan_spec', 'torchtitan')))"
+    )
     env = {**os.environ, "PYTHONPATH": ROOT, "TITAN_SPEC_DEVICE": "cuda"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == str(["titan_spec", "titan_spec.platform", "titan_spec.rollout", "titan_spec.rollout.sglang",
-                                      "titan_spec.rollout.sglang.loaders", "titan_spec.torch_compat"])
+    assert out.stdout.strip() == str(
+        [
+            "titan_spec",
+            "titan_spec.platform",
+            "titan_spec.rollout",
+            "titan_spec.rollout.sglang",
+            "titan_spec.rollout.sglang.loaders",
+            "titan_spec.torch_compat",
+        ]
+    )

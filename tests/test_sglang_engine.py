@@ -32,9 +32,20 @@ from titan_spec.models.hf_io import load_hf_into, read_hf_arch, save_hf
 from titan_spec.models.registry import build_target_config, flavor_arch, with_vocab
 from titan_spec.rollout import RolloutEngine, SamplingParams
 from titan_spec.rollout.sglang.client import (
-    INSTALL_HINT, EngineDied, HttpClient, SGLangError, SGLangStartError, server_cli_args,
+    INSTALL_HINT,
+    EngineDied,
+    HttpClient,
+    SGLangError,
+    SGLangStartError,
+    server_cli_args,
 )
-from titan_spec.rollout.sglang.engine import SEED_MIX, SGLangRolloutEngine, rollout_from_result, sampling_to_sglang, sglang_server_args
+from titan_spec.rollout.sglang.engine import (
+    SEED_MIX,
+    SGLangRolloutEngine,
+    rollout_from_result,
+    sampling_to_sglang,
+    sglang_server_args,
+)
 from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
 from conftest import load_checked
@@ -44,10 +55,25 @@ TAPS = (1, 3, 4)
 # DESIGN.md, "Draft (EAGLE-3, SpecForge/SGLang layout)": the export keys, exactly.
 DESIGN_DRAFT_KEYS = [
     "fc.weight",
-    *(f"midlayer.{k}.weight" for k in (
-        "input_layernorm", "hidden_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-        "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
+    *(
+        f"midlayer.{k}.weight"
+        for k in (
+            "input_layernorm",
+            "hidden_norm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "post_attention_layernorm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ),
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
 ]
 
 
@@ -75,12 +101,16 @@ def dirs(tmp_path_factory):
     draft = _draft(arch)
     save_hf(model, str(root / "policy"), arch, tokenizer=CharTokenizer())
     save_draft(draft, str(root / "draft"))
-    return types.SimpleNamespace(policy=str(root / "policy"), draft=str(root / "draft"), model=model, arch=arch, d=draft)
+    return types.SimpleNamespace(
+        policy=str(root / "policy"), draft=str(root / "draft"), model=model, arch=arch, d=draft
+    )
 
 
 def _cfg(**kw):
-    over = [f"--rollout.sglang.{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
-            for k, v in kw.items()]
+    over = [
+        f"--rollout.sglang.{k}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in kw.items()
+    ]
     return load_config(None, over).rollout.sglang
 
 
@@ -91,22 +121,45 @@ def test_server_args_from_config_and_cli(dirs):
     cfg = _cfg(mem_fraction_static=0.55, port=31000, enable_memory_saver=True)
     args = sglang_server_args(cfg, dirs.policy, dirs.draft, 4)
     assert args == {
-        "model_path": dirs.policy, "host": "127.0.0.1", "port": 31000, "tp_size": 1, "dtype": "bfloat16",
-        "mem_fraction_static": 0.55, "skip_tokenizer_init": True, "custom_weight_loader": [TARGET_LOADER, DRAFT_LOADER],
-        "enable_memory_saver": True, "base_gpu_id": 0, "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": dirs.draft,
-        "speculative_num_steps": 4, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 5,
+        "model_path": dirs.policy,
+        "host": "127.0.0.1",
+        "port": 31000,
+        "tp_size": 1,
+        "dtype": "bfloat16",
+        "mem_fraction_static": 0.55,
+        "skip_tokenizer_init": True,
+        "custom_weight_loader": [TARGET_LOADER, DRAFT_LOADER],
+        "enable_memory_saver": True,
+        "base_gpu_id": 0,
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": dirs.draft,
+        "speculative_num_steps": 4,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 5,
         "enable_draft_weights_cpu_backup": True,
     }
     # Tree drafting, an explicit verify width, and a pass-through field.
     tree = sglang_server_args(_cfg(eagle_topk=4, num_verify_tokens=16), dirs.policy, dirs.draft, 3)
-    assert (tree["speculative_num_steps"], tree["speculative_eagle_topk"], tree["speculative_num_draft_tokens"]) == (3, 4, 16)
-    plain = sglang_server_args(load_config(None, ["--rollout.sglang.server_args", "{cuda_graph_max_bs_decode = 8}"]).rollout.sglang,
-                               dirs.policy, None, 0)
+    assert (tree["speculative_num_steps"], tree["speculative_eagle_topk"], tree["speculative_num_draft_tokens"]) == (
+        3,
+        4,
+        16,
+    )
+    plain = sglang_server_args(
+        load_config(None, ["--rollout.sglang.server_args", "{cuda_graph_max_bs_decode = 8}"]).rollout.sglang,
+        dirs.policy,
+        None,
+        0,
+    )
     assert not any(k.startswith("speculative") for k in plain) and plain["cuda_graph_max_bs_decode"] == 8
     assert 0 < plain["port"] < 65536  # port 0 = a free one
     with pytest.raises(ValueError, match="titan_spec sets itself"):
-        sglang_server_args(load_config(None, ["--rollout.sglang.server_args", "{mem_fraction_static = 0.9}"]).rollout.sglang,
-                           dirs.policy, None, 0)
+        sglang_server_args(
+            load_config(None, ["--rollout.sglang.server_args", "{mem_fraction_static = 0.9}"]).rollout.sglang,
+            dirs.policy,
+            None,
+            0,
+        )
 
     argv = server_cli_args(args)
     joined = " ".join(argv)
@@ -127,8 +180,15 @@ def test_server_args_from_config_and_cli(dirs):
 @pytest.mark.parametrize("family", ["qwen3_tied", "llama"])
 def test_policy_names_are_the_hf_names_sglang_loads(tmp_path, family):
     transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
+    common = dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     if family == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
@@ -153,7 +213,9 @@ def test_draft_names_are_the_design_list(dirs):
     assert list(EXPORT_KEYS) == DESIGN_DRAFT_KEYS
     sd = dirs.d.state_dict()
     pairs = draft_to_export_names({**sd, "embed_tokens.weight": torch.zeros(V, 64)})  # embedding: the target's
-    assert [n for n, _ in pairs] == [k for k in sd if k in EXPORT_KEYS] and sorted(n for n, _ in pairs) == sorted(DESIGN_DRAFT_KEYS)
+    assert [n for n, _ in pairs] == [k for k in sd if k in EXPORT_KEYS] and sorted(n for n, _ in pairs) == sorted(
+        DESIGN_DRAFT_KEYS
+    )
     assert all(t is sd[n] for n, t in pairs)
     with pytest.raises(ValueError, match="unknown name.*model.fc.weight"):
         draft_to_export_names({"model.fc.weight": torch.zeros(1)})
@@ -192,8 +254,9 @@ def test_loaders_keep_policy_and_draft_apart(dirs):
     hf_names = [n for n, _ in hf_pairs]
     targets = [Qwen3ForCausalLM(["Qwen3ForCausalLM"], tie_word_embeddings=True), LlamaForCausalLM(["LlamaForCausalLM"])]
     d2t = dirs.d.d2t
-    draft = LlamaForCausalLMEagle3(["LlamaForCausalLMEagle3"], draft_vocab_size=16,
-                                   eagle_config={"eagle_aux_hidden_state_layer_ids": list(TAPS)})
+    draft = LlamaForCausalLMEagle3(
+        ["LlamaForCausalLMEagle3"], draft_vocab_size=16, eagle_config={"eagle_aux_hidden_state_layer_ids": list(TAPS)}
+    )
     draft.hot_token_id = d2t + torch.arange(d2t.numel())
     # A draft known only by its config (SGLang may wrap the class), and one by class only.
     by_config = _Recorder(["LlamaForCausalLMEagle3"])
@@ -235,16 +298,28 @@ def _engine(dirs, stubs, cfg=None, **stub_kw):
     cfg = cfg or _cfg(request_timeout_s=60.0, max_restarts=2)
 
     def connect(args):
-        stubs.append(StubSGLang(model_path=args["model_path"], draft_path=args.get("speculative_draft_model_path"),
-                                tp_size=args["tp_size"], **stub_kw))
+        stubs.append(
+            StubSGLang(
+                model_path=args["model_path"],
+                draft_path=args.get("speculative_draft_model_path"),
+                tp_size=args["tp_size"],
+                **stub_kw,
+            )
+        )
         stubs[-1].client = HttpClient(stubs[-1].url, cfg.request_timeout_s, args["tp_size"])
         return stubs[-1].client
 
     return SGLangRolloutEngine(cfg, dirs.policy, dirs.draft, 4, connect=connect)
 
 
-BRACKET = ["pause_generation", "begin_weight_update", "update_weights_from_tensor", "end_weight_update",
-           "flush_cache", "continue_generation"]
+BRACKET = [
+    "pause_generation",
+    "begin_weight_update",
+    "update_weights_from_tensor",
+    "end_weight_update",
+    "flush_cache",
+    "continue_generation",
+]
 
 
 def test_pushes_are_bracketed_selected_versioned_and_exact(dirs, stubs):
@@ -259,10 +334,19 @@ def test_pushes_are_bracketed_selected_versioned_and_exact(dirs, stubs):
     assert calls["pause_generation"] == {"mode": "retract"}
     assert calls["begin_weight_update"] == {"selector": "target"}
     upd = calls["update_weights_from_tensor"]
-    assert (upd["load_format"], upd["selector"], upd["flush_cache"], upd["weight_version"]) == (TARGET_LOADER, "target", False, "policy-3.draft-0")
+    assert (upd["load_format"], upd["selector"], upd["flush_cache"], upd["weight_version"]) == (
+        TARGET_LOADER,
+        "target",
+        False,
+        "policy-3.draft-0",
+    )
     assert isinstance(upd["serialized_named_tensors"], list) and len(upd["serialized_named_tensors"]) == 1
     upd2 = dict(s.calls[6:])["update_weights_from_tensor"]
-    assert (upd2["load_format"], upd2["selector"], upd2["weight_version"]) == (DRAFT_LOADER, "draft", "policy-3.draft-5")
+    assert (upd2["load_format"], upd2["selector"], upd2["weight_version"]) == (
+        DRAFT_LOADER,
+        "draft",
+        "policy-3.draft-5",
+    )
     assert dict(s.calls[6:])["begin_weight_update"] == {"selector": "draft"}
 
     ref = dict(policy_to_hf_names(other.state_dict(), dirs.arch))
@@ -270,7 +354,9 @@ def test_pushes_are_bracketed_selected_versioned_and_exact(dirs, stubs):
     for n, t in s.pushed[0].items():  # cast to the serving dtype
         assert t.dtype == torch.bfloat16 and torch.equal(t, ref[n].to(torch.bfloat16))
     assert sorted(s.pushed[1]) == sorted(EXPORT_KEYS)
-    assert torch.equal(s.pushed[1]["d2t"], sd["d2t"]) and torch.equal(s.pushed[1]["fc.weight"], sd["fc.weight"].bfloat16())
+    assert torch.equal(s.pushed[1]["d2t"], sd["d2t"]) and torch.equal(
+        s.pushed[1]["fc.weight"], sd["fc.weight"].bfloat16()
+    )
 
     # Rollouts carry the versions the server reports for them.
     out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=8))
@@ -278,8 +364,21 @@ def test_pushes_are_bracketed_selected_versioned_and_exact(dirs, stubs):
 
 
 def test_from_config(dirs, stubs):
-    cfg = load_config(None, ["--rollout.engine", "sglang", "--model.hf_checkpoint", dirs.policy, "--draft.init_from",
-                             dirs.draft, "--speculative.num_draft_tokens", "2", "--rollout.sglang.port", "31234"])
+    cfg = load_config(
+        None,
+        [
+            "--rollout.engine",
+            "sglang",
+            "--model.hf_checkpoint",
+            dirs.policy,
+            "--draft.init_from",
+            dirs.draft,
+            "--speculative.num_draft_tokens",
+            "2",
+            "--rollout.sglang.port",
+            "31234",
+        ],
+    )
     seen = []
 
     def connect(args):
@@ -288,8 +387,13 @@ def test_from_config(dirs, stubs):
         return HttpClient(stubs[-1].url, 60.0)
 
     engine = SGLangRolloutEngine.from_config(cfg, connect=connect)
-    assert (seen[0]["model_path"], seen[0]["speculative_draft_model_path"], seen[0]["speculative_num_steps"],
-            seen[0]["speculative_num_draft_tokens"], seen[0]["port"]) == (dirs.policy, dirs.draft, 2, 3, 31234)
+    assert (
+        seen[0]["model_path"],
+        seen[0]["speculative_draft_model_path"],
+        seen[0]["speculative_num_steps"],
+        seen[0]["speculative_num_draft_tokens"],
+        seen[0]["port"],
+    ) == (dirs.policy, dirs.draft, 2, 3, 31234)
     assert engine.generate([[3]], SamplingParams(max_new_tokens=2))[0].output_ids == [4, 5]
     cfg.speculative.enabled = False
     plain = SGLangRolloutEngine.from_config(cfg, connect=connect)
@@ -308,11 +412,14 @@ def test_generate_payload_and_results(dirs, stubs):
         for s in (11 * SEED_MIX, 11 * SEED_MIX + 1, 11 * SEED_MIX + 2)
     ]
     r = out[1]
-    assert r.prompt_ids == [7] and r.output_ids == [8, 9, 10, 11, 12] and r.logprobs == [-0.25, -0.5, -0.75, -1.0, -1.25]
+    assert (
+        r.prompt_ids == [7] and r.output_ids == [8, 9, 10, 11, 12] and r.logprobs == [-0.25, -0.5, -0.75, -1.0, -1.25]
+    )
     assert (r.finish_reason, r.verify_steps, r.accepted_tokens) == ("length", 3, 2)  # prefill + 2 verifies
     assert r.acceptance_length == 5 / 3
     assert sampling_to_sglang(SamplingParams(temperature=0.0, max_new_tokens=4), 1, seeded=False) == [
-        {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}]
+        {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "ignore_eos": True}
+    ]
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1], []], sp)
     with pytest.raises(ValueError, match="outside the vocabulary 0..127"):
@@ -322,22 +429,30 @@ def test_generate_payload_and_results(dirs, stubs):
 def test_result_parsing_across_meta_info_versions():
     lp = [[-1.0, 4, None], [-2.0, 9, None], [-0.5, 2, None]]
     base = {"output_token_logprobs": lp, "finish_reason": {"type": "stop", "matched": 2}, "completion_tokens": 3}
-    new = rollout_from_result([1], {"meta_info": {**base, "spec_verify_ct": 1, "spec_num_correct_drafts": 1}}, True, (4, 6))
+    new = rollout_from_result(
+        [1], {"meta_info": {**base, "spec_verify_ct": 1, "spec_num_correct_drafts": 1}}, True, (4, 6)
+    )
     assert (new.output_ids, new.finish_reason, new.verify_steps, new.accepted_tokens) == ([4, 9, 2], "stop", 2, 1)
     assert (new.policy_version, new.draft_version) == (4, 6)  # no weight_version reported: the engine's own
-    old = rollout_from_result([1], {"meta_info": {**base, "spec_verify_ct": 1, "spec_accept_token_num": 1}}, True, (0, 0))
+    old = rollout_from_result(
+        [1], {"meta_info": {**base, "spec_verify_ct": 1, "spec_accept_token_num": 1}}, True, (0, 0)
+    )
     only_len = rollout_from_result([1], {"meta_info": {**base, "spec_accept_length": 3.0}}, True, (0, 0))
     no_key = rollout_from_result([1], {"meta_info": {**base, "spec_verify_ct": 1}}, True, (0, 0))
     assert (old.verify_steps, old.accepted_tokens) == (only_len.verify_steps, only_len.accepted_tokens) == (2, 1)
     assert (no_key.verify_steps, no_key.accepted_tokens) == (2, 1)  # completion - 1 - verifies
-    one = rollout_from_result([1], {"meta_info": {**base, "output_token_logprobs": lp[:1], "completion_tokens": 1}}, True, (0, 0))
+    one = rollout_from_result(
+        [1], {"meta_info": {**base, "output_token_logprobs": lp[:1], "completion_tokens": 1}}, True, (0, 0)
+    )
     assert (one.verify_steps, one.accepted_tokens, one.acceptance_length) == (1, 0, 1.0)  # prefill only: no spec keys
     plain = rollout_from_result([1], {"meta_info": base}, False, (0, 0))
     assert (plain.verify_steps, plain.accepted_tokens) == (3, 0)
     tagged = rollout_from_result([1], {"meta_info": {**base, "weight_version": "policy-7.draft-2"}}, True, (0, 0))
     assert (tagged.policy_version, tagged.draft_version) == (7, 2)
     with pytest.raises(SGLangError, match="finish_reason 'abort'"):
-        rollout_from_result([1], {"meta_info": {**base, "finish_reason": {"type": "abort", "message": "x"}}}, True, (0, 0))
+        rollout_from_result(
+            [1], {"meta_info": {**base, "finish_reason": {"type": "abort", "message": "x"}}}, True, (0, 0)
+        )
     with pytest.raises(SGLangError, match="output_token_logprobs"):
         rollout_from_result([1], {"meta_info": {"completion_tokens": 1}}, True, (0, 0))
 
@@ -391,8 +506,13 @@ def test_refused_push_keeps_old_version_and_closes_the_bracket(dirs, stubs):
     with pytest.raises(SGLangError, match="Online weight updates are not supported") as e:
         engine.update_policy_weights(dirs.model.state_dict(), version=9)
     assert "\n" not in str(e.value)
-    assert stubs[0].names() == ["pause_generation", "begin_weight_update", "update_weights_from_tensor",
-                                "end_weight_update", "continue_generation"]
+    assert stubs[0].names() == [
+        "pause_generation",
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "end_weight_update",
+        "continue_generation",
+    ]
     assert engine.policy_version == 0 and engine._policy == {}
     with pytest.raises(ValueError, match="no draft"):
         SGLangRolloutEngine(_cfg(), dirs.policy, None, 0, connect=lambda a: None).update_draft_weights({}, 1)
@@ -421,7 +541,11 @@ def test_memory_release_then_resume_pushes_the_draft_again(dirs, stubs):
         engine.generate([[1]], SamplingParams(max_new_tokens=2))
 
     # SGLang keeps the policy on the CPU itself: nothing to push before generating.
-    backed = _engine(dirs, stubs, cfg=load_config(None, ["--rollout.sglang.server_args", "{enable_weights_cpu_backup = true}"]).rollout.sglang)
+    backed = _engine(
+        dirs,
+        stubs,
+        cfg=load_config(None, ["--rollout.sglang.server_args", "{enable_weights_cpu_backup = true}"]).rollout.sglang,
+    )
     backed.release_memory()
     backed.resume_memory()
     backed.generate([[1]], SamplingParams(max_new_tokens=2))
@@ -450,9 +574,21 @@ def test_bad_draft_directories_and_config(dirs, tmp_path):
     cases = [
         ([], "needs model.hf_checkpoint"),
         (["--model.hf_checkpoint", dirs.policy], "needs draft.init_from"),
-        (["--model.hf_checkpoint", dirs.policy, "--draft.init_from", str(tmp_path / "wrong")], "does not fit the policy"),
-        (["--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft, "--rollout.sglang.server_args",
-          "{speculative_num_steps = 2}"], "titan_spec sets itself"),
+        (
+            ["--model.hf_checkpoint", dirs.policy, "--draft.init_from", str(tmp_path / "wrong")],
+            "does not fit the policy",
+        ),
+        (
+            [
+                "--model.hf_checkpoint",
+                dirs.policy,
+                "--draft.init_from",
+                dirs.draft,
+                "--rollout.sglang.server_args",
+                "{speculative_num_steps = 2}",
+            ],
+            "titan_spec sets itself",
+        ),
         (["--rollout.sglang.mode", "ray"], "rollout.sglang.mode"),
         (["--rollout.sglang.eagle_topk", "0"], "rollout.sglang.eagle_topk"),
     ]
@@ -475,11 +611,18 @@ def test_missing_sglang_and_start_failures_are_one_line(dirs, tmp_path):
     # A process that never serves: killed at the timeout (short: it cannot serve before it).
     # One that exits: its log tail, seen as soon as it has exited (long timeout: however slow
     # its start-up, the exit comes first).
-    for code, msg, timeout_s in (("import time; time.sleep(60)", "was not ready within 1.5s", 1.5),
-                                 ("print('CUDA out of memory'); raise SystemExit(3)",
-                                  "exited with code 3 while starting.*CUDA out of memory", 60.0)):
+    for code, msg, timeout_s in (
+        ("import time; time.sleep(60)", "was not ready within 1.5s", 1.5),
+        (
+            "print('CUDA out of memory'); raise SystemExit(3)",
+            "exited with code 3 while starting.*CUDA out of memory",
+            60.0,
+        ),
+    ):
         with open(log, "wb") as f:
-            p = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            p = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         c = HttpClient("http://127.0.0.1:9", 1.0, process=p, log_path=str(log))
         with pytest.raises(SGLangStartError, match=msg) as e:
             c.wait_ready(timeout_s)
@@ -496,9 +639,22 @@ def test_gpu_recipe_checks(dirs, capsys, monkeypatch, tmp_path):
     # The recipe with this machine's tiny policy and draft in place of Qwen3-8B's (its tokenizer
     # is the character one, without a chat template; tests/test_recipes.py checks the recipe
     # against Qwen3-8B's structure).
-    tiny = ["--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft, "--draft.draft_vocab_size", "16",
-            "--training.seq_len", "1024", "--task.path", str(gsm), "--task.chat_template", "off",
-            "--rl.max_new_tokens", "256"]  # a prompt and its completion fit the tiny policy's 1024-token rows
+    tiny = [
+        "--model.hf_checkpoint",
+        dirs.policy,
+        "--draft.init_from",
+        dirs.draft,
+        "--draft.draft_vocab_size",
+        "16",
+        "--training.seq_len",
+        "1024",
+        "--task.path",
+        str(gsm),
+        "--task.chat_template",
+        "off",
+        "--rl.max_new_tokens",
+        "256",
+    ]  # a prompt and its completion fit the tiny policy's 1024-token rows
     assert main(["--check", "--config", path, *tiny]) == 0
     capsys.readouterr()
     assert main(["--check", "--config", path]) == 2  # its /models paths are not on this machine
@@ -516,8 +672,17 @@ def test_real_sglang_serves_and_takes_live_updates(dirs):
     from sglang.srt.server_args import ServerArgs
 
     # The tiny models have head_dim 16, below what FlashInfer's kernels take: Triton attention.
-    cfg = load_config(None, ["--rollout.sglang.mem_fraction_static", "0.3", "--rollout.sglang.dtype", "float32",
-                             "--rollout.sglang.server_args", '{attention_backend = "triton"}']).rollout.sglang
+    cfg = load_config(
+        None,
+        [
+            "--rollout.sglang.mem_fraction_static",
+            "0.3",
+            "--rollout.sglang.dtype",
+            "float32",
+            "--rollout.sglang.server_args",
+            '{attention_backend = "triton"}',
+        ],
+    ).rollout.sglang
     ServerArgs(**sglang_server_args(cfg, dirs.policy, dirs.draft, 3))  # every field name exists
     engine = SGLangRolloutEngine(cfg, dirs.policy, dirs.draft, 3)
     try:

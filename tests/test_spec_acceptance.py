@@ -140,9 +140,7 @@ def test_acceptance_rule_all_accepted_when_the_draft_is_the_target():
     g = torch.Generator().manual_seed(1)
     p_LV = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
     d_NK = torch.stack([torch.multinomial(p_LV[k], N, replacement=True, generator=g) for k in range(K)], 1)
-    a_N, new_NL = speculative_accept(
-        p_LV.expand(N, -1, -1), d_NK, d_NK, p_LV[:K].expand(N, -1, -1), torch.arange(3), g
-    )
+    a_N, new_NL = speculative_accept(p_LV.expand(N, -1, -1), d_NK, d_NK, p_LV[:K].expand(N, -1, -1), torch.arange(3), g)
     assert bool((a_N == K).all())
     assert torch.equal(new_NL[:, :K], d_NK)
     stat, df = pearson(torch.bincount(new_NL[:, K], minlength=3), p_LV[K].double())
@@ -173,9 +171,13 @@ def test_sample_rows_follows_each_rows_unnormalized_weights():
         assert obs_V.shape == (V,)
         assert int(obs_V[w_RV[r] == 0].sum()) == 0, f"row {r} drew a zero-weight entry: {obs_V.tolist()}"
         stat, df = pearson(obs_V, (w_RV[r] / w_RV[r].sum()).double())
-        assert df == 0 or chi2_pvalue(stat, df) > 1e-4, f"row {r}: chi2 = {stat:.1f} on {df} df, counts {obs_V.tolist()}"
+        assert df == 0 or chi2_pvalue(stat, df) > 1e-4, (
+            f"row {r}: chi2 = {stat:.1f} on {df} df, counts {obs_V.tolist()}"
+        )
     # Power: a sampler that ignored the weights (uniform over the nonzero entries) fails row 0.
-    assert chi2_pvalue(*pearson(torch.bincount(x_NR[:, 0], minlength=V), torch.tensor([0, 1, 0, 1, 1, 0]) / 3.0)) < 1e-12
+    assert (
+        chi2_pvalue(*pearson(torch.bincount(x_NR[:, 0], minlength=V), torch.tensor([0, 1, 0, 1, 1, 0]) / 3.0)) < 1e-12
+    )
     # Deterministic in the generator's state, one uniform per row.
     a = sample_rows(w_RV, torch.Generator().manual_seed(9))
     b = sample_rows(w_RV, torch.Generator().manual_seed(9))
@@ -219,7 +221,10 @@ def test_filtered_probs_top_k():
     for k in (3, 5):
         _close(filtered_probs(logits, _sp(top_k=k)), [[1 / s, e / s, e * e / s]])
     # Temperature before top-k: T = 2 on (0, 2 ln 2, 4 ln 2), top_k = 2 -> (2, 4) renormalized.
-    _close(filtered_probs(torch.tensor([[0.0, 2 * math.log(2), 4 * math.log(2)]]), _sp(2.0, top_k=2)), [[0.0, 1 / 3, 2 / 3]])
+    _close(
+        filtered_probs(torch.tensor([[0.0, 2 * math.log(2), 4 * math.log(2)]]), _sp(2.0, top_k=2)),
+        [[0.0, 1 / 3, 2 / 3]],
+    )
 
 
 def test_filtered_probs_top_p_boundary():

@@ -54,6 +54,7 @@ def _outcome(fn):
 
 # --- the good path: both ends concurrently, two steps, taps asked in another order -----------
 
+
 def _ok(rank):
     ch = TapChannel(LAYOUT, [0, 1], rank, torch.device("cpu"), timeout_s=T_LONG, all_pp_ranks=[[0, 1]])
     n = 4
@@ -77,6 +78,7 @@ def _ok(rank):
 # A good sender sends every microbatch; a good receiver takes every one. Each case breaks one
 # end. A sender that fails never sends microbatch 1: the receiver then asks for it first, so
 # its wait is certain to time out (and no wait under T_SHORT is one for data that is sent).
+
 
 def _send_all(ch, step):
     for mb in range(N):
@@ -115,8 +117,9 @@ def _send_wrong_keys(ch, step):
 def _raw(ch, step, mb, header_step=None, header_mb=None, tensors=None):
     """Microbatch ``mb``'s tags, with a header and tensors that bypass ``put``'s checks."""
     tensors = _wire(step, mb) if tensors is None else tensors
-    header = ch._header(step if header_step is None else header_step, mb if header_mb is None else header_mb,
-                        0, 1, tensors)
+    header = ch._header(
+        step if header_step is None else header_step, mb if header_mb is None else header_mb, 0, 1, tensors
+    )
     ch._send(0, mb, header, tensors)
 
 
@@ -166,30 +169,67 @@ CASES = {
     "twice": (_send_twice, _take, 0, 0, "fired 2 times for microbatch 0 in step 1"),
     # The receiver's error for a lost microbatch is OTHER[0]: a timeout that names it.
     "lost": (_send_lost, _take, 0, 0, f"fired [1, 0] times for microbatches 0..{N - 1} in step 1"),
-    "shape_at_sender": (_send_misshaped, _take, 0, 0, "tap -1 of microbatch 0 on stage 0 is (2, 5, 3) torch.float32, "
-                                                      "expected (1, 5, 3) torch.float32"),
+    "shape_at_sender": (
+        _send_misshaped,
+        _take,
+        0,
+        0,
+        "tap -1 of microbatch 0 on stage 0 is (2, 5, 3) torch.float32, expected (1, 5, 3) torch.float32",
+    ),
     "range_at_sender": (_send_out_of_range, _take, 0, 0, f"microbatch {N} is outside 0..{N - 1} of this step"),
-    "keys_at_sender": (_send_wrong_keys, _take, 0, 0, "pipeline stage 0 computed taps [-1, 2] for microbatch 0, "
-                                                      "but the layout expects [-1, 1]"),
-    "stale": (_send_stale, _take, 1, 1, "expected step 2 microbatch 0 from stage 0 (fired once), got step 1 "
-                                        "microbatch 0 from stage 0 (fired 1)"),
-    "reordered": (_send_reordered, _take, 0, 1, "expected step 1 microbatch 0 from stage 0 (fired once), got step 1 "
-                                                "microbatch 1 from stage 0 (fired 1)"),
-    "shape_at_receiver": (_send_raw_misshaped, _take, 0, 1, "tap -1 of microbatch 0 from stage 0 arrived as "
-                                                            "(5, 1, 3) torch.float32, expected (1, 5, 3) torch.float32"),
-    "dtype_at_receiver": (_send_raw_dtype, _take, 0, 1, "tap 1 of microbatch 0 from stage 0 arrived as "
-                                                        "(2, 5, 3) torch.bfloat16, expected (1, 5, 3) torch.float32"),
-    "keys_at_receiver": (_send_raw_keys, _take, 0, 1, "pipeline stage 0 sent taps [-1, 2] for microbatch 0, "
-                                                      "but the last stage's layout expects [-1, 1]"),
+    "keys_at_sender": (
+        _send_wrong_keys,
+        _take,
+        0,
+        0,
+        "pipeline stage 0 computed taps [-1, 2] for microbatch 0, but the layout expects [-1, 1]",
+    ),
+    "stale": (
+        _send_stale,
+        _take,
+        1,
+        1,
+        "expected step 2 microbatch 0 from stage 0 (fired once), got step 1 microbatch 0 from stage 0 (fired 1)",
+    ),
+    "reordered": (
+        _send_reordered,
+        _take,
+        0,
+        1,
+        "expected step 1 microbatch 0 from stage 0 (fired once), got step 1 microbatch 1 from stage 0 (fired 1)",
+    ),
+    "shape_at_receiver": (
+        _send_raw_misshaped,
+        _take,
+        0,
+        1,
+        "tap -1 of microbatch 0 from stage 0 arrived as (5, 1, 3) torch.float32, expected (1, 5, 3) torch.float32",
+    ),
+    "dtype_at_receiver": (
+        _send_raw_dtype,
+        _take,
+        0,
+        1,
+        "tap 1 of microbatch 0 from stage 0 arrived as (2, 5, 3) torch.bfloat16, expected (1, 5, 3) torch.float32",
+    ),
+    "keys_at_receiver": (
+        _send_raw_keys,
+        _take,
+        0,
+        1,
+        "pipeline stage 0 sent taps [-1, 2] for microbatch 0, but the last stage's layout expects [-1, 1]",
+    ),
     "untaken": (_send_all, _take_untaken, 0, 1, "the taps of microbatches [1] were never used by the draft loss"),
     "range_at_receiver": (_send_all, _take_out_of_range, 0, 1, f"take(microbatch {N}) is outside 0..{N - 1} of step 1"),
 }
 # The other end's error: the receiver waits for a microbatch the sender never sent (it takes
 # microbatch 1 first: no send of the failing step reaches it); the sender's next step is never
 # received.
-OTHER = {0: f"the header of microbatch 1 from pipeline stage 0 (peer rank 0) failed or did not complete within "
-            f"{T_SHORT:g}s: ",
-         1: f"sending microbatch 0 of pipeline stage 0 (peer rank 1) failed or did not complete within {T_SHORT:g}s: "}
+OTHER = {
+    0: f"the header of microbatch 1 from pipeline stage 0 (peer rank 0) failed or did not complete within "
+    f"{T_SHORT:g}s: ",
+    1: f"sending microbatch 0 of pipeline stage 0 (peer rank 1) failed or did not complete within {T_SHORT:g}s: ",
+}
 
 
 def _agree(failed: bool) -> list[bool]:

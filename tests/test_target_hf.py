@@ -20,9 +20,17 @@ V, L = 97, 6
 
 def _hf_qwen3(path, tie=False):
     cfg = transformers.Qwen3Config(
-        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=tie,
-        rope_theta=10000.0, attn_implementation="eager",
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        rope_theta=10000.0,
+        attn_implementation="eager",
     )
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
@@ -32,8 +40,15 @@ def _hf_qwen3(path, tie=False):
 
 def _hf_llama(path):
     cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=L, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, attn_implementation="eager",
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        attn_implementation="eager",
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
@@ -43,7 +58,9 @@ def _hf_llama(path):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_tied", "llama"])
 def test_logits_and_taps_match_transformers(tmp_path, family):
-    hf = {"qwen3": lambda p: _hf_qwen3(p), "qwen3_tied": lambda p: _hf_qwen3(p, tie=True), "llama": _hf_llama}[family](tmp_path)
+    hf = {"qwen3": lambda p: _hf_qwen3(p), "qwen3_tied": lambda p: _hf_qwen3(p, tie=True), "llama": _hf_llama}[family](
+        tmp_path
+    )
     model, _ = load_target(tmp_path)
     tok = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(24).repeat(2, 1)

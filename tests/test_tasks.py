@@ -74,14 +74,21 @@ def test_lengths_are_reasoning_trace_like():
 
 
 def test_config_builds_it_and_rejects_bad_values(tmp_path):
-    cfg = TaskConfig(name="trace", generated=GeneratedTaskConfig(max_operand=20, min_count=2, max_count=5, trace_fraction=1.0))
+    cfg = TaskConfig(
+        name="trace", generated=GeneratedTaskConfig(max_operand=20, min_count=2, max_count=5, trace_fraction=1.0)
+    )
     task = build_task(cfg)
     assert isinstance(task, TraceTask) and task.counts == [2, 3, 4, 5]
     path = tmp_path / "x.toml"
     path.write_text('[task]\nname = "trace"\n[task.generated]\nmin_count = 2\n')
-    for bad, msg in ((["--task.generated.max_count", "1"], "task.generated.max_count = 1 is not allowed; it must be >= task.generated.min_count (2)"),
-                     (["--task.generated.trace_fraction", "1.5"], "task.generated.trace_fraction = 1.5"),
-                     (["--task.generated.operators", "*"], "task.generated.operators = '*'")):
+    for bad, msg in (
+        (
+            ["--task.generated.max_count", "1"],
+            "task.generated.max_count = 1 is not allowed; it must be >= task.generated.min_count (2)",
+        ),
+        (["--task.generated.trace_fraction", "1.5"], "task.generated.trace_fraction = 1.5"),
+        (["--task.generated.operators", "*"], "task.generated.operators = '*'"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(msg)) as info:
             load_config(str(path), bad, check_paths=False)
         assert "\n" not in str(info.value)

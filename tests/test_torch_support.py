@@ -71,13 +71,20 @@ def test_fsdp_output_registers_a_pytree_node_only_where_fsdp_needs_it(monkeypatc
     assert _pytree.tree_leaves(Out(t, t + 1))[1].tolist() == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("name, overrides, world, key", [
-    ("debug_cpu_pp.toml", (), 2, "pipeline_parallel_degree"),
-    ("debug_cpu_sft.toml", ("--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"), 2,
-     "expert_parallel_degree"),
-    ("debug_cpu.toml", ("--parallelism.spmd_backend", "spmd_types"), 2, "spmd_backend"),
-    ("debug_cpu.toml", ("--parallelism.spmd_backend", "full_dtensor"), 1, "spmd_backend"),
-])
+@pytest.mark.parametrize(
+    "name, overrides, world, key",
+    [
+        ("debug_cpu_pp.toml", (), 2, "pipeline_parallel_degree"),
+        (
+            "debug_cpu_sft.toml",
+            ("--model.flavor", "tiny_moe", "--parallelism.expert_parallel_degree", "2"),
+            2,
+            "expert_parallel_degree",
+        ),
+        ("debug_cpu.toml", ("--parallelism.spmd_backend", "spmd_types"), 2, "spmd_backend"),
+        ("debug_cpu.toml", ("--parallelism.spmd_backend", "full_dtensor"), 1, "spmd_backend"),
+    ],
+)
 def test_preflight_refuses_what_torch_2_11_cannot_run(name, overrides, world, key, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = _cfg(name, *overrides, world=world)
@@ -103,8 +110,15 @@ def test_check_on_torch_2_11_is_one_line_naming_the_key(monkeypatch, capsys, tmp
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch_compat, "TORCH_VERSION", (2, 11))
-    rc = main(["--check", "--config", os.path.join(ROOT, "train_configs", "debug_cpu_pp.toml"),
-               "--job.dump_folder", str(tmp_path)])
+    rc = main(
+        [
+            "--check",
+            "--config",
+            os.path.join(ROOT, "train_configs", "debug_cpu_pp.toml"),
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0, err
     assert "parallelism.pipeline_parallel_degree" in err and "refused on torch 2.11" in err, err

@@ -12,13 +12,26 @@ def test_fsdp_dp2_matches_dp1(tmp_path, train):
     """Policy + draft co-training (one forward trains both): under FSDP (dp=2) the policy
     and draft losses equal the single-process run on the same global batch. (Resume, at
     dp = 2, pp = 2 and cp = 2, is tests/test_resume.py.)"""
-    common = ["--checkpoint.enable", "false", "--lr_scheduler.total_steps", "6", "--draft.enable", "true",
-              "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3"]
+    common = [
+        "--checkpoint.enable",
+        "false",
+        "--lr_scheduler.total_steps",
+        "6",
+        "--draft.enable",
+        "true",
+        "--draft.draft_vocab_size",
+        "24",
+        "--draft.eagle3.ttt_steps",
+        "3",
+    ]
     steps = ["--training.steps", "6", *common]
     one = train(str(tmp_path / "dp1"), 1, (*steps, "--training.local_batch_size", "4"))
     # dp=2 with 2 rows each sees the same 4-row global batch as dp=1 with 4 rows.
-    two = train(str(tmp_path / "dp2"), 2, (*steps, "--training.local_batch_size", "2",
-                                           "--parallelism.data_parallel_shard_degree", "2"))
+    two = train(
+        str(tmp_path / "dp2"),
+        2,
+        (*steps, "--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2"),
+    )
     assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, 7))
     assert one[-1]["loss"] < one[0]["loss"] and one[-1]["draft/loss"] < one[0]["draft/loss"]
     for a, b in zip(one, two):
@@ -37,15 +50,35 @@ def test_offline_draft_training_freezes_the_target_and_exports(tmp_path, many):
     # one launch, the runs one after the other (conftest.train_many).
     policy = str(tmp_path / "policy")
     hf = os.path.join(policy, "hf")
-    offline = ("--model.hf_checkpoint", hf, "--draft.enable", "true", "--draft.offline", "true",
-               "--draft.draft_vocab_size", "24", "--draft.eagle3.ttt_steps", "3", "--checkpoint.enable", "false",
-               "--job.export_hf", "hf_after")
+    offline = (
+        "--model.hf_checkpoint",
+        hf,
+        "--draft.enable",
+        "true",
+        "--draft.offline",
+        "true",
+        "--draft.draft_vocab_size",
+        "24",
+        "--draft.eagle3.ttt_steps",
+        "3",
+        "--checkpoint.enable",
+        "false",
+        "--job.export_hf",
+        "hf_after",
+    )
     dump = str(tmp_path / "offline")
-    _, rows, again = many(1, [
-        (policy, ("--training.steps", "4", "--checkpoint.enable", "false", "--job.export_hf", "hf")),
-        (dump, ("--training.steps", "8", "--draft.lr", "1e-2", *offline)),
-        (str(tmp_path / "again"), ("--training.steps", "1", "--draft.init_from", os.path.join(dump, "draft"), *offline)),
-    ], config="debug_cpu_sft.toml")
+    _, rows, again = many(
+        1,
+        [
+            (policy, ("--training.steps", "4", "--checkpoint.enable", "false", "--job.export_hf", "hf")),
+            (dump, ("--training.steps", "8", "--draft.lr", "1e-2", *offline)),
+            (
+                str(tmp_path / "again"),
+                ("--training.steps", "1", "--draft.init_from", os.path.join(dump, "draft"), *offline),
+            ),
+        ],
+        config="debug_cpu_sft.toml",
+    )
     assert rows[-1]["draft/loss"] < rows[0]["draft/loss"]
     assert {"draft/acc_0", "draft/acc_1", "draft/acc_2"} <= set(rows[-1])
     # The target did not move.
@@ -82,10 +115,13 @@ def _first_batch_draft_loss(hf: str, draft_dir: str, overrides: tuple[str, ...])
     from titan_spec.preflight import to_trainer_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(os.path.join(root, "train_configs", "debug_cpu_sft.toml"),
-                      ["--training.seq_len", "128", "--training.local_batch_size", "4", *overrides])
-    loader = to_trainer_config(cfg).dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=CharTokenizer(),
-                                                     seq_len=128, local_batch_size=4)
+    cfg = load_config(
+        os.path.join(root, "train_configs", "debug_cpu_sft.toml"),
+        ["--training.seq_len", "128", "--training.local_batch_size", "4", *overrides],
+    )
+    loader = to_trainer_config(cfg).dataloader.build(
+        dp_world_size=1, dp_rank=0, tokenizer=CharTokenizer(), seq_len=128, local_batch_size=4
+    )
     batch, labels_BL = next(iter(loader))
     draft_arch, arch = read_draft_arch(draft_dir), read_hf_arch(hf)
     draft = Eagle3Draft(draft_arch)
@@ -101,7 +137,13 @@ def _first_batch_draft_loss(hf: str, draft_dir: str, overrides: tuple[str, ...])
         logits_BLV, taps = target(batch["input"], positions_BL, meta)
         targets = ttt_targets(draft, pos_T, labels_T, logits_BLV.reshape(T, -1), steps)
         count_S = torch.stack([valid.sum() for _, valid in ttt_shifts(pos_T, labels_T, steps)])
-        out = draft(tuple(h.reshape(T, -1) for h in taps.hidden), taps.embeds_BLD.reshape(T, -1), pos_T, meta,
-                    targets, cfg.draft.loss_decay, count_S)
+        out = draft(
+            tuple(h.reshape(T, -1) for h in taps.hidden),
+            taps.embeds_BLD.reshape(T, -1),
+            pos_T,
+            meta,
+            targets,
+            cfg.draft.loss_decay,
+            count_S,
+        )
     return float((out.loss_sum_S.double() / out.count_S.double().clamp(min=1)).mean())
-

@@ -33,14 +33,23 @@ pytest.importorskip("transformers")
 
 V, K, NEW = 128, 3, 16
 TAPS = (0, 1, 2)
-QWEN = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
+QWEN = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=256,
+)
 KIND = draft_kind("dflash")
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(0, V, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +65,9 @@ def served(tmp_path_factory):
     cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=K + 1, anchors_per_doc=0))
     rand = KIND.initial(KIND.arch_from_target(arch, TAPS, V, cfg), None, seed=3)
     plain = BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0))
-    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(_prompts(48, 11), SamplingParams(0.0, max_new_tokens=24))]
+    seqs = [
+        r.prompt_ids + r.output_ids for r in plain.generate(_prompts(48, 11), SamplingParams(0.0, max_new_tokens=24))
+    ]
     fitted = KIND.build(rand.arch)
     fitted.load_state_dict(rand.state_dict())
     fitted = train_dflash(target, fitted, cfg, seqs, steps=200, lr=3e-3)
@@ -133,15 +144,41 @@ def test_rl_steps_through_vllm_with_a_co_trained_dflash_draft(tmp_path):
     _, arch = load_target(str(policy), taps=())
     cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=5))
     taps = KIND.default_tap_layer_ids(arch.n_layers)
-    KIND.save(KIND.initial(KIND.arch_from_target(arch, taps, arch.vocab_size, cfg), None, seed=0), str(tmp_path / "draft"))
+    KIND.save(
+        KIND.initial(KIND.arch_from_target(arch, taps, arch.vocab_size, cfg), None, seed=0), str(tmp_path / "draft")
+    )
     data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_records(32))
     args = (
-        "--model.hf_checkpoint", str(policy), "--draft.init_from", str(tmp_path / "draft"), "--draft.kind", "dflash",
-        "--draft.dflash.block_size", "5", "--speculative.num_draft_tokens", "4",
-        "--task.name", "dataset", "--task.path", data, "--task.chat_template_kwargs", "{enable_thinking = false}",
-        "--training.steps", "3", "--rl.baseline_interval", "1", "--rl.max_new_tokens", "16",
-        "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--checkpoint.enable", "false",
-        "--rollout.vllm.log_dir", str(tmp_path / "logs"),
+        "--model.hf_checkpoint",
+        str(policy),
+        "--draft.init_from",
+        str(tmp_path / "draft"),
+        "--draft.kind",
+        "dflash",
+        "--draft.dflash.block_size",
+        "5",
+        "--speculative.num_draft_tokens",
+        "4",
+        "--task.name",
+        "dataset",
+        "--task.path",
+        data,
+        "--task.chat_template_kwargs",
+        "{enable_thinking = false}",
+        "--training.steps",
+        "3",
+        "--rl.baseline_interval",
+        "1",
+        "--rl.max_new_tokens",
+        "16",
+        "--rl.prompts_per_step",
+        "2",
+        "--rl.group_size",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--rollout.vllm.log_dir",
+        str(tmp_path / "logs"),
     )
     (rows,) = train_many(1, [(str(tmp_path / "rl"), args)], config="debug_cpu_vllm.toml", timeout=900)
     assert [r["step"] for r in rows] == [1, 2, 3]

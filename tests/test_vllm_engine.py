@@ -36,14 +36,23 @@ transformers = pytest.importorskip("transformers")
 
 V, L, K = 128, 4, 3
 TAPS = (0, 1, 2)  # output of layers 0..2 (vLLM captures them as the inputs of layers 1..3)
-QWEN = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
+QWEN = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=L,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=256,
+)
 NEW = 24
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, V, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(0, V, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def _hf_greedy(path: str, prompts, n: int) -> list[list[int]]:
@@ -55,7 +64,7 @@ def _hf_greedy(path: str, prompts, n: int) -> list[list[int]]:
             ids = list(p)
             for _ in range(n):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            out.append(ids[len(p):])
+            out.append(ids[len(p) :])
     return out
 
 
@@ -68,7 +77,10 @@ def _fit_draft(policy_path: str, draft: Eagle3Draft, steps: int = 150) -> Eagle3
     """TTT on the policy's own greedy completions: the draft co-training keeps up to date."""
     target, _ = load_target(policy_path, taps=TAPS)
     plain = BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0))
-    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(_prompts(48, seed=11), SamplingParams(0.0, max_new_tokens=NEW))]
+    seqs = [
+        r.prompt_ids + r.output_ids
+        for r in plain.generate(_prompts(48, seed=11), SamplingParams(0.0, max_new_tokens=NEW))
+    ]
     torch.manual_seed(0)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     draft.train()
@@ -169,7 +181,9 @@ def test_policy_push_serves_the_pushed_policy(served):
     assert e.served_version == "policy-1.draft-0"  # vLLM's own weight version, set by the bracket
     a_model, _ = load_target(served.a, taps=())
     e.update_policy_weights(a_model.state_dict(), version=2)
-    assert [r.output_ids for r in e.generate(prompts, SamplingParams(0.0, max_new_tokens=NEW))] == [r.output_ids for r in before]
+    assert [r.output_ids for r in e.generate(prompts, SamplingParams(0.0, max_new_tokens=NEW))] == [
+        r.output_ids for r in before
+    ]
 
 
 def test_draft_push_moves_acceptance_as_predicted(served):
@@ -184,7 +198,9 @@ def test_draft_push_moves_acceptance_as_predicted(served):
     e.update_draft_weights(served.rand.state_dict(), version=4)
     back = e.generate(prompts, sp)
     a_rand, a_fit, a_back = _acceptance(rand), _acceptance(fit), _acceptance(back)
-    print(f"\nvLLM acceptance length (tokens per verify step, K={K}): random {a_rand:.2f}, fitted {a_fit:.2f}, random again {a_back:.2f}")
+    print(
+        f"\nvLLM acceptance length (tokens per verify step, K={K}): random {a_rand:.2f}, fitted {a_fit:.2f}, random again {a_back:.2f}"
+    )
     assert a_fit > a_rand + 0.5, (a_rand, a_fit)
     # The same draft in the built-in engine (titan_spec's own tap convention) needs the same
     # verify steps per request: vLLM feeds the draft the taps it was trained on (tap id k
@@ -214,7 +230,9 @@ def test_bad_push_refused_trainer_side_and_server_keeps_serving(served):
     with pytest.raises(ValueError, match="refused before sending.*dtype torch.int64"):
         e.update_policy_weights({"norm.weight": torch.ones(64, dtype=torch.long)}, version=9)
     with pytest.raises(ValueError, match="q_proj.*without.*k_proj"):  # vLLM fuses q/k/v: half a group is refused
-        e.update_policy_weights({"layers.0.attention.qkv_linear.wq.weight": sd["layers.0.attention.qkv_linear.wq.weight"]}, version=9)
+        e.update_policy_weights(
+            {"layers.0.attention.qkv_linear.wq.weight": sd["layers.0.attention.qkv_linear.wq.weight"]}, version=9
+        )
     d = served.rand.state_dict()
     with pytest.raises(ValueError, match="refused before sending.*d2t"):  # a full vocabulary has no map to change
         e.update_draft_weights(dict(d, d2t=torch.ones_like(d["d2t"])), version=9)
@@ -255,8 +273,10 @@ def test_sampled_logprobs_match_trainer_recomputation(served):
             diffs.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs())
     d = torch.cat(diffs)
     q = torch.quantile(d, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
-    print(f"\nbehaviour log-prob |vLLM - trainer| over {d.numel()} sampled tokens: median {q[0]:.2e}, "
-          f"p90 {q[1]:.2e}, p99 {q[2]:.2e}, max {float(d.max()):.2e}")
+    print(
+        f"\nbehaviour log-prob |vLLM - trainer| over {d.numel()} sampled tokens: median {q[0]:.2e}, "
+        f"p90 {q[1]:.2e}, p99 {q[2]:.2e}, max {float(d.max()):.2e}"
+    )
     assert float(d.max()) < 1e-4
     assert all(r.verify_steps + r.accepted_tokens == NEW for r in out)
     with pytest.raises(ValueError, match="temperature = 0.7 is not served"):
@@ -291,7 +311,11 @@ def test_sampled_speculation_follows_the_policy_distribution(served):
         with torch.no_grad():
             for c in contexts:
                 pos = torch.arange(len(c))[None]
-                rows.append(torch.softmax(b_model(torch.tensor([c]), pos, b_model.get_attention_masks(pos))[0, -1].double() / T, -1))
+                rows.append(
+                    torch.softmax(
+                        b_model(torch.tensor([c]), pos, b_model.get_attention_masks(pos))[0, -1].double() / T, -1
+                    )
+                )
         return torch.stack(rows)
 
     firsts = [f for f in toks[:, 0].unique().tolist() if int((toks[:, 0] == f).sum()) >= 50]
@@ -300,12 +324,18 @@ def test_sampled_speculation_follows_the_policy_distribution(served):
     common = [pr.tolist() for pr, c in zip(pairs, counts) if c >= 50]
     obs3 = [torch.bincount(toks[(toks[:, 0] == a) & (toks[:, 1] == b), 2], minlength=V) for a, b in common]
     assert firsts and common, (len(firsts), len(common))
-    p = {T: (chi2_pvalue(*chi2_groups(zip(obs2, probs([prompt + [f] for f in firsts], T)))),
-             chi2_pvalue(*chi2_groups(zip(obs3, probs([prompt + pr for pr in common], T)))))
-         for T in (1.0, 1.5)}
-    print(f"\nvLLM sampled speculation, 2400 x 3 tokens ({accepted} drafts accepted): token 2 p = {p[1.0][0]:.3g} "
-          f"({len(firsts)} prefixes), token 3 p = {p[1.0][1]:.3g} ({len(common)} prefixes); against T = 1.5: "
-          f"{p[1.5][0]:.3g}, {p[1.5][1]:.3g}")
+    p = {
+        T: (
+            chi2_pvalue(*chi2_groups(zip(obs2, probs([prompt + [f] for f in firsts], T)))),
+            chi2_pvalue(*chi2_groups(zip(obs3, probs([prompt + pr for pr in common], T)))),
+        )
+        for T in (1.0, 1.5)
+    }
+    print(
+        f"\nvLLM sampled speculation, 2400 x 3 tokens ({accepted} drafts accepted): token 2 p = {p[1.0][0]:.3g} "
+        f"({len(firsts)} prefixes), token 3 p = {p[1.0][1]:.3g} ({len(common)} prefixes); against T = 1.5: "
+        f"{p[1.5][0]:.3g}, {p[1.5][1]:.3g}"
+    )
     assert min(p[1.0]) > 1e-3 and max(p[1.5]) < 1e-6
 
 
@@ -330,7 +360,9 @@ def test_frozen_draft_baseline_on_the_same_server(served):
     assert base["fixed"].verify_steps == sum(r.verify_steps for r in alone_fit)
     assert base["frozen"].verify_steps == sum(r.verify_steps for r in alone_rand) > base["fixed"].verify_steps
     after = e.generate(prompts, sp)
-    assert [r.verify_steps for r in after] == [r.verify_steps for r in alone_fit] and {r.draft_version for r in after} == {61}
+    assert [r.verify_steps for r in after] == [r.verify_steps for r in alone_fit] and {
+        r.draft_version for r in after
+    } == {61}
     e.update_draft_weights(served.rand.state_dict(), version=62)
 
 
@@ -384,8 +416,25 @@ def test_full_vocabulary_export_omits_maps_and_loads_back(tmp_path):
 def _vllm_cfg(tmp_path, pol, draft, *extra):
     from titan_spec.config import load_config
 
-    return load_config(None, ["--rl.enable", "true", "--draft.enable", "true", "--rollout.engine", "vllm", "--model.hf_checkpoint", pol,
-                              "--draft.init_from", draft, "--rollout.vllm.python", sys.executable, *extra], check_paths=False)
+    return load_config(
+        None,
+        [
+            "--rl.enable",
+            "true",
+            "--draft.enable",
+            "true",
+            "--rollout.engine",
+            "vllm",
+            "--model.hf_checkpoint",
+            pol,
+            "--draft.init_from",
+            draft,
+            "--rollout.vllm.python",
+            sys.executable,
+            *extra,
+        ],
+        check_paths=False,
+    )
 
 
 def test_config_checks_before_any_process_starts(tmp_path):
@@ -404,16 +453,22 @@ def test_config_checks_before_any_process_starts(tmp_path):
     pol16, draft16, _ = _tiny_dirs(tmp_path / "h16", head_dim=16)
     # What the directories hold: the preflight (preflight/engines.py), before any process starts.
     check_inputs(cfg)
-    with pytest.raises(ConfigError, match="head_dim 16, which vLLM's CPU attention cannot serve.*it must be one of 32, 64, 80"):
+    with pytest.raises(
+        ConfigError, match="head_dim 16, which vLLM's CPU attention cannot serve.*it must be one of 32, 64, 80"
+    ):
         check_inputs(_vllm_cfg(tmp_path, pol16, draft16))
     with pytest.raises(ConfigError, match="rollout.vllm.python = '/nowhere/python' is not an executable"):
         _vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", "/nowhere/python")
-    with pytest.raises(ConfigError, match="rl.temperature = 0.7 is not allowed with rollout.engine = 'vllm'; it must be 1"):
+    with pytest.raises(
+        ConfigError, match="rl.temperature = 0.7 is not allowed with rollout.engine = 'vllm'; it must be 1"
+    ):
         _vllm_cfg(tmp_path, pol, draft, "--rl.temperature", "0.7")
     # The CPU build (rollout.vllm.python = '': .venv-vllm): sampled speculation and plain sampling both
     # allowed (server/cpu_expand_fix.py makes the former exact; test_sampled_speculation_...).
     assert _vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", "").speculative.enabled
-    plain = _vllm_cfg(tmp_path, pol, "", "--rollout.vllm.python", "", "--speculative.enabled", "false", "--draft.enable", "false")
+    plain = _vllm_cfg(
+        tmp_path, pol, "", "--rollout.vllm.python", "", "--speculative.enabled", "false", "--draft.enable", "false"
+    )
     assert plain.rollout.vllm.python == "" and not plain.speculative.enabled
     with pytest.raises(ConfigError, match="'builtin', 'sglang', 'vllm'"):
         _vllm_cfg(tmp_path, pol, draft, "--rollout.engine", "vlm")
@@ -428,12 +483,28 @@ def test_result_parsing_counts():
     from titan_spec.rollout.vllm.engine import rollout_from_result, sampling_to_vllm
 
     # 10 tokens: prefill (1) + 3 verify steps accepting 3, 2, 1 drafts (each emits accepted + 1).
-    r = rollout_from_result([1], {"output_ids": list(range(10)), "logprobs": [-1.0] * 10, "finish_reason": "length",
-                                  "spec_decode": {"histogram": [0, 1, 1, 1], "num_draft_tokens": 9}}, (2, 3))
+    r = rollout_from_result(
+        [1],
+        {
+            "output_ids": list(range(10)),
+            "logprobs": [-1.0] * 10,
+            "finish_reason": "length",
+            "spec_decode": {"histogram": [0, 1, 1, 1], "num_draft_tokens": 9},
+        },
+        (2, 3),
+    )
     assert (r.verify_steps, r.accepted_tokens, r.drafted_tokens, r.policy_version, r.draft_version) == (4, 6, 9, 2, 3)
     # A stop token cut the last verify: vLLM counted 3 accepted there, 1 was emitted.
-    r = rollout_from_result([1], {"output_ids": list(range(5)), "logprobs": [-1.0] * 5, "finish_reason": "stop",
-                                  "spec_decode": {"histogram": [0, 0, 0, 2], "num_draft_tokens": 6}}, (0, 0))
+    r = rollout_from_result(
+        [1],
+        {
+            "output_ids": list(range(5)),
+            "logprobs": [-1.0] * 5,
+            "finish_reason": "stop",
+            "spec_decode": {"histogram": [0, 0, 0, 2], "num_draft_tokens": 6},
+        },
+        (0, 0),
+    )
     assert (r.verify_steps, r.accepted_tokens) == (3, 2) and r.verify_steps + r.accepted_tokens == 5
     ps = sampling_to_vllm(SamplingParams(1.0, max_new_tokens=4, seed=7), 3)
     assert len({p["seed"] for p in ps}) == 3 and all(p["max_tokens"] == 4 for p in ps)
@@ -470,17 +541,39 @@ def test_rl_steps_through_vllm_with_the_frozen_draft_baseline(tmp_path):
     save_draft(draft, str(tmp_path / "draft"))
     data = write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_records(32))
     common = (
-        "--model.hf_checkpoint", str(policy), "--draft.init_from", str(tmp_path / "draft"),
-        "--task.name", "dataset", "--task.path", data, "--task.chat_template_kwargs", "{enable_thinking = false}",
-        "--training.steps", "3", "--rl.baseline_interval", "1", "--rl.max_new_tokens", "16",
-        "--rl.prompts_per_step", "2", "--rl.group_size", "2", "--checkpoint.enable", "false",
-        "--rollout.vllm.log_dir", str(tmp_path / "logs"),
+        "--model.hf_checkpoint",
+        str(policy),
+        "--draft.init_from",
+        str(tmp_path / "draft"),
+        "--task.name",
+        "dataset",
+        "--task.path",
+        data,
+        "--task.chat_template_kwargs",
+        "{enable_thinking = false}",
+        "--training.steps",
+        "3",
+        "--rl.baseline_interval",
+        "1",
+        "--rl.max_new_tokens",
+        "16",
+        "--rl.prompts_per_step",
+        "2",
+        "--rl.group_size",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--rollout.vllm.log_dir",
+        str(tmp_path / "logs"),
     )
     # The same run again with rl.async_steps = 1: the generation thread pushes and generates
     # through the server while the steps train (rl/rollout_queue.py), the baselines included.
-    rows, asyn = train_many(1, [(str(tmp_path / "rl"), common),
-                                (str(tmp_path / "rl_async"), (*common, "--rl.async_steps", "1"))],
-                            config="debug_cpu_vllm.toml", timeout=900)
+    rows, asyn = train_many(
+        1,
+        [(str(tmp_path / "rl"), common), (str(tmp_path / "rl_async"), (*common, "--rl.async_steps", "1"))],
+        config="debug_cpu_vllm.toml",
+        timeout=900,
+    )
     for run in (rows, asyn):
         assert [r["step"] for r in run] == [1, 2, 3]
         for r in run:
@@ -488,8 +581,11 @@ def test_rl_steps_through_vllm_with_the_frozen_draft_baseline(tmp_path):
             assert r["rollout/accept_len_fixed"] == r["rollout/accept_len"], r  # the step's draft, the same call again
             assert r["rollout/accept_len_frozen"] == r["rollout/accept_len_frozen_fixed"], r
         assert run[0]["rollout/accept_len_frozen"] == run[0]["rollout/accept_len"]  # step 1: the same draft
-    assert [(r["rl/policy_version"], r["rl/policy_lag"], r["rl/draft_lag"]) for r in asyn] == [(0, 0, 0), (0, 1, 1), (1, 1, 1)]
+    assert [(r["rl/policy_version"], r["rl/policy_lag"], r["rl/draft_lag"]) for r in asyn] == [
+        (0, 0, 0),
+        (0, 1, 1),
+        (1, 1, 1),
+    ]
     assert [r["rl/policy_lag"] for r in rows] == [0, 0, 0] and all("time/rollout_wait_s" in r for r in asyn)
     # Steps 1 and 2 of both runs generate from the starting weights with the same seeds.
     assert asyn[0]["rollout/tokens"] == rows[0]["rollout/tokens"]
-

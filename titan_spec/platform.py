@@ -44,7 +44,6 @@ def on_cpu() -> bool:
     return DEVICE_TYPE == "cpu"
 
 
-
 _APPLIED = False
 
 

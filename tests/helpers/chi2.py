@@ -8,7 +8,9 @@ import torch
 
 def chi2_pvalue(stat: float, df: int) -> float:
     # Survival function of chi-square(df): the regularized upper incomplete gamma Q(df/2, x/2).
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def chi2_groups(groups) -> tuple[float, int]:

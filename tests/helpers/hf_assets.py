@@ -16,11 +16,36 @@ import struct
 
 # Qwen3's added tokens, in Qwen's order (ids 151643.. in the real tokenizer; right after
 # the BPE vocabulary here). <think> / </think> are added but not special, as in Qwen3.
-QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
-QWEN_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-              "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+QWEN_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN_ADDED = [
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
 
 # A Qwen3-style chat template (the system turn, the turns, the generation prompt, and
 # enable_thinking = false writing the empty think block, as Qwen3's own template does).
@@ -40,7 +65,9 @@ def gsm8k_records(n: int, seed: int = 0) -> list[dict]:
     out = []
     for _ in range(n):
         a, b = rng.randint(1, 9), rng.randint(1, 9)
-        out.append({"question": f"What is {a} plus {b}?", "answer": f"{a}+{b}=<<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"})
+        out.append(
+            {"question": f"What is {a} plus {b}?", "answer": f"{a}+{b}=<<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}
+        )
     return out
 
 
@@ -54,14 +81,29 @@ def write_jsonl(path, records) -> str:
 def _tokenizer_config(tok, template: str = CHAT_TEMPLATE) -> dict:
     decoder = {}
     for t in QWEN_SPECIAL + QWEN_ADDED:
-        decoder[str(tok.token_to_id(t))] = {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                            "single_word": False, "special": t in QWEN_SPECIAL}
+        decoder[str(tok.token_to_id(t))] = {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t in QWEN_SPECIAL,
+        }
     return {
-        "add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
-        "chat_template": template, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
-        "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "chat_template": template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
     }
 
 
@@ -73,8 +115,10 @@ def _add_qwen_tokens(tok) -> None:
 
 
 # Qwen2/Qwen3's pre-tokenizer split (their tokenizer.json), before the byte-level mapping.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _qwen_pipeline(tok) -> None:
@@ -82,10 +126,12 @@ def _qwen_pipeline(tok) -> None:
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
 
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
 
@@ -98,8 +144,9 @@ def write_tokenizer(path, vocab_size: int = 320, texts=None) -> str:
     os.makedirs(path, exist_ok=True)
     tok = Tokenizer(models.BPE())
     _qwen_pipeline(tok)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     texts = texts or [r["question"] + " " + r["answer"] for r in gsm8k_records(400, seed=1)]
     tok.train_from_iterator(texts + ["Put the final answer in \\boxed{}. The answer is \\frac{3}{4} = 0.75."], trainer)
     _add_qwen_tokens(tok)
@@ -107,8 +154,13 @@ def write_tokenizer(path, vocab_size: int = 320, texts=None) -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(_tokenizer_config(tok), f, indent=2)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
-                   "pad_token_id": tok.token_to_id("<|endoftext|>")}, f)
+        json.dump(
+            {
+                "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+                "pad_token_id": tok.token_to_id("<|endoftext|>"),
+            },
+            f,
+        )
     return str(path)
 
 
@@ -136,9 +188,18 @@ def write_tiny_qwen3(path, vocab_size: int, seed: int = 0, **kw) -> str:
     import transformers
 
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-               tie_word_embeddings=True, rope_theta=1e6)
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    )
     cfg.update(kw)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
     model.save_pretrained(path, safe_serialization=True)
@@ -148,8 +209,13 @@ def write_tiny_qwen3(path, vocab_size: int, seed: int = 0, **kw) -> str:
 _DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "int64": ("I64", 8), "bool": ("BOOL", 1)}
 
 
-def write_sparse_safetensors(path, shapes: dict[str, tuple[int, ...]], dtype: str = "bfloat16",
-                             shards: int = 1, dtypes: dict[str, str] | None = None) -> None:
+def write_sparse_safetensors(
+    path,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: str = "bfloat16",
+    shards: int = 1,
+    dtypes: dict[str, str] | None = None,
+) -> None:
     """safetensors files whose headers hold ``shapes`` and whose data is absent: the file is
     extended past the header with truncate (a hole, no disk blocks). ``shards`` > 1: named
     model-0000k-of-0000n.safetensors with a model.safetensors.index.json, as HF shards.

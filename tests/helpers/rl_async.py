@@ -29,7 +29,7 @@ from titan_spec.rl.worker import full_policy_state
 
 def _load(argv: list[str]):
     i = argv.index("--config")
-    return load_config(argv[i + 1], argv[:i] + argv[i + 2:])
+    return load_config(argv[i + 1], argv[:i] + argv[i + 2 :])
 
 
 def _max_logp_gap(model, rollouts) -> float:
@@ -42,7 +42,7 @@ def _max_logp_gap(model, rollouts) -> float:
             out = model(ids, positions=positions, attention_masks=doc_metadata_from_positions(positions))
             logp = (out[0] if isinstance(out, tuple) else out)[0].float().log_softmax(-1)
             start = len(r.prompt_ids) - 1
-            picked = logp[start:start + len(r.output_ids)].gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
+            picked = logp[start : start + len(r.output_ids)].gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
             gap = max(gap, float((picked - torch.tensor(r.logprobs)).abs().max()))
     return gap
 
@@ -63,14 +63,16 @@ def main() -> None:
                 model = build_target_config(config.arch).build()
                 model.load_state_dict(weights)
                 gaps.append(_max_logp_gap(model.eval(), record.batch.rollouts))
-            steps.append({
-                "trainer_version": record.policy_version,
-                "batch_version": record.batch.policy_version,
-                "draft_versions": sorted({r.draft_version for r in record.batch.rollouts}),
-                "logp_gap_by_copy": gaps,
-                "ratio_dev": [u.ratio_dev for u in record.updates],
-                "wait_s": record.wait_s,
-            })
+            steps.append(
+                {
+                    "trainer_version": record.policy_version,
+                    "batch_version": record.batch.policy_version,
+                    "draft_versions": sorted({r.draft_version for r in record.batch.rollouts}),
+                    "logp_gap_by_copy": gaps,
+                    "ratio_dev": [u.ratio_dev for u in record.updates],
+                    "wait_s": record.wait_s,
+                }
+            )
     finally:
         trainer.generation.close()
         trainer.close()

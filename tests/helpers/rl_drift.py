@@ -29,7 +29,7 @@ def _logps(model, ids: list[int], start: int, temperature: float) -> torch.Tenso
     out = model(x, positions=positions, attention_masks=doc_metadata_from_positions(positions))
     logits = (out[0] if isinstance(out, tuple) else out)[0].double() / temperature
     logp = logits.log_softmax(-1)
-    return logp[start - 1:-1].gather(-1, x[0, start:, None])[:, 0]
+    return logp[start - 1 : -1].gather(-1, x[0, start:, None])[:, 0]
 
 
 def independent(trainer) -> dict:
@@ -47,22 +47,30 @@ def independent(trainer) -> dict:
             k1 += (-d).tolist()
             k3 += (torch.exp(d) - d - 1).tolist()
     lengths.sort()
-    return {"kl": sum(k1) / len(k1), "kl_k3": sum(k3) / len(k3), "len_mean": statistics.mean(lengths),
-            "len_max": lengths[-1], "lengths": lengths}
+    return {
+        "kl": sum(k1) / len(k1),
+        "kl_k3": sum(k3) / len(k3),
+        "len_mean": statistics.mean(lengths),
+        "len_max": lengths[-1],
+        "lengths": lengths,
+    }
 
 
 def main() -> None:
     init_logger()
     argv = sys.argv[1:]
     i = argv.index("--config")
-    trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2:])).build()
+    trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2 :])).build()
     steps = []
     try:
         for _ in range(2):
             trainer.step += 1  # what torchtitan's train() does before each train_step
             trainer.train_step(None)
-            logged = {k: v for k, v in trainer.step_metrics().items()
-                      if k.startswith("drift/") or k.startswith("rollout/completion_len")}
+            logged = {
+                k: v
+                for k, v in trainer.step_metrics().items()
+                if k.startswith("drift/") or k.startswith("rollout/completion_len")
+            }
             steps.append({"logged": logged, "independent": independent(trainer)})
     finally:
         trainer.close()

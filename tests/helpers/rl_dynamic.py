@@ -32,7 +32,7 @@ def main() -> None:
     init_logger()
     steps, argv = int(sys.argv[1]), sys.argv[2:]
     i = argv.index("--config")
-    trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2:])).build()
+    trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2 :])).build()
     rounds: list = []
     seeds: list = []
     score, share = trainer.score, trainer.generation.rollout_share
@@ -55,9 +55,16 @@ def main() -> None:
             trainer.train_step(None)
             record = trainer.last_step
             d = record.batch.dynamic
-            out.append({"rounds": list(rounds), "kept": record.rewards_PG.tolist(), "seeds": list(seeds),
-                        "dynamic": None if d is None else [d.rounds, d.dropped, d.topped_up, d.generated],
-                        "batch_index": trainer.dataloader.batch_index, "completions": len(record.batch.rollouts)})
+            out.append(
+                {
+                    "rounds": list(rounds),
+                    "kept": record.rewards_PG.tolist(),
+                    "seeds": list(seeds),
+                    "dynamic": None if d is None else [d.rounds, d.dropped, d.topped_up, d.generated],
+                    "batch_index": trainer.dataloader.batch_index,
+                    "completions": len(record.batch.rollouts),
+                }
+            )
     finally:
         trainer.close()
         torch.distributed.destroy_process_group()

@@ -48,7 +48,7 @@ def _take(argv: list[str], flag: str, has_value: bool = True):
         return None
     i = argv.index(flag)
     value = argv[i + 1] if has_value else True
-    del argv[i:i + 1 + has_value]
+    del argv[i : i + 1 + has_value]
     return value
 
 
@@ -56,11 +56,19 @@ def record(trainer, path: str) -> None:
     """Generate this step's rollouts for real and write them, rigged as the module says."""
     batch = trainer.generation.generate(trainer.step, trainer._policy_version(), 0.0)
     G, tok = trainer.rl.group_size, trainer.tokenizer
-    problems = [{"prompt": p.prompt, "answer": tok.decode(batch.rollouts[i * G].output_ids)}
-                for i, p in enumerate(batch.problems)]
-    rollouts = [{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "finish_reason": r.finish_reason,
-                 "logprobs": [lp + 0.3 * math.sin(1.7 * (i + 3 * t)) for t, lp in enumerate(r.logprobs)]}
-                for i, r in enumerate(batch.rollouts)]
+    problems = [
+        {"prompt": p.prompt, "answer": tok.decode(batch.rollouts[i * G].output_ids)}
+        for i, p in enumerate(batch.problems)
+    ]
+    rollouts = [
+        {
+            "prompt_ids": r.prompt_ids,
+            "output_ids": r.output_ids,
+            "finish_reason": r.finish_reason,
+            "logprobs": [lp + 0.3 * math.sin(1.7 * (i + 3 * t)) for t, lp in enumerate(r.logprobs)],
+        }
+        for i, r in enumerate(batch.rollouts)
+    ]
     with open(path, "w") as f:
         json.dump({"group_size": G, "problems": problems, "rollouts": rollouts}, f)
 
@@ -74,8 +82,10 @@ def fixed_generate(trainer, path: str):
     share = len(data["problems"]) // dl.dp_world_size
     lo, hi = dl.dp_rank * share, (dl.dp_rank + 1) * share
     problems = [Problem(p["prompt"], p["answer"]) for p in data["problems"][lo:hi]]
-    rollouts = [Rollout(r["prompt_ids"], r["output_ids"], r["logprobs"], r["finish_reason"])
-                for r in data["rollouts"][lo * G:hi * G]]
+    rollouts = [
+        Rollout(r["prompt_ids"], r["output_ids"], r["logprobs"], r["finish_reason"])
+        for r in data["rollouts"][lo * G : hi * G]
+    ]
 
     def generate(step: int, version: int, push_s: float) -> RolloutBatch:
         return RolloutBatch(problems, rollouts, RolloutStats.of(rollouts, 0.0), {}, version, push_s)
@@ -89,7 +99,7 @@ def main() -> None:
     path, out, rec = _take(argv, "--batch"), _take(argv, "--out"), _take(argv, "--record", has_value=False)
     gen = _take(argv, "--generate", has_value=False)
     i = argv.index("--config")
-    trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2:])).build()
+    trainer = to_trainer_config(load_config(argv[i + 1], argv[:i] + argv[i + 2 :])).build()
     try:
         # One plain SGD step of lr 1 for both: new weights = old - clipped gradient (the
         # configured AdamW and its LR schedule are set aside for this one step).
@@ -113,13 +123,17 @@ def main() -> None:
         policy, draft = trainer.full_weights()
         if dist.get_rank() != 0 and draft is not None:
             os.makedirs(out, exist_ok=True)
-            save_file({k: v.detach().cpu().clone() for k, v in draft.items()},
-                      os.path.join(out, f"draft_rank{dist.get_rank()}.safetensors"))
+            save_file(
+                {k: v.detach().cpu().clone() for k, v in draft.items()},
+                os.path.join(out, f"draft_rank{dist.get_rank()}.safetensors"),
+            )
         if dist.get_rank() == 0:
             os.makedirs(out, exist_ok=True)
             save_file({k: v.detach().cpu().clone() for k, v in policy.items()}, os.path.join(out, "policy.safetensors"))
             if draft is not None:
-                save_file({k: v.detach().cpu().clone() for k, v in draft.items()}, os.path.join(out, "draft.safetensors"))
+                save_file(
+                    {k: v.detach().cpu().clone() for k, v in draft.items()}, os.path.join(out, "draft.safetensors")
+                )
     finally:
         trainer.close()
         dist.destroy_process_group()

@@ -56,28 +56,45 @@ class ScriptedWorker:
         return out, RolloutStats.of(out, 0.0)
 
 
-def rollout_step(problems: list[tuple[str, str, list[str]]], seq_len: int = 64, scale_advantages: bool = True,
-                 pp_rows: int | None = None):
+def rollout_step(
+    problems: list[tuple[str, str, list[str]]],
+    seq_len: int = 64,
+    scale_advantages: bool = True,
+    pp_rows: int | None = None,
+):
     """Phases 2-5 of ``RLTrainer.train_step`` over ``problems`` = (prompt, answer, its G
     completions), one minibatch. Returns (input dict with the minibatch's "input",
     "positions", "behaviour_logp" and "advantages", labels_BL, tokenizer). ``pp_rows``: pack
     as under pipeline parallelism, into training.local_batch_size = pp_rows rows."""
     tok = CharTokenizer()
     G = len(problems[0][2])
-    rl = RLConfig(enable=True, prompts_per_step=len(problems), group_size=G, baseline_interval=0,
-                  scale_advantages=scale_advantages, max_new_tokens=8)
+    rl = RLConfig(
+        enable=True,
+        prompts_per_step=len(problems),
+        group_size=G,
+        baseline_interval=0,
+        scale_advantages=scale_advantages,
+        max_new_tokens=8,
+    )
     worker = ScriptedWorker(tok, {p: c for p, _, c in problems})
     dataloader = SimpleNamespace(
-        batch_index=0, dp_rank=0, document_multiple=1,
+        batch_index=0,
+        dp_rank=0,
+        document_multiple=1,
         next_problems=lambda n: [SimpleNamespace(prompt=p, answer=a) for p, a, _ in problems[:n]],
         prompt_ids=lambda problem: tok.encode(problem.prompt, add_bos=True),
     )
     fake = SimpleNamespace(
-        tokenizer=tok, rl=rl, step=1, dataloader=dataloader,
+        tokenizer=tok,
+        rl=rl,
+        step=1,
+        dataloader=dataloader,
         parallel_dims=SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=pp_rows is not None),
         reward=exact_match,
-        config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(seed=0, reward="exact_match")),
-                               training=SimpleNamespace(seq_len=seq_len, local_batch_size=pp_rows or 1)),
+        config=SimpleNamespace(
+            spec=SimpleNamespace(task=SimpleNamespace(seed=0, reward="exact_match")),
+            training=SimpleNamespace(seq_len=seq_len, local_batch_size=pp_rows or 1),
+        ),
     )
     # The real generation (one process: no generation shared) and the real methods, on the stand-in.
     generation = RolloutGeneration(rl, 0, tok, dataloader, worker, None)

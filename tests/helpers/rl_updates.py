@@ -33,7 +33,7 @@ def _adam_steps(optimizer) -> list[float]:
 
 def _load(argv: list[str]):
     i = argv.index("--config")
-    return load_config(argv[i + 1], argv[:i] + argv[i + 2:])
+    return load_config(argv[i + 1], argv[:i] + argv[i + 2 :])
 
 
 def main() -> None:
@@ -49,17 +49,19 @@ def main() -> None:
             engine = getattr(trainer.worker.main, "target", None)
             served = expert_biases(engine.state_dict()) if engine is not None else {}
             after = expert_biases(full_policy_state(trainer.model_parts))
-            steps.append({
-                "max_expert_bias": max((float(v.abs().max()) for v in after.values()), default=None),
-                "engine_bias_pushed": bool(pushed) and all(torch.equal(served[k], v) for k, v in pushed.items()),
-                "ratio_dev": [u.ratio_dev for u in record.updates],
-                "grad_norm": [float(u.grad_norm) for u in record.updates],
-                "policy_adam_steps": _adam_steps(trainer.optimizers.optimizers[0]),
-                "draft_adam_steps": _adam_steps(trainer.draft_training.optimizer),
-                "policy_version": record.batch.policy_version,
-                "lengths": [len(r.output_ids) for r in record.batch.rollouts],
-                "engine_version": trainer.worker.main.policy_version,
-            })
+            steps.append(
+                {
+                    "max_expert_bias": max((float(v.abs().max()) for v in after.values()), default=None),
+                    "engine_bias_pushed": bool(pushed) and all(torch.equal(served[k], v) for k, v in pushed.items()),
+                    "ratio_dev": [u.ratio_dev for u in record.updates],
+                    "grad_norm": [float(u.grad_norm) for u in record.updates],
+                    "policy_adam_steps": _adam_steps(trainer.optimizers.optimizers[0]),
+                    "draft_adam_steps": _adam_steps(trainer.draft_training.optimizer),
+                    "policy_version": record.batch.policy_version,
+                    "lengths": [len(r.output_ids) for r in record.batch.rollouts],
+                    "engine_version": trainer.worker.main.policy_version,
+                }
+            )
     finally:
         trainer.close()
         torch.distributed.destroy_process_group()

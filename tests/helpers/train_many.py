@@ -52,7 +52,7 @@ def main() -> int:
         os.environ.update(env)
         i = argv.index("--config")
         path = argv[i + 1]
-        cfg = load_config(path, argv[:i] + argv[i + 2:])
+        cfg = load_config(path, argv[:i] + argv[i + 2 :])
         try:
             rc = train_and_close(to_trainer_config(cfg))
         finally:

@@ -31,8 +31,10 @@ def tap_ids_problem(ids, n_layers: int | None = None, count: int | None = None) 
     if n_layers is not None:
         bad = [i for i in ids if not 0 <= i < n_layers]
         if bad:
-            return (f"tap layer ids {bad} are out of range: the target has {n_layers} layers, "
-                    f"so ids must be in 0..{n_layers - 1}")
+            return (
+                f"tap layer ids {bad} are out of range: the target has {n_layers} layers, "
+                f"so ids must be in 0..{n_layers - 1}"
+            )
     if count == 0 and not ids:
         return "draft.tap_layer_ids = [] names no layer; the draft needs at least one tap"
     if count and (len(ids) != count or len(set(ids)) != count):

@@ -41,9 +41,20 @@ MOVED: dict[str, str] = {
     **{f"draft.{k}": f"draft.dflash.{k}" for k in ("block_size", "num_layers", "anchors_per_doc", "mask_token_id")},
     "draft.ttt_steps": "draft.eagle3.ttt_steps",
     **{f"rl.{k}": f"rl.dapo.{k}" for k in ("overlong_filter", "overlong_buffer", "overlong_penalty")},
-    **{f"task.{k}": f"task.generated.{k}" for k in (
-        "max_operand", "num_operands", "min_count", "max_count", "trace_fraction", "operators", "show_work",
-        "wrong_answer_rate", "prompt_len")},
+    **{
+        f"task.{k}": f"task.generated.{k}"
+        for k in (
+            "max_operand",
+            "num_operands",
+            "min_count",
+            "max_count",
+            "trace_fraction",
+            "operators",
+            "show_work",
+            "wrong_answer_rate",
+            "prompt_len",
+        )
+    },
 }
 """Keys that moved into a variant's own table: old dotted key -> new dotted key. The loader
 refuses the old spelling (file or command line) in one line that names the new one."""
@@ -185,20 +196,24 @@ def _assign(obj: Any, table: dict, where: str, path: str, origins: dict[str, str
         out = _coerce(value, tp)
         if isinstance(value, str) and (dotted, value) in RENAMED:
             new = RENAMED[dotted, value]
-            raise ConfigError(f"{here}: {dotted} = {value!r} was renamed: use {dotted} = {new!r} "
-                              f"(allowed: {_type_name(tp)})", key=dotted)
+            raise ConfigError(
+                f"{here}: {dotted} = {value!r} was renamed: use {dotted} = {new!r} (allowed: {_type_name(tp)})",
+                key=dotted,
+            )
         if out is _NO and typing.get_origin(tp) is Literal:  # a value of the right type, not one of the allowed
             near = difflib.get_close_matches(str(value), [str(a) for a in typing.get_args(tp)], n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"{here}: {dotted} = {value!r} is not allowed; it must be {_type_name(tp)}{hint}",
-                              key=dotted)
+            raise ConfigError(
+                f"{here}: {dotted} = {value!r} is not allowed; it must be {_type_name(tp)}{hint}", key=dotted
+            )
         if out is _NO:
             raise ConfigError(f"{here}: {dotted} = {value!r} has the wrong type; it must be {_type_name(tp)}")
         # The ONE finiteness check of every numeric key: an inf/nan learning rate, temperature or
         # norm would be accepted by each section's range checks (inf > 0) and poison training.
         if _non_finite(out):
-            raise ConfigError(f"{here}: {dotted} = {value!r} is not allowed; it must be finite (not inf or nan)",
-                              key=dotted)
+            raise ConfigError(
+                f"{here}: {dotted} = {value!r} is not allowed; it must be finite (not inf or nan)", key=dotted
+            )
         setattr(obj, key, out)
         origins[dotted] = where
 

@@ -62,8 +62,13 @@ class RunMode:
 def mode_of(cfg) -> RunMode:
     """The mode of a config holding the rl, draft and speculative sections (a TitanSpecConfig
     or the trainer's SpecTrainer.Config), derived each time it is read."""
-    return run_mode(rl=cfg.rl.enable, draft=cfg.draft.enable, offline=cfg.draft.offline,
-                    co_train=cfg.draft.co_train, speculative=cfg.speculative.enabled)
+    return run_mode(
+        rl=cfg.rl.enable,
+        draft=cfg.draft.enable,
+        offline=cfg.draft.offline,
+        co_train=cfg.draft.co_train,
+        speculative=cfg.speculative.enabled,
+    )
 
 
 def run_mode(*, rl: bool, draft: bool, offline: bool, co_train: bool, speculative: bool) -> RunMode:
@@ -79,8 +84,10 @@ def run_mode(*, rl: bool, draft: bool, offline: bool, co_train: bool, speculativ
             "rollouts); for the no-speculation baseline set draft.enable = false or draft.co_train = false"
         )
     if speculative and not draft:
-        raise ConfigError("speculative.enabled = true in RL needs a draft: set draft.enable = true "
-                          "(with draft.init_from), or speculative.enabled = false")
+        raise ConfigError(
+            "speculative.enabled = true in RL needs a draft: set draft.enable = true "
+            "(with draft.init_from), or speculative.enabled = false"
+        )
     if offline:
         raise ConfigError("draft.offline = true freezes the policy, which RL trains; use it in a warm-start run")
     if not draft:

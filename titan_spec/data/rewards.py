@@ -34,8 +34,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["REWARDS", "RewardError", "reward_fn", "score", "exact_match", "math_reward",
-           "format_reward", "last_boxed"]
+__all__ = ["REWARDS", "RewardError", "reward_fn", "score", "exact_match", "math_reward", "format_reward", "last_boxed"]
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 
@@ -67,7 +66,7 @@ def last_boxed(text: str) -> str | None:
     while j < len(text) and depth:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         j += 1
-    return text[i:j - 1] if depth == 0 else None
+    return text[i : j - 1] if depth == 0 else None
 
 
 @functools.lru_cache(maxsize=65536)
@@ -103,8 +102,10 @@ def _import(path: str) -> RewardFn:
     try:
         mod = importlib.import_module(module)
     except Exception as e:  # ImportError, or whatever the module raises while importing
-        raise ValueError(f"task.reward = {path!r}: module {module!r} does not import "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ValueError(
+            f"task.reward = {path!r}: module {module!r} does not import "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     fn = getattr(mod, name, None)
     if not callable(fn):
         raise ValueError(f"task.reward = {path!r}: module {module!r} has no function {name!r}")
@@ -119,8 +120,10 @@ def reward_fn(name: str) -> RewardFn:
         return _import(name)
     near = difflib.get_close_matches(name, list(REWARDS), n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
-    raise ValueError(f"task.reward = {name!r} is not a reward{hint}; allowed: {', '.join(REWARDS)} "
-                     "or a user function 'module:function'")
+    raise ValueError(
+        f"task.reward = {name!r} is not a reward{hint}; allowed: {', '.join(REWARDS)} "
+        "or a user function 'module:function'"
+    )
 
 
 def score(fn: RewardFn, name: str, completions: list[str], problems: list) -> list[float]:
@@ -132,10 +135,14 @@ def score(fn: RewardFn, name: str, completions: list[str], problems: list) -> li
         try:
             value = fn(completion, p.answer, getattr(p, "record", None) or {})
         except Exception as e:
-            raise RewardError(f"reward {name!r} raised on record {where}: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''} (completion {completion[:80]!r})") from e
+            raise RewardError(
+                f"reward {name!r} raised on record {where}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''} (completion {completion[:80]!r})"
+            ) from e
         if not isinstance(value, numbers.Real):
-            raise RewardError(f"reward {name!r} returned {type(value).__name__} {value!r} on record {where}, not a number")
+            raise RewardError(
+                f"reward {name!r} returned {type(value).__name__} {value!r} on record {where}, not a number"
+            )
         value = float(value)
         if not math.isfinite(value):
             raise RewardError(f"reward {name!r} returned {value} on record {where} (completion {completion[:80]!r})")

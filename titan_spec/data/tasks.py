@@ -55,8 +55,14 @@ class JsonlTask:
                     answer = str(row["answer"]).split("####")[-1].strip()
                     if "####" not in str(row["answer"]) or not answer:
                         raise ValueError("answer has no final value after '####'")
-                    self.problems.append(Problem(prompt=str(row["question"]).strip() + "\n", answer=answer,
-                                                 source=f"{path}:{lineno}", record=row))
+                    self.problems.append(
+                        Problem(
+                            prompt=str(row["question"]).strip() + "\n",
+                            answer=answer,
+                            source=f"{path}:{lineno}",
+                            record=row,
+                        )
+                    )
                 except (ValueError, KeyError, TypeError) as e:
                     why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                     self.errors.append(f"{path}:{lineno}: {why}")
@@ -78,8 +84,9 @@ class JsonlTask:
 
 def _messages(value: Any) -> tuple:
     """A chat prompt: a non-empty list of {role, content} with string contents."""
-    if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                            and isinstance(m.get("content"), str) for m in value):
+    if not value or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
         raise ValueError("prompt is a list but not of {role, content} messages")
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
@@ -106,7 +113,9 @@ class DatasetTask:
                 raw = field_value(row, cfg.prompt_field)
                 messages = _messages(raw) if isinstance(raw, list) else ()
                 if not messages and not isinstance(raw, str):
-                    raise ValueError(f"prompt {cfg.prompt_field!r} is a {type(raw).__name__}, not text or chat messages")
+                    raise ValueError(
+                        f"prompt {cfg.prompt_field!r} is a {type(raw).__name__}, not text or chat messages"
+                    )
                 prompt = messages[-1]["content"] if messages else cfg.prompt_template.replace("{prompt}", raw.strip())
                 if not prompt.strip():
                     raise ValueError("prompt is empty")
@@ -119,8 +128,9 @@ class DatasetTask:
                 except ValueError as e:
                     format_misses.append((name, text, str(e)))
                     raise
-                self.problems.append(Problem(prompt, answer, text.strip() if text.strip() != answer else "",
-                                             messages, name, row))
+                self.problems.append(
+                    Problem(prompt, answer, text.strip() if text.strip() != answer else "", messages, name, row)
+                )
             except KeyError as e:
                 self.errors.append(f"{name}: missing field {e.args[0]!r}")
             except ValueError as e:
@@ -130,10 +140,13 @@ class DatasetTask:
         if self.errors:
             n = len(self.errors)
             if cfg.on_malformed == "reject":
-                raise ValueError(f"{path}: {n} malformed record(s); first: {self.errors[0]} "
-                                 "(fix them, or set task.on_malformed = 'skip')")
-            logger.warning(f"{path}: skipped {n} malformed record(s): {'; '.join(self.errors[:10])}"
-                           f"{'; ...' if n > 10 else ''}")
+                raise ValueError(
+                    f"{path}: {n} malformed record(s); first: {self.errors[0]} "
+                    "(fix them, or set task.on_malformed = 'skip')"
+                )
+            logger.warning(
+                f"{path}: skipped {n} malformed record(s): {'; '.join(self.errors[:10])}{'; ...' if n > 10 else ''}"
+            )
         if not self.problems:
             raise ValueError(f"{path}: no usable problems")
 
@@ -151,7 +164,8 @@ def _answer_format_misfit(cfg: TaskConfig, misses: list[tuple[str, str, str]]) -
     raise AnswerFormatError(
         f"task.answer_format = {cfg.answer_format!r} finds no final answer in any of the {len(misses)} records of "
         f"{cfg.path} (first: {name}: {why}); allowed: 'auto' (each record's own), 'gsm8k' (after '####'), "
-        f"'boxed' (the last \\boxed{{}}), 'plain' (the whole field){hint}")
+        f"'boxed' (the last \\boxed{{}}), 'plain' (the whole field){hint}"
+    )
 
 
 def _reads(text: str, fmt: str) -> bool:

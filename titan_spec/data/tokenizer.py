@@ -34,8 +34,15 @@ _SPECIALS = ("<pad>", "<bos>", "<eos>")
 _CHARS = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "generation_config.json",
 )
 """The files of an HF tokenizer that a saved run and an exported checkpoint carry
 (generation_config.json: its eos ids are where SGLang and transformers stop a completion)."""
@@ -125,7 +132,9 @@ class HFTokenizer(HuggingFaceTokenizer):
             raise ValueError(f"tokenizer {path!r} cannot be loaded: {str(e).splitlines()[0]}") from None
         self.source = path
         if self.eos_id is None:
-            raise ValueError(f"tokenizer {path!r}: no eos_token in tokenizer_config.json (a completion could never end)")
+            raise ValueError(
+                f"tokenizer {path!r}: no eos_token in tokenizer_config.json (a completion could never end)"
+            )
         cfg = self._hf_config or {}
         pad = self._get_token_from_config(cfg, "pad_token")
         pad_id = self.tokenizer.token_to_id(pad) if pad else None
@@ -139,13 +148,17 @@ class HFTokenizer(HuggingFaceTokenizer):
         # torchtitan re-adds every added token as special (add_special_tokens); transformers'
         # skip_special_tokens drops only those tokenizer_config.json marks special (Qwen's
         # <think> stays), and the EOS / pad / BOS.
-        self._special_ids = {int(i) for i, t in (cfg.get("added_tokens_decoder") or {}).items()
-                             if isinstance(t, dict) and t.get("special", True)}
+        self._special_ids = {
+            int(i)
+            for i, t in (cfg.get("added_tokens_decoder") or {}).items()
+            if isinstance(t, dict) and t.get("special", True)
+        }
         self._special_ids |= {i for i in (self.eos_id, self.pad_id, self.bos_id) if i is not None}
         # What transformers passes to a chat template besides the messages (its special_tokens_map).
         self._template_vars = {
             k: self._get_token_from_config(cfg, k)
-            for k in ("bos_token", "eos_token", "unk_token", "pad_token") if self._get_token_from_config(cfg, k)
+            for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if self._get_token_from_config(cfg, k)
         }
 
     @property

@@ -112,9 +112,7 @@ def doc_attn_bwd(
 
 
 @doc_attn_bwd.register_fake
-def _doc_attn_bwd_fake(
-    dout_TNHd, q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT, cu_seqlens, cu_seqlens_cpu, scale
-):
+def _doc_attn_bwd_fake(dout_TNHd, q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT, cu_seqlens, cu_seqlens_cpu, scale):
     return torch.empty_like(q_TNHd), torch.empty_like(k_TKvHd), torch.empty_like(v_TKvHd)
 
 
@@ -133,8 +131,15 @@ def _fwd_setup_context(ctx, inputs, output) -> None:
 def _fwd_backward(ctx, dout_TNHd, _dlse_NT):
     q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
     dq, dk, dv = torch.ops.titan_spec.doc_attn_bwd(
-        dout_TNHd, q_TNHd, k_TKvHd, v_TKvHd, out_TNHd, lse_NT,
-        cu_seqlens, cu_seqlens_cpu, ctx.scale,
+        dout_TNHd,
+        q_TNHd,
+        k_TKvHd,
+        v_TKvHd,
+        out_TNHd,
+        lse_NT,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        ctx.scale,
     )
     return dq, dk, dv, None, None, None
 
@@ -154,9 +159,7 @@ def doc_attention(
     Gradients flow to q, k, v through out only; lse is returned marked
     non-differentiable (requires_grad=False) and exists for exact merging.
     """
-    return torch.ops.titan_spec.doc_attn_fwd(
-        q_TNHd, k_TKvHd, v_TKvHd, meta.cu_seqlens, meta.cu_seqlens_cpu, scale
-    )
+    return torch.ops.titan_spec.doc_attn_fwd(q_TNHd, k_TKvHd, v_TKvHd, meta.cu_seqlens, meta.cu_seqlens_cpu, scale)
 
 
 class DocCausalAttention(Module):
@@ -195,8 +198,10 @@ class DocCausalAttention(Module):
             # A context-parallel shard (parallelisms/context_parallel.CPMetadata)
             # brings its ring attention.
             out_TNHd = attention_masks.attention(
-                q_BLNH.reshape(B * L, N, H), k_BLNH.reshape(B * L, K, H),
-                v_BLNH.reshape(B * L, K, Hv), scale,
+                q_BLNH.reshape(B * L, N, H),
+                k_BLNH.reshape(B * L, K, H),
+                v_BLNH.reshape(B * L, K, Hv),
+                scale,
             )
             return out_TNHd.view(B, L, N, Hv)
         out_TNHd, _ = doc_attention(

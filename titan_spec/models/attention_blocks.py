@@ -124,18 +124,16 @@ def _cpu_bwd(dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, blocks, scal
     dk_RNHd = torch.zeros_like(k_RNHd)
     dv_RNHd = torch.zeros_like(v_RNHd)
     for qs, qe, ks, ke, causal in blocks:
-        dq_1NLqHd, dk_1NLkHd, dv_1NLkHd = (
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _to_1NLH(dout_RNHd, qs, qe),
-                _to_1NLH(q_RNHd, qs, qe),
-                _to_1NLH(k_RNHd, ks, ke),
-                _to_1NLH(v_RNHd, ks, ke),
-                _to_1NLH(out_RNHd, qs, qe),
-                lse_NR[:, qs:qe].unsqueeze(0),
-                0.0,
-                causal,
-                scale=scale,
-            )
+        dq_1NLqHd, dk_1NLkHd, dv_1NLkHd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _to_1NLH(dout_RNHd, qs, qe),
+            _to_1NLH(q_RNHd, qs, qe),
+            _to_1NLH(k_RNHd, ks, ke),
+            _to_1NLH(v_RNHd, ks, ke),
+            _to_1NLH(out_RNHd, qs, qe),
+            lse_NR[:, qs:qe].unsqueeze(0),
+            0.0,
+            causal,
+            scale=scale,
         )
         # Plain copies: _check_blocks guarantees no row is in two blocks.
         dq_RNHd[qs:qe] = dq_1NLqHd[0].transpose(0, 1)
@@ -283,12 +281,30 @@ def _cuda_fwd(q_RNHd, k_RKvHd, v_RKvHd, blocks, scale, cu_seqlens):
     k, v = _rows(k_RKvHd, k_idx).contiguous(), _rows(v_RKvHd, k_idx).contiguous()
     if _fa_varlen_fwd is not None and q.shape[-1] % 8 == 0:
         out, lse, _, _ = _fa_varlen_fwd(
-            q, k, v, cu_q, cu_k, max_q, max_k,
-            dropout_p=0.0, softmax_scale=scale, causal=causal,
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
         )
     else:
         out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            False,
+            scale=scale,
         )
     if q_idx is None:
         return out, lse.float()
@@ -314,18 +330,48 @@ def _cuda_bwd(dout_RNHd, q_RNHd, k_RKvHd, v_RKvHd, out_RNHd, lse_NR, blocks, sca
     if _fa_varlen_bwd is not None and q.shape[-1] % 8 == 0:
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
         _fa_varlen_bwd(  # writes dq, dk, dv in place
-            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-            dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0,
-            alibi_slopes=None, deterministic=False,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
         )
     else:
         # No dropout, so the rng state is never read; it only has to exist.
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
-            rng_state, unused, scale=scale,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            rng_state,
+            unused,
+            scale=scale,
         )
     if q_idx is None:
         return dq, dk, dv
@@ -390,9 +436,7 @@ def blocks_bwd(
     return _math_bwd(*args)
 
 
-def merge_partials(
-    outs: list[torch.Tensor], lses: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact log-sum-exp merge of partial softmax attentions over disjoint keys.
 
     outs: [R, N, Hd] each; lses: [N, R] each. Returns (out_RNHd in outs[0]'s

@@ -46,9 +46,7 @@ def _row_dot(a_TKvGqHd: torch.Tensor, b_TKvHd: torch.Tensor) -> torch.Tensor:
     return (a_TKvGqHd * b_TKvHd.float().unsqueeze(2)).sum(-1)
 
 
-def _branch_scores(
-    q_TKvGqHd: torch.Tensor, kb_SbTKvHd: torch.Tensor, scale: float
-) -> torch.Tensor:
+def _branch_scores(q_TKvGqHd: torch.Tensor, kb_SbTKvHd: torch.Tensor, scale: float) -> torch.Tensor:
     # Query head n reads kv head n // Gq: split N into (Kv, Gq) instead of
     # repeating kv heads.
     return torch.stack([_row_dot(q_TKvGqHd, kb_TKvHd) for kb_TKvHd in kb_SbTKvHd]) * scale
@@ -80,8 +78,7 @@ def branch_part(
     lse_TKvGq = torch.logsumexp(s_SbTKvGq, 0)
     p_SbTKvGq = torch.exp(s_SbTKvGq - lse_TKvGq)
     out_TKvGqHd = sum(
-        p_TKvGq.unsqueeze(-1) * vb_TKvHd.float().unsqueeze(2)
-        for p_TKvGq, vb_TKvHd in zip(p_SbTKvGq, vb_SbTKvHd)
+        p_TKvGq.unsqueeze(-1) * vb_TKvHd.float().unsqueeze(2) for p_TKvGq, vb_TKvHd in zip(p_SbTKvGq, vb_SbTKvHd)
     )
     out_TNHd = out_TKvGqHd.reshape(T, N, Hv).to(q_TNHd.dtype)
     return out_TNHd, lse_TKvGq.reshape(T, N).t().contiguous()
@@ -135,9 +132,7 @@ def trunk_partials(
 
     One partial locally; a ring implementation returns one per kv chunk.
     """
-    out_TNHd, lse_NT = torch.ops.titan_spec.doc_attn_fwd(
-        q_TNHd, k0_TKvHd, v0_TKvHd, cu_seqlens, cu_seqlens_cpu, scale
-    )
+    out_TNHd, lse_NT = torch.ops.titan_spec.doc_attn_fwd(q_TNHd, k0_TKvHd, v0_TKvHd, cu_seqlens, cu_seqlens_cpu, scale)
     return [(out_TNHd, lse_NT)]
 
 
@@ -154,39 +149,45 @@ def trunk_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trunk's share of the merged-softmax gradient, fed the MERGED (out, lse)."""
     return torch.ops.titan_spec.doc_attn_bwd(
-        dout_TNHd, q_TNHd, k0_TKvHd, v0_TKvHd, out_TNHd, lse_NT,
-        cu_seqlens, cu_seqlens_cpu, scale,
+        dout_TNHd,
+        q_TNHd,
+        k0_TKvHd,
+        v0_TKvHd,
+        out_TNHd,
+        lse_NT,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        scale,
     )
 
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd, cu_seqlens, cu_host, scale
-    ):
+    def forward(ctx, q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd, cu_seqlens, cu_host, scale):
         partials = trunk_partials(q_TNHd, k0_TKvHd, v0_TKvHd, cu_seqlens, cu_host, scale)
         partials.append(branch_part(q_TNHd, kb_SbTKvHd, vb_SbTKvHd, scale))
-        out_TNHd, lse_NT = merge_partials(
-            [out for out, _ in partials], [lse for _, lse in partials]
-        )
+        out_TNHd, lse_NT = merge_partials([out for out, _ in partials], [lse for _, lse in partials])
         # The merge leaves out in (N, T, H) memory order. Returned so, torch 2.11's
         # dynamo hands this backward a zero dout (every gradient 0 when compiled);
         # the o-projection's reshape would copy it to this layout anyway.
         out_TNHd = out_TNHd.contiguous()
-        ctx.save_for_backward(
-            q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd, cu_seqlens, cu_host, out_TNHd, lse_NT
-        )
+        ctx.save_for_backward(q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd, cu_seqlens, cu_host, out_TNHd, lse_NT)
         ctx.scale = scale
         return out_TNHd
 
     @staticmethod
     def backward(ctx, dout_TNHd):
-        q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd, cu_seqlens, cu_host, out_TNHd, lse_NT = (
-            ctx.saved_tensors
-        )
+        q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd, cu_seqlens, cu_host, out_TNHd, lse_NT = ctx.saved_tensors
         dq_trunk_TNHd, dk0_TKvHd, dv0_TKvHd = trunk_backward(
-            dout_TNHd, q_TNHd, k0_TKvHd, v0_TKvHd, out_TNHd, lse_NT,
-            cu_seqlens, cu_host, ctx.scale,
+            dout_TNHd,
+            q_TNHd,
+            k0_TKvHd,
+            v0_TKvHd,
+            out_TNHd,
+            lse_NT,
+            cu_seqlens,
+            cu_host,
+            ctx.scale,
         )
         dq_branch_TNHd, dkb_SbTKvHd, dvb_SbTKvHd = branch_backward(
             dout_TNHd, q_TNHd, kb_SbTKvHd, vb_SbTKvHd, out_TNHd, lse_NT, ctx.scale
@@ -215,6 +216,12 @@ def ttt_attention(
     if not isinstance(meta, DocMetadata):
         return meta.ttt_attention(q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd, scale)
     return _TTTAttention.apply(
-        q_TNHd, k0_TKvHd, v0_TKvHd, kb_SbTKvHd, vb_SbTKvHd,
-        meta.cu_seqlens, meta.cu_seqlens_cpu, scale,
+        q_TNHd,
+        k0_TKvHd,
+        v0_TKvHd,
+        kb_SbTKvHd,
+        vb_SbTKvHd,
+        meta.cu_seqlens,
+        meta.cu_seqlens_cpu,
+        scale,
     )

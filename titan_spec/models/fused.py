@@ -47,4 +47,3 @@ class FusedLinearWeight:
                 self._weight_OI = torch.cat([w.detach() for w in ws], dim=0)
             self._key = key
         return self._weight_OI
-

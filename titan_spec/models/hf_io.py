@@ -24,9 +24,15 @@ from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_con
 from titan_spec.models.safetensors_header import HFCheckpointError, read_safetensors_header
 
 __all__ = [
-    "read_hf_arch", "read_hf_state_dict", "load_hf_into", "save_hf",
-    "write_safetensors_dir", "HFCheckpointError", "check_hf_weights",
-    "expected_hf_shapes", "check_no_routing_bias",
+    "read_hf_arch",
+    "read_hf_state_dict",
+    "load_hf_into",
+    "save_hf",
+    "write_safetensors_dir",
+    "HFCheckpointError",
+    "check_hf_weights",
+    "expected_hf_shapes",
+    "check_no_routing_bias",
 ]
 
 _INDEX = "model.safetensors.index.json"
@@ -94,7 +100,9 @@ def check_hf_weights(path: str, arch: Arch) -> None:
             f"(missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
             f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''})"
         )
-    bad = [f"{k} {list(found[k][1])} (config.json needs {list(want[k])})" for k in sorted(want) if found[k][1] != want[k]]
+    bad = [
+        f"{k} {list(found[k][1])} (config.json needs {list(want[k])})" for k in sorted(want) if found[k][1] != want[k]
+    ]
     if bad:
         raise HFCheckpointError(
             f"{path}: tensor shapes do not match its config.json: {'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}"
@@ -122,8 +130,11 @@ def load_hf_into(model: nn.Module, path: str, arch: Arch, stage: bool = False) -
     tensors of the modules it holds (every one of them; the rest belong to other stages)."""
     found = read_hf_arch(path)
     if found != arch:
-        diff = [f"{k}: checkpoint {getattr(found, k)!r} vs model {getattr(arch, k)!r}"
-                for k in arch.__dataclass_fields__ if getattr(found, k) != getattr(arch, k)]
+        diff = [
+            f"{k}: checkpoint {getattr(found, k)!r} vs model {getattr(arch, k)!r}"
+            for k in arch.__dataclass_fields__
+            if getattr(found, k) != getattr(arch, k)
+        ]
         raise HFCheckpointError(f"{path} does not match the target: {'; '.join(diff)}")
     hf_sd = read_hf_state_dict(path)
     sd = _adapter(arch, getattr(model, "config", None) or build_target_config(arch)).from_hf(hf_sd)
@@ -166,8 +177,11 @@ def check_no_routing_bias(state: dict[str, torch.Tensor], what: str) -> None:
     """ValueError when a MoE target's routing bias (torchtitan's load balancing, models/moe.py)
     has moved off 0: HF Qwen3-MoE (and SGLang's) has no place for it, so ``what`` would
     route tokens differently from the trained model."""
-    moved = [k for k, v in expert_biases(state).items()
-             if bool(((v.full_tensor() if isinstance(v, DTensor) else v) != 0).any())]
+    moved = [
+        k
+        for k, v in expert_biases(state).items()
+        if bool(((v.full_tensor() if isinstance(v, DTensor) else v) != 0).any())
+    ]
     if moved:
         raise ValueError(
             f"{what}: the routing bias of {len(moved)} MoE layer(s) ({moved[0]}, ...) is not 0 "

@@ -91,8 +91,12 @@ def attend(k_BKvSlHd, v_BKvSlHd, st: Step, q_BLNHd, scale, gqa: bool):
     sizes is symbolic, which SDPA refuses (a graph break that skips the whole forward)."""
     n_slots = st.mask_B1LSl.shape[-1]
     out_BNLHd = F.scaled_dot_product_attention(
-        q_BLNHd.transpose(1, 2), k_BKvSlHd[:, :, :n_slots], v_BKvSlHd[:, :, :n_slots], attn_mask=st.mask_B1LSl,
-        scale=scale, enable_gqa=gqa,
+        q_BLNHd.transpose(1, 2),
+        k_BKvSlHd[:, :, :n_slots],
+        v_BKvSlHd[:, :, :n_slots],
+        attn_mask=st.mask_B1LSl,
+        scale=scale,
+        enable_gqa=gqa,
     )
     return out_BNLHd.transpose(1, 2)
 
@@ -113,4 +117,6 @@ def require_plain(modules: dict[str, nn.Module], kind: type) -> None:
     forward (float8, LoRA, ...) would be silently skipped, so refuse it."""
     bad = [f"{k} ({type(m).__name__})" for k, m in modules.items() if type(m).forward is not kind.forward]
     if bad:
-        raise ValueError(f"the torch rollout engine needs plain {kind.__name__} modules; these are not: {', '.join(bad)}")
+        raise ValueError(
+            f"the torch rollout engine needs plain {kind.__name__} modules; these are not: {', '.join(bad)}"
+        )

@@ -22,8 +22,14 @@ from titan_spec.models.moe import use_exact_experts
 from titan_spec.models.target import set_norm_eps, to_tapped_config, use_doc_attention
 
 __all__ = [
-    "Arch", "FAMILIES", "flavor_arch", "arch_from_hf_config", "arch_to_hf_config", "build_target_config",
-    "parameter_count", "active_parameter_count",
+    "Arch",
+    "FAMILIES",
+    "flavor_arch",
+    "arch_from_hf_config",
+    "arch_to_hf_config",
+    "build_target_config",
+    "parameter_count",
+    "active_parameter_count",
 ]
 
 FAMILIES = ("qwen3", "llama3")
@@ -83,14 +89,58 @@ _FLAVORS: dict[str, dict[str, Arch]] = {
         # debugmodel_moe, 30B-A3B, 235B-A22B: torchtitan's shapes (qwen3_configs), the last
         # two those of the published Qwen3-30B-A3B / Qwen3-235B-A22B config.json files.
         "tiny_moe": Arch("qwen3", 256, 64, 8, 4, 2, 16, 192, 1e6, 2048, num_experts=8, moe_top_k=2, moe_hidden_dim=32),
-        "debugmodel_moe": Arch("qwen3", 2048, 256, 8, 16, 8, 128, 3072, 1e6, 4096, num_experts=64, moe_top_k=8, moe_hidden_dim=768),
-        "30B-A3B": Arch("qwen3", 151936, 2048, 48, 32, 4, 128, 6144, 1e6, 40960, num_experts=128, moe_top_k=8, moe_hidden_dim=768),
-        "235B-A22B": Arch("qwen3", 151936, 4096, 94, 64, 4, 128, 12288, 1e6, 40960, num_experts=128, moe_top_k=8, moe_hidden_dim=1536),
+        "debugmodel_moe": Arch(
+            "qwen3", 2048, 256, 8, 16, 8, 128, 3072, 1e6, 4096, num_experts=64, moe_top_k=8, moe_hidden_dim=768
+        ),
+        "30B-A3B": Arch(
+            "qwen3", 151936, 2048, 48, 32, 4, 128, 6144, 1e6, 40960, num_experts=128, moe_top_k=8, moe_hidden_dim=768
+        ),
+        "235B-A22B": Arch(
+            "qwen3", 151936, 4096, 94, 64, 4, 128, 12288, 1e6, 40960, num_experts=128, moe_top_k=8, moe_hidden_dim=1536
+        ),
     },
     "llama3": {
         "tiny": Arch("llama3", 256, 64, 8, 4, 2, 16, 192, 5e5, 2048, norm_eps=1e-5),
-        "1B": Arch("llama3", 128256, 2048, 16, 32, 8, 64, 8192, 5e5, 131072, 1e-5, True, (("factor", 32.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))),
-        "8B": Arch("llama3", 128256, 4096, 32, 32, 8, 128, 14336, 5e5, 131072, 1e-5, False, (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))),
+        "1B": Arch(
+            "llama3",
+            128256,
+            2048,
+            16,
+            32,
+            8,
+            64,
+            8192,
+            5e5,
+            131072,
+            1e-5,
+            True,
+            (
+                ("factor", 32.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 8192),
+            ),
+        ),
+        "8B": Arch(
+            "llama3",
+            128256,
+            4096,
+            32,
+            32,
+            8,
+            128,
+            14336,
+            5e5,
+            131072,
+            1e-5,
+            False,
+            (
+                ("factor", 8.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 8192),
+            ),
+        ),
     },
 }
 
@@ -99,9 +149,7 @@ def flavor_arch(family: str, flavor: str) -> Arch:
     if family not in _FLAVORS:
         raise ValueError(f"model.name {family!r} is not known; allowed: {', '.join(FAMILIES)}")
     if flavor not in _FLAVORS[family]:
-        raise ValueError(
-            f"model.flavor {flavor!r} is not a {family} flavor; allowed: {', '.join(_FLAVORS[family])}"
-        )
+        raise ValueError(f"model.flavor {flavor!r} is not a {family} flavor; allowed: {', '.join(_FLAVORS[family])}")
     return _FLAVORS[family][flavor]
 
 
@@ -126,14 +174,19 @@ def arch_from_hf_config(cfg: dict, where: str = "config.json") -> Arch:
         if model_type == "qwen3_moe":
             # torchtitan builds every layer sparse: HF's dense-layer options must be off.
             if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
-                raise ValueError(f"{where}: decoder_sparse_step {cfg.get('decoder_sparse_step')} / mlp_only_layers "
-                                 f"{cfg.get('mlp_only_layers')} are not supported (every layer must be MoE: 1 / [])")
+                raise ValueError(
+                    f"{where}: decoder_sparse_step {cfg.get('decoder_sparse_step')} / mlp_only_layers "
+                    f"{cfg.get('mlp_only_layers')} are not supported (every layer must be MoE: 1 / [])"
+                )
             experts = cfg.get("num_experts", cfg.get("num_local_experts"))
             if experts is None:
                 raise KeyError("num_experts")
-            moe = dict(num_experts=int(experts), moe_top_k=int(cfg["num_experts_per_tok"]),
-                       moe_hidden_dim=int(cfg["moe_intermediate_size"]),
-                       moe_norm_topk=bool(cfg.get("norm_topk_prob", False)))
+            moe = dict(
+                num_experts=int(experts),
+                moe_top_k=int(cfg["num_experts_per_tok"]),
+                moe_hidden_dim=int(cfg["moe_intermediate_size"]),
+                moe_norm_topk=bool(cfg.get("norm_topk_prob", False)),
+            )
         return Arch(
             family=family,
             vocab_size=int(cfg["vocab_size"]),
@@ -180,11 +233,18 @@ def arch_to_hf_config(arch: Arch) -> dict:
     if arch.rope_scaling:
         cfg["rope_scaling"] = {"rope_type": "llama3", **dict(arch.rope_scaling)}
     if arch.is_moe:
-        cfg.update({
-            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": arch.num_experts,
-            "num_experts_per_tok": arch.moe_top_k, "moe_intermediate_size": arch.moe_hidden_dim,
-            "norm_topk_prob": arch.moe_norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        })
+        cfg.update(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_experts": arch.num_experts,
+                "num_experts_per_tok": arch.moe_top_k,
+                "moe_intermediate_size": arch.moe_hidden_dim,
+                "norm_topk_prob": arch.moe_norm_topk,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        )
     return cfg
 
 
@@ -213,8 +273,12 @@ target (trainer, engines, reference); the bias moves only where the trainer regi
 torchtitan's balancing hook (model.moe_load_balance_coeff > 0), at that config's rate."""
 
 
-def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq_len: int | None = None,
-                        load_balance_coeff: float | None = None):
+def build_target_config(
+    arch: Arch,
+    tap_layer_ids: tuple[int, ...] = (),
+    max_seq_len: int | None = None,
+    load_balance_coeff: float | None = None,
+):
     """Arch -> torchtitan (tapped) model config with titan_spec's document attention.
     MoE: torchtitan's Qwen3-MoE layers, experts exact in fp32 (models/moe.py), every layer
     with a routing-bias buffer; ``load_balance_coeff`` (> 0) is the rate torchtitan's
@@ -227,13 +291,24 @@ def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq
         from torchtitan.models import qwen3 as fam
         from torchtitan.models.qwen3.model import Qwen3Model as ModelCls
 
-        common = dict(n_layers=arch.n_layers, dim=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
-                      head_dim=arch.head_dim, attn_backend="flex", rope=_rope(arch, seq), fuse_qkv=False)
+        common = dict(
+            n_layers=arch.n_layers,
+            dim=arch.dim,
+            n_heads=arch.n_heads,
+            n_kv_heads=arch.n_kv_heads,
+            head_dim=arch.head_dim,
+            attn_backend="flex",
+            rope=_rope(arch, seq),
+            fuse_qkv=False,
+        )
         if arch.is_moe:
             # "standard" dispatch: torchtitan's all-to-all under expert parallelism, its local
             # argsort/scatter-add dispatcher without (ep_mesh None).
             layers = fam._build_qwen3_moe_layers(
-                **common, moe_hidden_dim=arch.moe_hidden_dim, num_experts=arch.num_experts, top_k=arch.moe_top_k,
+                **common,
+                moe_hidden_dim=arch.moe_hidden_dim,
+                num_experts=arch.num_experts,
+                top_k=arch.moe_top_k,
                 moe_comm_backend="standard",
             )
         else:
@@ -247,8 +322,14 @@ def build_target_config(arch: Arch, tap_layer_ids: tuple[int, ...] = (), max_seq
         if arch.head_dim * arch.n_heads != arch.dim:
             raise ValueError("llama3 needs head_dim * n_heads == dim")
         layers = fam._build_llama3_layers(
-            n_layers=arch.n_layers, dim=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads,
-            hidden_dim=arch.hidden_dim, attn_backend="flex", rope=_rope(arch, seq), fuse_qkv=False,
+            n_layers=arch.n_layers,
+            dim=arch.dim,
+            n_heads=arch.n_heads,
+            n_kv_heads=arch.n_kv_heads,
+            hidden_dim=arch.hidden_dim,
+            attn_backend="flex",
+            rope=_rope(arch, seq),
+            fuse_qkv=False,
         )
         lin_init, emb_init = fam._LINEAR_INIT, fam._EMBEDDING_SKIP_INIT if arch.tie_embeddings else fam._EMBEDDING_INIT
         norm_init = fam._NORM_INIT

@@ -311,13 +311,20 @@ def ring_attn_bwd(
     dq_RNHd += dq_b_RNHd.float()
     # Fresh contiguous tensors, as the fake promises (dk0 and dv0 are views of one
     # buffer, and a custom op's outputs may not alias each other).
-    grads = (dq_RNHd.to(q_RNHd.dtype), dk0_RKvHd.to(k0_RKvHd.dtype), dv0_RKvHd.to(v0_RKvHd.dtype), dkb_SbRKvHd, dvb_SbRKvHd)
+    grads = (
+        dq_RNHd.to(q_RNHd.dtype),
+        dk0_RKvHd.to(k0_RKvHd.dtype),
+        dv0_RKvHd.to(v0_RKvHd.dtype),
+        dkb_SbRKvHd,
+        dvb_SbRKvHd,
+    )
     return tuple(g.clone(memory_format=torch.contiguous_format) for g in grads)
 
 
 @ring_attn_bwd.register_fake
-def _ring_attn_bwd_fake(dout_RNHd, q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, out_RNHd, lse_NR,
-                        cu_seqlens_cpu, group_name, scale):
+def _ring_attn_bwd_fake(
+    dout_RNHd, q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd, out_RNHd, lse_NR, cu_seqlens_cpu, group_name, scale
+):
     return tuple(x.new_empty(x.shape) for x in (q_RNHd, k0_RKvHd, v0_RKvHd, kb_SbRKvHd, vb_SbRKvHd))
 
 

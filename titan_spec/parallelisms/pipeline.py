@@ -58,7 +58,8 @@ __all__ = [
     "Microbatch",
     "PipelineLoss",
     "TapStage",
-    "pipeline_spec", "TapPipeline",
+    "pipeline_spec",
+    "TapPipeline",
     "pipeline_forward_backward",
     "stage_module_names",
     "check_pipeline_split",
@@ -122,7 +123,9 @@ def check_pipeline_split(names: list[list[str]], tap_ids: tuple[int, ...], draft
             if n in seen:
                 # Two copies of one module: a tap layer among them would tap twice and the
                 # TapChannel would deliver whichever arrived last.
-                raise ValueError(f"{n} is on pipeline stages {seen[n]} and {s}; every module must be on exactly one stage")
+                raise ValueError(
+                    f"{n} is on pipeline stages {seen[n]} and {s}; every module must be on exactly one stage"
+                )
             seen[n] = s
     held = set(seen)
     lost = [k for k in tap_ids if f"layers.{k}" not in held]
@@ -133,8 +136,14 @@ def check_pipeline_split(names: list[list[str]], tap_ids: tuple[int, ...], draft
         )
 
 
-def tap_layout(names: list[list[str]], tap_ids: tuple[int, ...], pp: int, schedule: str,
-               shape_BLD: tuple[int, int, int], dtype: torch.dtype) -> TapLayout:
+def tap_layout(
+    names: list[list[str]],
+    tap_ids: tuple[int, ...],
+    pp: int,
+    schedule: str,
+    shape_BLD: tuple[int, int, int],
+    dtype: torch.dtype,
+) -> TapLayout:
     stage_rank = {s: r for r in range(pp) for s in _get_pp_rank_to_stage_indices_mapping(r, pp, schedule, len(names))}
     stage_keys = {}
     for s, stage in enumerate(names):
@@ -194,8 +203,14 @@ class PipelineLoss:
         got = self.channel.take(mb.index)
         taps = Taps(got[EMBEDS_TAP], tuple(got[k] for k in self.tap_ids))
         terms = co_loss(
-            policy_loss, logits_BLV, taps, mb.labels_BL, global_valid_tokens,
-            positions_BL=mb.positions_BL, attention_meta=mb.attention_masks, draft_count_S=mb.draft_count_S,
+            policy_loss,
+            logits_BLV,
+            taps,
+            mb.labels_BL,
+            global_valid_tokens,
+            positions_BL=mb.positions_BL,
+            attention_meta=mb.attention_masks,
+            draft_count_S=mb.draft_count_S,
         )
         self._record(mb, terms.policy, terms.policy_stats)
         return terms.total, None
@@ -249,7 +264,11 @@ def pipeline_spec(
         all_pp_ranks = sorted({tuple(r) for r in every})
         channel = TapChannel(
             tap_layout(names, tap_ids, pp, schedule_name, (B, L, D), dtype),
-            pp_ranks, pp_rank, device, timeout_s=TAP_TIMEOUT_S, all_pp_ranks=[list(r) for r in all_pp_ranks],
+            pp_ranks,
+            pp_rank,
+            device,
+            timeout_s=TAP_TIMEOUT_S,
+            all_pp_ranks=[list(r) for r in all_pp_ranks],
         )
 
     get_mesh = _build_get_mesh_callback(parallel_dims)
@@ -258,8 +277,13 @@ def pipeline_spec(
         part = _split_module(model, names[s])
         part.stash_taps = True
         part = parallelize_fn(
-            part, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-            compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder,
+            part,
+            parallel_dims=parallel_dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=compile_config,
+            ac_config=ac_config,
+            dump_folder=dump_folder,
         )
         # Static metadata (meta tensors carry shape, dtype, requires_grad): no inference forward.
         meta = torch.device("meta")
@@ -269,10 +293,19 @@ def pipeline_spec(
             inputs = torch.empty(B, L, D, dtype=dtype, device=meta, requires_grad=True)
         width = model_config.vocab_size if s == n_stages - 1 else D
         outputs = torch.empty(B, L, width, dtype=dtype, device=meta, requires_grad=True)
-        stages.append(TapStage(
-            part, s, n_stages, device, input_args=inputs, output_args=outputs,
-            group=pp_mesh.get_group("pp"), get_mesh=get_mesh, channel=channel,
-        ))
+        stages.append(
+            TapStage(
+                part,
+                s,
+                n_stages,
+                device,
+                input_args=inputs,
+                output_args=outputs,
+                group=pp_mesh.get_group("pp"),
+                get_mesh=get_mesh,
+                channel=channel,
+            )
+        )
         parts.append(part)
 
     loss = PipelineLoss(loss_fn, channel, tap_ids)
@@ -317,8 +350,13 @@ class PipelineRun(NamedTuple):
     """The co-training loss when a draft trains on this stage (each Microbatch carries it)."""
 
 
-def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], global_valid_tokens,
-                              policy_loss_mbs: list | None = None, forward_only: bool = False) -> torch.Tensor:
+def pipeline_forward_backward(
+    run: PipelineRun,
+    microbatches: list[tuple],
+    global_valid_tokens,
+    policy_loss_mbs: list | None = None,
+    forward_only: bool = False,
+) -> torch.Tensor:
     """One pipelined forward+backward of the local batch; returns the policy loss (the sum
     of the microbatches' losses, each normalized by the global token count) on the last
     stage, -1 elsewhere, like torchtitan. ``microbatches``: each one's (inputs, labels,
@@ -335,8 +373,9 @@ def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], globa
         arg_mbs.append((inputs,))
         kwarg_mbs.append(extra)
         own = policy_loss_mbs[i] if policy_loss_mbs is not None else None
-        targets.append(Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None, own,
-                                  run.co_loss))
+        targets.append(
+            Microbatch(i, labels, extra.get("positions"), extra.get("attention_masks"), None, own, run.co_loss)
+        )
     if run.co_loss is not None:
         count_S = run.co_loss.draft.normalizer(
             [t.positions_BL for t in targets], [t.labels_BL for t in targets], [t.attention_masks for t in targets]
@@ -346,8 +385,12 @@ def pipeline_forward_backward(run: PipelineRun, microbatches: list[tuple], globa
         loss.channel.begin_step(len(targets))
     loss.policy_losses, loss.policy_stats = [], {}
     with run.train_context():
-        feed = {"arg_mbs": arg_mbs if run.has_first_stage else None, "kwarg_mbs": kwarg_mbs,
-                "target_mbs": targets if run.has_last_stage else None, "losses": [] if run.has_last_stage else None}
+        feed = {
+            "arg_mbs": arg_mbs if run.has_first_stage else None,
+            "kwarg_mbs": kwarg_mbs,
+            "target_mbs": targets if run.has_last_stage else None,
+            "losses": [] if run.has_last_stage else None,
+        }
         if forward_only:
             with torch.no_grad():
                 run.schedule.eval(**feed)
@@ -421,7 +464,11 @@ def _share_over_pp(local, pp_mesh, device, sources) -> dict[str, torch.Tensor]:
         for name, (shape, dtype) in every[src].items():
             if name in out:
                 raise RuntimeError(f"pipeline ranks {sorted(s for s in sources if name in every[s])} both hold {name}")
-            t = local[name].detach().to(device).contiguous() if src == me else torch.empty(shape, dtype=dtype, device=device)
+            t = (
+                local[name].detach().to(device).contiguous()
+                if src == me
+                else torch.empty(shape, dtype=dtype, device=device)
+            )
             dist.broadcast(t, src=ranks[src], group=group)
             out[name] = t
     return out

@@ -90,8 +90,15 @@ class TapLayout:
 
 
 class TapChannel:
-    def __init__(self, layout: TapLayout, pp_ranks: list[int], pp_rank: int, device, timeout_s: float,
-                 all_pp_ranks: list[list[int]]):
+    def __init__(
+        self,
+        layout: TapLayout,
+        pp_ranks: list[int],
+        pp_rank: int,
+        device,
+        timeout_s: float,
+        all_pp_ranks: list[list[int]],
+    ):
         """Collective over the whole world (every rank, the same arguments but its own
         ``pp_ranks``/``pp_rank``): creates the side groups. ``pp_ranks`` are the global
         ranks of this rank's pipeline, by pipeline rank; ``all_pp_ranks`` are those of
@@ -228,7 +235,7 @@ class TapChannel:
                 f"TapChannel: expected step {self.step} microbatch {mb} from stage {s} (fired once), got "
                 f"step {got[0]} microbatch {got[1]} from stage {got[2]} (fired {got[3]}): taps lost, stale or reordered"
             )
-        taps = [got[i:i + _PER_TAP] for i in range(_HEADER, len(got), _PER_TAP)]
+        taps = [got[i : i + _PER_TAP] for i in range(_HEADER, len(got), _PER_TAP)]
         keys = [t[0] for t in taps]
         if keys != list(L.stage_keys[s]):
             raise TapChannelError(

@@ -23,6 +23,14 @@ from titan_spec.preflight.resolve import Made, draft_arch_for, resolve_arch, res
 from titan_spec.preflight.trainer_config import to_trainer_config
 
 __all__ = [
-    "Made", "check_inputs", "draft_arch_for", "plan_runs", "resolve_arch", "resolve_tokenizer", "tap_ids_for",
-    "to_trainer_config", "validate_run", "weightless_inputs",
+    "Made",
+    "check_inputs",
+    "draft_arch_for",
+    "plan_runs",
+    "resolve_arch",
+    "resolve_tokenizer",
+    "tap_ids_for",
+    "to_trainer_config",
+    "validate_run",
+    "weightless_inputs",
 ]

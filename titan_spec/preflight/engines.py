@@ -21,7 +21,9 @@ def check_sglang_config(cfg: TitanSpecConfig, files: bool = True) -> None:
     if cfg.rollout.engine != "sglang":
         return
     if not cfg.model.hf_checkpoint:
-        raise ConfigError("rollout.engine = 'sglang' needs model.hf_checkpoint: SGLang loads the policy from a local HF directory")
+        raise ConfigError(
+            "rollout.engine = 'sglang' needs model.hf_checkpoint: SGLang loads the policy from a local HF directory"
+        )
     if not cfg.speculative.enabled:
         return
     if not cfg.draft.init_from:
@@ -31,13 +33,16 @@ def check_sglang_config(cfg: TitanSpecConfig, files: bool = True) -> None:
         )
     clash = sorted(set(cfg.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
     if clash:
-        raise ConfigError(f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys")
+        raise ConfigError(
+            f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys"
+        )
     if not files:
         return
     try:
         check_draft_fits_policy(cfg.model.hf_checkpoint, cfg.draft.init_from)
         why = cfg.draft.tap_layer_ids and sglang_tap_misfit(
-            cfg.draft.tap_layer_ids, read_hf_arch(cfg.model.hf_checkpoint).n_layers)
+            cfg.draft.tap_layer_ids, read_hf_arch(cfg.model.hf_checkpoint).n_layers
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if why:

@@ -80,11 +80,18 @@ def check_reward_scores(cfg: TitanSpecConfig) -> None:
     task = build_task(cfg.task)
     problems = [task.sample(rng) for _ in range(REWARD_PROBES)]
     try:
-        score(reward_fn(cfg.task.reward), cfg.task.reward, [p.sft_target for p in problems] + [""] * len(problems),
-              problems * 2)
+        score(
+            reward_fn(cfg.task.reward),
+            cfg.task.reward,
+            [p.sft_target for p in problems] + [""] * len(problems),
+            problems * 2,
+        )
     except RewardError as e:
-        raise ConfigError(f"task.reward = {cfg.task.reward!r} does not score the task before the start: {e}; allowed: "
-                          "a function (completion, answer, record) -> a finite number", key="task.reward") from None
+        raise ConfigError(
+            f"task.reward = {cfg.task.reward!r} does not score the task before the start: {e}; allowed: "
+            "a function (completion, answer, record) -> a finite number",
+            key="task.reward",
+        ) from None
 
 
 def check_chat_template(task: TaskConfig, tokenizer) -> None:
@@ -92,11 +99,15 @@ def check_chat_template(task: TaskConfig, tokenizer) -> None:
     (data/prompts.py renders the prompt through it)."""
     has = getattr(tokenizer, "chat_template", None) is not None
     if task.chat_template == "on" and not has:
-        raise ConfigError("task.chat_template = 'on' but the tokenizer has no chat template "
-                          "(tokenizer_config.json chat_template or chat_template.jinja)", key="task.chat_template")
+        raise ConfigError(
+            "task.chat_template = 'on' but the tokenizer has no chat template "
+            "(tokenizer_config.json chat_template or chat_template.jinja)",
+            key="task.chat_template",
+        )
     if task.system_prompt and not (has and task.chat_template != "off"):
-        raise ConfigError("task.system_prompt needs a chat template, and the tokenizer has none",
-                          key="task.system_prompt")
+        raise ConfigError(
+            "task.system_prompt needs a chat template, and the tokenizer has none", key="task.system_prompt"
+        )
 
 
 def check_writable(dump: str) -> None:
@@ -121,7 +132,8 @@ def check_writable(dump: str) -> None:
             raise ConfigError(
                 f"job.dump_folder {dump!r} is not writable: {folder}: {e.strerror or e}; allowed: a folder this "
                 "user can create files in (the run writes its checkpoints, metrics and exports there)",
-                key="job.dump_folder") from None
+                key="job.dump_folder",
+            ) from None
 
 
 CHECKPOINT_BYTES_PER_PARAMETER = 12
@@ -148,7 +160,9 @@ def check_free_space(cfg: TitanSpecConfig, policy_parameters: int, draft_paramet
         raise ConfigError(
             f"job.dump_folder {cfg.job.dump_folder!r} has no space left for the run: {where} has {free / 2**20:.1f} MiB "
             f"free, one checkpoint and the exports of {everything:,} parameters need {need / 2**20:.1f} MiB; allowed: "
-            "a folder on a disk with that much free space (or checkpoint.enable = false)", key="job.dump_folder")
+            "a folder on a disk with that much free space (or checkpoint.enable = false)",
+            key="job.dump_folder",
+        )
 
 
 def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:
@@ -171,4 +185,5 @@ def _check_sglang_tokenizer(cfg: TitanSpecConfig) -> None:
         raise ConfigError(
             f"tokenizer.path {ours!r} is not the tokenizer SGLang serves model.hf_checkpoint {served!r} with "
             "(their tokenizer.json differ): leave tokenizer.path empty, or copy the tokenizer into the checkpoint",
-            key="tokenizer.path")
+            key="tokenizer.path",
+        )

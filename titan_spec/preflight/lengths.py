@@ -60,14 +60,17 @@ def _check_rl(cfg, problems, every: bool, prompts, seq_len: int, multiple: int) 
         raise ConfigError(
             f"task.path: {which}: its prompt is {n} tokens, which leaves no room for a completion in a packed row "
             f"of training.seq_len = {seq_len}; allowed: prompts of at most {seq_len - m} tokens with "
-            f"rl.max_new_tokens = {m} (raise training.seq_len, or drop such records)", key="task.path")
+            f"rl.max_new_tokens = {m} (raise training.seq_len, or drop such records)",
+            key="task.path",
+        )
     of = "the longest prompt" if every else f"the longest of {len(problems)} sampled prompts"
     room = seq_len - n if multiple == 1 else f"{seq_len} - {n}, less padding to multiples of {multiple}"
     raise ConfigError(
         f"rl.max_new_tokens = {m} does not fit a packed row of training.seq_len = {seq_len} with {of} "
         f"({which}, {n} tokens): prompt + completion = {need} tokens; allowed: rl.max_new_tokens <= {room}, "
         f"or raise training.seq_len to {need}",
-        key="rl.max_new_tokens")
+        key="rl.max_new_tokens",
+    )
 
 
 def _check_sft(problems, tok, prompts, seq_len: int, multiple: int) -> None:
@@ -83,7 +86,8 @@ def _check_sft(problems, tok, prompts, seq_len: int, multiple: int) -> None:
         f"task.path: {len(long)} of {len(problems)} records are longer than a packed row of training.seq_len = "
         f"{seq_len} tokens (prompt + demonstration + <eos>; never truncated); the longest: {p.source} "
         f"({n} tokens); allowed: records of at most {seq_len} tokens (raise training.seq_len, or drop them)",
-        key="task.path")
+        key="task.path",
+    )
 
 
 def check_records_fit(cfg: TitanSpecConfig) -> None:

@@ -15,7 +15,11 @@ def check_tensor_parallel(arch, tp: int) -> None:
     rank's local heads) and the FFN's hidden dimension over the tp ranks: tp must divide each."""
     if tp <= 1:
         return
-    for what, n in (("query heads", arch.n_heads), ("key/value heads", arch.n_kv_heads), ("FFN hidden size", arch.hidden_dim)):
+    for what, n in (
+        ("query heads", arch.n_heads),
+        ("key/value heads", arch.n_kv_heads),
+        ("FFN hidden size", arch.hidden_dim),
+    ):
         if n % tp:
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree = {tp} does not divide the target's {n} {what}; "
@@ -48,8 +52,10 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
             "model, e.g. model.name = 'llama3')"
         )
     if cfg.mode.trains == "draft":
-        raise ConfigError("pipeline parallelism: draft.offline (a frozen target) is not supported; the pipeline "
-                          "backward needs a trainable target (run offline draft training with pp = 1)")
+        raise ConfigError(
+            "pipeline parallelism: draft.offline (a frozen target) is not supported; the pipeline "
+            "backward needs a trainable target (run offline draft training with pp = 1)"
+        )
     if cfg.mode.trains == "rl" and cfg.rl.kl_beta > 0:
         raise ConfigError(
             f"pipeline parallelism: rl.kl_beta = {cfg.rl.kl_beta:g} is not supported (the KL term needs a frozen "
@@ -68,5 +74,7 @@ def check_pipeline_config(cfg, model_config, tap_ids: tuple[int, ...]) -> None:
             "rollout.engine = 'builtin' under PP"
         )
     if cfg.job.export_hf:
-        raise ConfigError("pipeline parallelism: job.export_hf is not supported (each stage holds part of the "
-                          "policy); export from a checkpoint with pp = 1")
+        raise ConfigError(
+            "pipeline parallelism: job.export_hf is not supported (each stage holds part of the "
+            "policy); export from a checkpoint with pp = 1"
+        )

@@ -89,11 +89,14 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
             inside = next((run for dump, run in pending if (os.path.abspath(d) + os.sep).startswith(dump)), None)
             if d and inside and os.path.abspath(d) not in made:
                 writes = [k for k, m in made.items() if m.run == inside]
-                raise locate(cfg, ConfigError(
-                    f"{key} {d!r} is inside the dump folder of {inside}, which runs first but writes no "
-                    f"checkpoint there; it writes {writes or 'no export (set its job.export_hf / draft.export_dir)'}",
-                    key=key,
-                ))
+                raise locate(
+                    cfg,
+                    ConfigError(
+                        f"{key} {d!r} is inside the dump folder of {inside}, which runs first but writes no "
+                        f"checkpoint there; it writes {writes or 'no export (set its job.export_hf / draft.export_dir)'}",
+                        key=key,
+                    ),
+                )
         tc = validate_run(cfg, made)
         dump = os.path.abspath(cfg.job.dump_folder)
         pending.append((dump + os.sep, p))
@@ -101,7 +104,8 @@ def plan_runs(path: str, overrides: list[str] | None = None) -> list[str]:
             # What save_hf writes and read_hf_arch reads back: the config.json round trip.
             arch = arch_from_hf_config(arch_to_hf_config(tc.arch))
             made[os.path.abspath(under_dump_folder(dump, cfg.job.export_hf))] = Made(
-                run=p, hf=arch, tokenizer=resolve_tokenizer(cfg, made))
+                run=p, hf=arch, tokenizer=resolve_tokenizer(cfg, made)
+            )
         if tc.draft_arch is not None and cfg.draft.export_dir:
             made[os.path.abspath(under_dump_folder(dump, cfg.draft.export_dir))] = Made(run=p, draft=tc.draft_arch)
     return [p for p, _ in order]
@@ -114,12 +118,15 @@ def weightless_inputs(cfg: TitanSpecConfig) -> dict[str, Made]:
     if cfg.model.hf_checkpoint and os.path.isdir(cfg.model.hf_checkpoint):
         try:
             made[os.path.abspath(cfg.model.hf_checkpoint)] = Made(
-                run="--no-weights", hf=read_hf_arch(cfg.model.hf_checkpoint), tokenizer=resolve_tokenizer(cfg))
+                run="--no-weights", hf=read_hf_arch(cfg.model.hf_checkpoint), tokenizer=resolve_tokenizer(cfg)
+            )
         except ValueError as e:
             raise locate(cfg, ConfigError(f"model.hf_checkpoint: {e}", key="model.hf_checkpoint")) from None
     if cfg.draft.init_from and os.path.isdir(cfg.draft.init_from):
         try:
-            made[os.path.abspath(cfg.draft.init_from)] = Made(run="--no-weights", draft=draft_kind(cfg.draft.kind).read_arch(cfg.draft.init_from))
+            made[os.path.abspath(cfg.draft.init_from)] = Made(
+                run="--no-weights", draft=draft_kind(cfg.draft.kind).read_arch(cfg.draft.init_from)
+            )
         except ValueError as e:
             raise locate(cfg, ConfigError(f"draft.init_from: {e}", key="draft.init_from")) from None
     return made

@@ -49,8 +49,9 @@ def resolve_tokenizer(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     if promise is not None and t.kind != "char":
         if promise.tokenizer is None:
             key = "tokenizer.path" if t.path else "model.hf_checkpoint"
-            raise ConfigError(f"{key} {where!r} is where {promise.run} exports its draft, which carries no "
-                              "tokenizer", key=key)
+            raise ConfigError(
+                f"{key} {where!r} is where {promise.run} exports its draft, which carries no tokenizer", key=key
+            )
         return promise.tokenizer
     if promise is not None:
         return "char", ""
@@ -70,18 +71,25 @@ def tokenizer_source(kind: str, path: str, hf_checkpoint: str) -> tuple[str, str
         return "char", where if where and saved_tokenizer_kind(where) == "char" else ""
     if not where:
         if kind == "hf":
-            raise ConfigError("tokenizer.kind = 'hf' needs tokenizer.path or model.hf_checkpoint: the directory "
-                              "of its tokenizer.json", key="tokenizer.kind")
+            raise ConfigError(
+                "tokenizer.kind = 'hf' needs tokenizer.path or model.hf_checkpoint: the directory "
+                "of its tokenizer.json",
+                key="tokenizer.kind",
+            )
         return "char", ""
     found = saved_tokenizer_kind(where) if os.path.isdir(where) else None
     if found is None:
         raise ConfigError(
             f"{key}: {where!r} has no tokenizer files (tokenizer.json, or vocab.json + merges.txt): set "
             "tokenizer.path to the model's tokenizer directory, or tokenizer.kind = 'char' for the "
-            "embedded task's character tokenizer", key=key)
+            "embedded task's character tokenizer",
+            key=key,
+        )
     if kind == "hf" and found == "char":
-        raise ConfigError(f"tokenizer.kind = 'hf' but {where!r} holds a character vocabulary saved by titan_spec",
-                          key="tokenizer.kind")
+        raise ConfigError(
+            f"tokenizer.kind = 'hf' but {where!r} holds a character vocabulary saved by titan_spec",
+            key="tokenizer.kind",
+        )
     return found, where
 
 
@@ -92,8 +100,10 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
     if cfg.model.hf_checkpoint:
         path, promise = cfg.model.hf_checkpoint, _made(made, cfg.model.hf_checkpoint)
         if promise is not None and promise.hf is None:
-            raise ConfigError(f"model.hf_checkpoint {path!r} is where {promise.run} exports its draft, "
-                              "not an HF policy checkpoint", key="model.hf_checkpoint")
+            raise ConfigError(
+                f"model.hf_checkpoint {path!r} is where {promise.run} exports its draft, not an HF policy checkpoint",
+                key="model.hf_checkpoint",
+            )
         try:
             arch = promise.hf if promise is not None else read_hf_arch(path)
         except ValueError as e:
@@ -107,7 +117,7 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
             raise ConfigError(
                 f"the tokenizer of {src} has ids up to {vocab_size - 1}, but {path} has a vocabulary of "
                 f"{arch.vocab_size} (ids >= {arch.vocab_size} have no embedding): the tokenizer does not fit the model",
-                key="tokenizer.path" if cfg.tokenizer.path else "model.hf_checkpoint"
+                key="tokenizer.path" if cfg.tokenizer.path else "model.hf_checkpoint",
             )
         if promise is None:
             try:
@@ -121,7 +131,8 @@ def resolve_arch(cfg: TitanSpecConfig, vocab_size: int, made: dict[str, Made] | 
         raise ConfigError(
             f"the tokenizer has ids up to {vocab_size - 1}, but model.flavor {cfg.model.flavor!r} has a vocabulary of "
             f"{arch.vocab_size} with model.vocab_from_tokenizer = false: the tokenizer does not fit the model",
-            key="model.vocab_from_tokenizer")
+            key="model.vocab_from_tokenizer",
+        )
     return arch
 
 
@@ -144,8 +155,10 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
     path, promise, found = cfg.draft.init_from, _made(made, cfg.draft.init_from), None
     if promise is not None:
         if promise.draft is None:
-            raise ConfigError(f"draft.init_from {path!r} is where {promise.run} exports its policy, "
-                              "not a draft", key="draft.init_from")
+            raise ConfigError(
+                f"draft.init_from {path!r} is where {promise.run} exports its policy, not a draft",
+                key="draft.init_from",
+            )
         found = promise.draft
     elif path and os.path.isdir(path):
         try:
@@ -154,21 +167,30 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
             raise ConfigError(f"draft.init_from: {e}", key="draft.init_from") from None
     # A value the config leaves unset comes from the directory: a bad one is blamed on its
     # config.json (through draft.init_from, the key the user set), not on a [draft] key.
-    src = None if found is None else (
-        os.path.join(path, "config.json") if promise is None else f"{path} (the draft {promise.run} exports)")
+    src = (
+        None
+        if found is None
+        else (os.path.join(path, "config.json") if promise is None else f"{path} (the draft {promise.run} exports)")
+    )
     taps_src = src if not taps and found is not None and found.tap_layer_ids else None
     vocab_src = src if not vocab and found is not None else None
     if found is not None:
         vocab, taps = vocab or found.draft_vocab_size, taps or found.tap_layer_ids
     why = taps and tap_ids_problem(taps, arch.n_layers)
     if why and taps_src:
-        raise ConfigError(f"draft.init_from: {taps_src}: eagle_aux_hidden_state_layer_ids {list(taps)}: {why} "
-                          "(a draft trained on another target; or set draft.tap_layer_ids)", key="draft.init_from")
+        raise ConfigError(
+            f"draft.init_from: {taps_src}: eagle_aux_hidden_state_layer_ids {list(taps)}: {why} "
+            "(a draft trained on another target; or set draft.tap_layer_ids)",
+            key="draft.init_from",
+        )
     if why:
         raise ConfigError(f"draft.tap_layer_ids: {why}", key="draft.tap_layer_ids")
     if vocab_src and not 1 <= vocab <= arch.vocab_size:
-        raise ConfigError(f"draft.init_from: {vocab_src}: draft_vocab_size = {vocab} must be in 1..{arch.vocab_size} "
-                          "(the target vocabulary; a draft trained on another target?)", key="draft.init_from")
+        raise ConfigError(
+            f"draft.init_from: {vocab_src}: draft_vocab_size = {vocab} must be in 1..{arch.vocab_size} "
+            "(the target vocabulary; a draft trained on another target?)",
+            key="draft.init_from",
+        )
     taps = taps or tap_ids_for(cfg, arch.n_layers, kind)
     try:
         d = kind.arch_from_target(arch, taps, vocab, cfg.draft)
@@ -177,8 +199,10 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
     if found is not None:
         bad = kind.mismatches(found, d)
         if bad:
-            raise ConfigError(f"draft.init_from {path!r} does not fit the target and the [draft] config: "
-                              f"{'; '.join(bad)}", key="draft.init_from")
+            raise ConfigError(
+                f"draft.init_from {path!r} does not fit the target and the [draft] config: {'; '.join(bad)}",
+                key="draft.init_from",
+            )
         if promise is None:
             try:
                 kind.check_weights(path, d)

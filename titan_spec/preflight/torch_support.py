@@ -28,15 +28,20 @@ def check_torch_support(cfg: TitanSpecConfig, version: tuple[int, int] | None = 
             f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree} is refused on {on}: its pipeline "
             "schedules split the microbatch kwargs themselves (torchtitan 0.3.0 calls step(arg_mbs=..., kwarg_mbs=...)) "
             "and PipelineStage takes no get_mesh; pp needs torch >= 2.14 (the pinned 2.14.1)",
-            key="parallelism.pipeline_parallel_degree")
+            key="parallelism.pipeline_parallel_degree",
+        )
     if p.expert_parallel_degree > 1:
         raise ConfigError(
             f"parallelism.expert_parallel_degree = {p.expert_parallel_degree} is refused on {on}: torchtitan 0.3.0 "
             "shards the experts on their own mesh with fully_shard's per-parameter mesh, which torch 2.14 added; "
-            "ep needs torch >= 2.14 (the pinned 2.14.1)", key="parallelism.expert_parallel_degree")
+            "ep needs torch >= 2.14 (the pinned 2.14.1)",
+            key="parallelism.expert_parallel_degree",
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if p.spmd_backend == "full_dtensor" or (p.spmd_backend == "spmd_types" and world > 1):
         raise ConfigError(
             f"parallelism.spmd_backend = {p.spmd_backend!r} is refused on {on} with {world} process(es): torchtitan "
             "0.3.0 passes fully_shard the mesh's data-parallel axes (dp_mesh_dims), which torch 2.14 added; "
-            "allowed there: 'partial_dtensor'", key="parallelism.spmd_backend")
+            "allowed there: 'partial_dtensor'",
+            key="parallelism.spmd_backend",
+        )

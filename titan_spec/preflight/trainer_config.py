@@ -75,13 +75,17 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
         )
     check_tensor_parallel(arch, cfg.parallelism.tensor_parallel_degree)
     if cfg.parallelism.expert_parallel_degree > 1 and not arch.is_moe:
-        raise ConfigError(f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} needs a "
-                          "MoE target (model.flavor tiny_moe, 30B-A3B, ... or a Qwen3-MoE checkpoint); this one is dense",
-                          key="parallelism.expert_parallel_degree")
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {cfg.parallelism.expert_parallel_degree} needs a "
+            "MoE target (model.flavor tiny_moe, 30B-A3B, ... or a Qwen3-MoE checkpoint); this one is dense",
+            key="parallelism.expert_parallel_degree",
+        )
     coeff = cfg.model.moe_load_balance_coeff
     if coeff > 0 and not arch.is_moe:
-        raise ConfigError(f"model.moe_load_balance_coeff = {coeff} needs a MoE target; this one is dense",
-                          key="model.moe_load_balance_coeff")
+        raise ConfigError(
+            f"model.moe_load_balance_coeff = {coeff} needs a MoE target; this one is dense",
+            key="model.moe_load_balance_coeff",
+        )
     model_config = build_target_config(arch, tap_layer_ids=taps, load_balance_coeff=coeff or None)
     if arch.family == "qwen3":
         from torchtitan.models.qwen3 import parallelize_qwen3 as parallelize_fn
@@ -116,8 +120,13 @@ def to_trainer_config(cfg: TitanSpecConfig, made: dict[str, Made] | None = None)
     with quiet_torchtitan():
         checkpoint = VerifiedCheckpointManager.from_config(cfg.checkpoint)
     return trainer_cls.Config(
-        job=cfg.job, model=cfg.model, task=cfg.task, draft=cfg.draft,
-        speculative=cfg.speculative, rollout=cfg.rollout, rl=cfg.rl,
+        job=cfg.job,
+        model=cfg.model,
+        task=cfg.task,
+        draft=cfg.draft,
+        speculative=cfg.speculative,
+        rollout=cfg.rollout,
+        rl=cfg.rl,
         arch=arch,
         draft_arch=draft_arch if cfg.mode.has_draft else None,
         model_spec=model_spec,

@@ -39,8 +39,16 @@ from titan_spec.rollout.builtin.depth import RoundCosts, sampling_mode
 from titan_spec.rollout.builtin.engine import BuiltinRolloutEngine
 
 __all__ = [
-    "Baselines", "EngineBaselines", "ServerBaselines", "baseline_maxes", "baseline_metrics", "baseline_names",
-    "baseline_sums", "build_baselines", "is_baseline_step", "turned_over",
+    "Baselines",
+    "EngineBaselines",
+    "ServerBaselines",
+    "baseline_maxes",
+    "baseline_metrics",
+    "baseline_names",
+    "baseline_sums",
+    "build_baselines",
+    "is_baseline_step",
+    "turned_over",
 ]
 
 Generate = Callable[[list[list[int]], SamplingParams], tuple[list[Rollout], RolloutStats]]
@@ -64,8 +72,9 @@ class Baselines:
     def __init__(self, interval: int):
         self.interval = interval
 
-    def run(self, step: int, prompts: list[list[int]], sampling: SamplingParams,
-            generate: Generate) -> tuple[list[Rollout], RolloutStats, dict[str, RolloutStats]]:
+    def run(
+        self, step: int, prompts: list[list[int]], sampling: SamplingParams, generate: Generate
+    ) -> tuple[list[Rollout], RolloutStats, dict[str, RolloutStats]]:
         """Baseline step ``step``: the step's call (``generate``, the worker's, retried as
         usual) with the baselines around it in the step's order -> (its rollouts, its stats,
         the baselines' stats by name)."""
@@ -77,8 +86,9 @@ class Baselines:
             base = self.measure(prompts, sampling)
         return rollouts, stats, base
 
-    def measure(self, prompts: list[list[int]], sampling: SamplingParams,
-                reverse: bool = False) -> dict[str, RolloutStats]:
+    def measure(
+        self, prompts: list[list[int]], sampling: SamplingParams, reverse: bool = False
+    ) -> dict[str, RolloutStats]:
         """The baselines' calls on these prompts and seed, by name (``reverse``: the pair's
         turned-over order)."""
         return {}
@@ -105,8 +115,15 @@ class EngineBaselines(Baselines):
     """The built-in engine's baselines (the module docstring's table), sharing the worker's
     target and step's draft modules and its round-cost table."""
 
-    def __init__(self, interval: int, engines: dict[str, BuiltinRolloutEngine], costs: RoundCosts, k_max: int,
-                 main: Callable[[], object], save_costs: Callable[[], None]):
+    def __init__(
+        self,
+        interval: int,
+        engines: dict[str, BuiltinRolloutEngine],
+        costs: RoundCosts,
+        k_max: int,
+        main: Callable[[], object],
+        save_costs: Callable[[], None],
+    ):
         """``engines``: by name, "frozen" and "nospec" first (the turned-over pair), then the
         fixed-depth ones in their call order; ``costs``: the table every call is priced by;
         ``main()``: the worker's current main engine (a retry may rebuild it);
@@ -222,10 +239,12 @@ def build_baselines(cfg, worker, draft: torch.nn.Module | None) -> Baselines:
         engines["frozen_fixed"] = BuiltinRolloutEngine(target, engines["frozen"].draft, fixed)
     if cfg.speculative.depth == "adaptive":  # K = 0 is no-spec, K = K_max "fixed"
         for k in range(1, fixed.num_draft_tokens):
-            engines[f"fixed_k{k}"] = BuiltinRolloutEngine(target, worker.draft,
-                                                        dataclasses.replace(fixed, num_draft_tokens=k))
-    return EngineBaselines(interval, engines, costs, worker.engine_config.num_draft_tokens,
-                           lambda: worker.main, worker.save_costs)
+            engines[f"fixed_k{k}"] = BuiltinRolloutEngine(
+                target, worker.draft, dataclasses.replace(fixed, num_draft_tokens=k)
+            )
+    return EngineBaselines(
+        interval, engines, costs, worker.engine_config.num_draft_tokens, lambda: worker.main, worker.save_costs
+    )
 
 
 # --- metrics -------------------------------------------------------------------------------
@@ -250,12 +269,21 @@ def baseline_sums(baselines: dict[str, RolloutStats], K: int) -> dict[str, float
 def baseline_maxes(baselines: dict[str, RolloutStats], K: int) -> dict[str, float]:
     """The baselines' wall and priced seconds, the slowest rank's with the step's."""
     names = baseline_names(K)
-    return {**{n: baselines[n].seconds if n in baselines else 0.0 for n in names},
-            **{f"{n}_priced": baselines[n].priced_s if n in baselines else 0.0 for n in names}}
+    return {
+        **{n: baselines[n].seconds if n in baselines else 0.0 for n in names},
+        **{f"{n}_priced": baselines[n].priced_s if n in baselines else 0.0 for n in names},
+    }
 
 
-def baseline_metrics(present, sums: dict[str, float], maxes: dict[str, float], K: int,
-                     tokens: float, tokens_per_s: float, priced_s: float) -> dict[str, float]:
+def baseline_metrics(
+    present,
+    sums: dict[str, float],
+    maxes: dict[str, float],
+    K: int,
+    tokens: float,
+    tokens_per_s: float,
+    priced_s: float,
+) -> dict[str, float]:
     """The baseline metrics from the reduced ``sums`` and ``maxes`` (``baseline_sums`` /
     ``baseline_maxes`` keys); ``present``: the names measured; ``tokens``, ``tokens_per_s``,
     ``priced_s``: the step's call's (reduced)."""

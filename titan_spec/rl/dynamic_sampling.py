@@ -74,14 +74,19 @@ def select_groups(rewards_PaG: torch.Tensor, share: int, final: bool) -> GroupSe
         return GroupSelection(spread[:share], len(flat), 0)
     if not final:
         return None
-    fill = flat[:share - len(spread)]
+    fill = flat[: share - len(spread)]
     return GroupSelection(sorted(spread + fill), len(flat) - len(fill), len(fill))
 
 
 def _sequential(stats: list[RolloutStats]) -> RolloutStats:
     """Engine calls run one after another: everything adds up, seconds included."""
-    return RolloutStats(sum(s.tokens for s in stats), sum(s.verify_steps for s in stats), sum(s.seconds for s in stats),
-                        sum(s.drafted_tokens for s in stats), sum(s.rounds for s in stats))
+    return RolloutStats(
+        sum(s.tokens for s in stats),
+        sum(s.verify_steps for s in stats),
+        sum(s.seconds for s in stats),
+        sum(s.drafted_tokens for s in stats),
+        sum(s.rounds for s in stats),
+    )
 
 
 def dynamic_sample(
@@ -111,7 +116,10 @@ def dynamic_sample(
     kept = RolloutBatch(
         [problems[i] for i in selection.groups],
         [rollouts[i * G + j] for i in selection.groups for j in range(G)],
-        _sequential([b.stats for b in batches]), first.baselines, first.policy_version, first.push_s,
+        _sequential([b.stats for b in batches]),
+        first.baselines,
+        first.policy_version,
+        first.push_s,
         dynamic=DynamicSampling(len(batches), selection.dropped, selection.topped_up, len(problems)),
     )
     return kept, torch.cat(rewards)[selection.groups]

@@ -37,8 +37,15 @@ Weights = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]
 class RolloutGeneration:
     """This rank's generation of every step's batch (and the baselines), through ``worker``."""
 
-    def __init__(self, rl, task_seed: int, tokenizer, dataloader, worker: RolloutWorker,
-                 generation_group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        rl,
+        task_seed: int,
+        tokenizer,
+        dataloader,
+        worker: RolloutWorker,
+        generation_group: dist.ProcessGroup | None,
+    ):
         self.rl, self.task_seed, self.tokenizer = rl, task_seed, tokenizer
         self.dataloader, self.worker = dataloader, worker
         self.generation_group = generation_group
@@ -75,7 +82,9 @@ class RolloutGeneration:
         def work(share: list[list[int]], k: int):
             # Share k of data-parallel rank d is generation rank d * n + k: a dp = D x cp = C
             # run's calls are a dp = D * C run's (the same prompts, seed and batch shape).
-            return self.rollout_share(share, plan.seed_base + self.dataloader.dp_rank * n + k, plan.baselines, plan.step)
+            return self.rollout_share(
+                share, plan.seed_base + self.dataloader.dp_rank * n + k, plan.baselines, plan.step
+            )
 
         shares = share_work(plan.prompts, work, self.generation_group)
         rollouts = [r for share in shares for r in share[0]]
@@ -83,7 +92,9 @@ class RolloutGeneration:
         base = {name: RolloutStats.combined([share[2][name] for share in shares]) for name in shares[0][2]}
         return RolloutBatch(plan.problems, rollouts, stats, base, version, push_s, problem_index=plan.problem_index)
 
-    def queued_generate(self, step: int, version: int, full_weights: Callable[[], Weights]) -> tuple[RolloutBatch, float]:
+    def queued_generate(
+        self, step: int, version: int, full_weights: Callable[[], Weights]
+    ) -> tuple[RolloutBatch, float]:
         """Asynchronous (rl.async_steps = N; rl/rollout_queue.py): the trainer's weights now
         (after step t-1, ``version``) are gathered (``full_weights``, collective) and copied,
         and the generation of step t+N is queued on them (at step 1 or after a resume without
@@ -110,8 +121,9 @@ class RolloutGeneration:
     def rollout_share(self, prompts: list[list[int]], seed: int, baselines: bool, step: int):
         """One rank's share of step ``step``'s generation: (rollouts, stats, baseline stats)."""
         rl, tok = self.rl, self.tokenizer
-        sampling = SamplingParams(temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-                                  stop_token_ids=tuple(tok.stop_ids), seed=seed)
+        sampling = SamplingParams(
+            temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, stop_token_ids=tuple(tok.stop_ids), seed=seed
+        )
         if baselines:  # the step's call with the baselines around it (rl/baselines.py)
             return self.worker.baselines.run(step, prompts, sampling, self.worker.generate)
         return (*self.worker.generate(prompts, sampling), {})
@@ -131,8 +143,9 @@ class RolloutGeneration:
         if self.queue is None:
             return
         n = self.rl.prompts_per_step
-        self.queue.restore([batch_from_state(b, self.dataloader.problems_at(b["problem_index"], n))
-                            for b in json.loads(saved)])
+        self.queue.restore(
+            [batch_from_state(b, self.dataloader.problems_at(b["problem_index"], n)) for b in json.loads(saved)]
+        )
 
     def close(self) -> None:
         """Drops the batches of steps after the last (they are not trained on)."""

@@ -28,6 +28,10 @@ def _vocab_parallel_logprobs(logits_BLV: DTensor, labels_BL: torch.Tensor, tempe
         return token_logprobs(logits_BLV.full_tensor(), labels_BL, temperature)
     local_TV = logits_BLV.to_local().flatten(0, 1).float() / temperature
     nll_T = _LossParallelCrossEntropy.apply(
-        local_TV, labels_BL.flatten(), mesh.get_group(), logits_BLV.shape[-1], "none",
+        local_TV,
+        labels_BL.flatten(),
+        mesh.get_group(),
+        logits_BLV.shape[-1],
+        "none",
     )
     return (-nll_T).view(labels_BL.shape)

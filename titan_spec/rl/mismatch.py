@@ -46,34 +46,51 @@ class MismatchSums:
         m = mask.to(torch.float64)
         d = (trainer_logp.double() - engine_logp.double()) * m
         band = (d < math.log1p(-rl.clip_low)) | (d > math.log1p(rl.clip_high))
-        return cls(float(m.sum()), float(d.abs().sum()), float(d.abs().max()) if d.numel() else 0.0,
-                   float((band.double() * m).sum()))
+        return cls(
+            float(m.sum()),
+            float(d.abs().sum()),
+            float(d.abs().max()) if d.numel() else 0.0,
+            float((band.double() * m).sum()),
+        )
 
     @classmethod
     def from_update(cls, u) -> "MismatchSums":
         """From an update's stats (``UpdateStats``: its shard's mean, max and out-of-band
         fraction of |logp - b|)."""
-        return cls(u.policy_tokens, u.logp_diff_mean * u.policy_tokens, u.logp_diff_max,
-                   u.out_of_band * u.policy_tokens)
+        return cls(
+            u.policy_tokens, u.logp_diff_mean * u.policy_tokens, u.logp_diff_max, u.out_of_band * u.policy_tokens
+        )
 
     def __add__(self, other: "MismatchSums") -> "MismatchSums":
-        return MismatchSums(self.tokens + other.tokens, self.diff_sum + other.diff_sum,
-                            max(self.diff_max, other.diff_max), self.out_of_band + other.out_of_band)
+        return MismatchSums(
+            self.tokens + other.tokens,
+            self.diff_sum + other.diff_sum,
+            max(self.diff_max, other.diff_max),
+            self.out_of_band + other.out_of_band,
+        )
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def tis_weights(trainer_logp_BL: torch.Tensor, engine_logp_BL: torch.Tensor, seq_index_BL: torch.Tensor,
-                targets_BL: torch.Tensor, level: str, cap: float) -> torch.Tensor:
+def tis_weights(
+    trainer_logp_BL: torch.Tensor,
+    engine_logp_BL: torch.Tensor,
+    seq_index_BL: torch.Tensor,
+    targets_BL: torch.Tensor,
+    level: str,
+    cap: float,
+) -> torch.Tensor:
     """The TIS weight of every label token of a whole minibatch (0 off the completions): per
     token, or per completion (``seq_index``, 1-based) from the sum of its log-ratios."""
     m_BL = targets_BL.to(trainer_logp_BL.dtype)
     log_w_BL = (trainer_logp_BL - engine_logp_BL) * m_BL
     if level == "sequence":
-        seq_BL = (seq_index_BL.round().long() * targets_BL.long())
+        seq_BL = seq_index_BL.round().long() * targets_BL.long()
         S = int(seq_BL.max()) + 1 if seq_BL.numel() else 1
-        log_w_Sq = torch.zeros(S, dtype=log_w_BL.dtype, device=log_w_BL.device).index_add(0, seq_BL.reshape(-1), log_w_BL.reshape(-1))
+        log_w_Sq = torch.zeros(S, dtype=log_w_BL.dtype, device=log_w_BL.device).index_add(
+            0, seq_BL.reshape(-1), log_w_BL.reshape(-1)
+        )
         log_w_BL = log_w_Sq[seq_BL]
     elif level != "token":
         raise ValueError(f"rl.tis = {level!r} is not allowed; it must be one of 'off', 'token', 'sequence'")

@@ -36,9 +36,17 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.rl.logprobs import token_logprobs
 
-__all__ = ["PolicyLossOutput", "policy_objective", "aggregation_weights", "kl_estimate", "resolved_agg",
-           "MAX_LOG_RATIO", "MAX_SEQ_LOG_RATIO", "KL_CLAMP",
-           "ClippedPolicyLoss"]
+__all__ = [
+    "PolicyLossOutput",
+    "policy_objective",
+    "aggregation_weights",
+    "kl_estimate",
+    "resolved_agg",
+    "MAX_LOG_RATIO",
+    "MAX_SEQ_LOG_RATIO",
+    "KL_CLAMP",
+    "ClippedPolicyLoss",
+]
 
 MAX_LOG_RATIO = 20.0
 """Cap on |logp - b| per token before the exp (verl's): a token far off the behaviour policy
@@ -99,8 +107,9 @@ def kl_estimate(logp_T: torch.Tensor, ref_logp_T: torch.Tensor, estimator: str) 
     raise ValueError(f"rl.kl_estimator = {estimator!r} is not allowed; it must be one of 'k1', 'k2', 'k3'")
 
 
-def aggregation_weights(mask_T: torch.Tensor, seq_tokens_T: torch.Tensor, counts: dict, agg: str, norm: float,
-                        dtype: torch.dtype) -> torch.Tensor:
+def aggregation_weights(
+    mask_T: torch.Tensor, seq_tokens_T: torch.Tensor, counts: dict, agg: str, norm: float, dtype: torch.dtype
+) -> torch.Tensor:
     """agg_t of the module docstring: each kept token's weight in the minibatch's loss.
     ``counts``: "tokens" N and "sequences" S of the kept completions over all data-parallel
     ranks; ``seq_tokens_T``: each token's completion length n_i."""
@@ -178,7 +187,10 @@ def policy_objective(
         token_ratio_T = torch.exp(diff_T.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         abs_diff_T = diff_T.abs() * m_T
         out = PolicyLossOutput(
-            loss=loss, clip_fraction=frac(clipped_T > unclipped_T), dual_clip_fraction=frac(dual_T), kl=kl,
+            loss=loss,
+            clip_fraction=frac(clipped_T > unclipped_T),
+            dual_clip_fraction=frac(dual_T),
+            kl=kl,
             ratio_dev=((ratio_T - 1.0).abs() * m_T).max() if m_T.numel() else torch.zeros((), dtype=dt),
             logp_diff_mean=abs_diff_T.sum() / n,
             logp_diff_max=abs_diff_T.max() if m_T.numel() else torch.zeros((), dtype=dt),
@@ -226,7 +238,10 @@ class ClippedPolicyLoss:
         mask_T = ((labels_BL != IGNORE_INDEX) & (self.keep(self.values_BL, rl) > 0)).reshape(-1)
         out = policy_objective(
             token_logprobs(logits_BLV, labels_BL, rl.temperature).reshape(-1),
-            {k: v.reshape(-1) for k, v in self.values_BL.items()}, mask_T, self.totals, rl,
+            {k: v.reshape(-1) for k, v in self.values_BL.items()},
+            mask_T,
+            self.totals,
+            rl,
             sequence_ratio=self.sequence_ratio,
             ref_logp_T=None if self.ref_logp_BL is None else self.ref_logp_BL.reshape(-1),
         )

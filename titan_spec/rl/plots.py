@@ -76,8 +76,15 @@ def panel_reward(ax, rows, runs):
 def panel_acceptance(ax, rows, runs):
     xs, ys = _series(rows, "rollout/accept_len")
     if xs:
-        ax.plot(xs, ema(ys, _span(len(ys))), "-", lw=1, alpha=0.45, color=COLORS["co-trained"],
-                label="co-trained, every step (smoothed)")
+        ax.plot(
+            xs,
+            ema(ys, _span(len(ys))),
+            "-",
+            lw=1,
+            alpha=0.45,
+            color=COLORS["co-trained"],
+            label="co-trained, every step (smoothed)",
+        )
     base = [r for r in rows if r.get("rollout/accept_len_frozen") is not None]
     for key, name in (("rollout/accept_len", "co-trained"), ("rollout/accept_len_frozen", "frozen")):
         bx, by = _series(base, key)
@@ -143,8 +150,11 @@ def panel_rollout_time(ax, rows, runs):
 
 def panel_tps(ax, rows, runs):
     base = [r for r in rows if "rollout/tokens_per_s_nospec" in r or "rollout/tokens_per_s_frozen" in r]
-    for key, name in (("rollout/tokens_per_s", "co-trained"), ("rollout/tokens_per_s_frozen", "frozen"),
-                      ("rollout/tokens_per_s_nospec", "no-spec")):
+    for key, name in (
+        ("rollout/tokens_per_s", "co-trained"),
+        ("rollout/tokens_per_s_frozen", "frozen"),
+        ("rollout/tokens_per_s_nospec", "no-spec"),
+    ):
         xs, ys = _series(base, key)
         if xs:
             ax.plot(xs, ys, "o-", ms=4, color=COLORS[name], label=name)
@@ -168,9 +178,15 @@ def panel_draft_k(ax, rows, runs):
     _finish(ax, "Draft tokens per verify round (adaptive K)", "K")
 
 
-PANELS = (("reward", panel_reward), ("acceptance", panel_acceptance), ("completion_len", panel_length),
-          ("kl", panel_kl), ("rollout_time", panel_rollout_time), ("draft_k", panel_draft_k),
-          ("rollout_tps", panel_tps))
+PANELS = (
+    ("reward", panel_reward),
+    ("acceptance", panel_acceptance),
+    ("completion_len", panel_length),
+    ("kl", panel_kl),
+    ("rollout_time", panel_rollout_time),
+    ("draft_k", panel_draft_k),
+    ("rollout_tps", panel_tps),
+)
 OVERVIEW = 6
 """Panels in overview.png: the first six present (rollout_tps only when draft_k is absent)."""
 
@@ -200,7 +216,7 @@ def write_plots(folder: str, rows: list[dict], runs: dict[str, list[dict]] | Non
     fig, axes = plt.subplots(nrows, cols, figsize=(6.0 * cols, 3.8 * nrows), squeeze=False)
     for ax, (name, draw) in zip(axes.flat, panels):
         draw(ax, rows, runs)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
     paths.append(os.path.join(folder, "overview.png"))

@@ -34,8 +34,14 @@ def recompute_behaviour(trainer, minibatches: list[Minibatch]) -> dict[str, floa
         total = total + sums
         values = mb.values_BL
         if rl.tis != "off":
-            values["tis_weight"] = tis_weights(trainer_logp_BL, values["behaviour_logp"], values["seq_index"],
-                                               mb.labels_BL != IGNORE_INDEX, rl.tis, rl.tis_cap)
+            values["tis_weight"] = tis_weights(
+                trainer_logp_BL,
+                values["behaviour_logp"],
+                values["seq_index"],
+                mb.labels_BL != IGNORE_INDEX,
+                rl.tis,
+                rl.tis_cap,
+            )
         values["behaviour_logp"] = trainer_logp_BL
     return total.as_dict()
 

@@ -73,7 +73,7 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     # calibration, first allocations): "start" seconds are steps 2..window+1.
     window = max(1, min(window, len(rl) // 2))
     head, tail = rl[:window], rl[-window:]
-    warm = rl[1:window + 1] or head
+    warm = rl[1 : window + 1] or head
     base = _baseline_rows(rl)
     b_head, b_tail = base[:1], base[-1:]
     k_fixed = next((int(r["rollout/fixed_k"]) for r in base if r.get("rollout/fixed_k") is not None), "K")
@@ -89,10 +89,16 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
         row("reward", "rl/reward"),
         row("acceptance length, co-trained draft (same prompts)", "rollout/accept_len", (b_head, b_tail)),
         row("acceptance length, frozen draft (same prompts)", "rollout/accept_len_frozen", (b_head, b_tail)),
-        row(f"acceptance at fixed K = {k_fixed}, co-trained draft (same prompts)", "rollout/accept_len_fixed",
-            (b_head, b_tail)),
-        row(f"acceptance at fixed K = {k_fixed}, frozen draft (same prompts)", "rollout/accept_len_frozen_fixed",
-            (b_head, b_tail)),
+        row(
+            f"acceptance at fixed K = {k_fixed}, co-trained draft (same prompts)",
+            "rollout/accept_len_fixed",
+            (b_head, b_tail),
+        ),
+        row(
+            f"acceptance at fixed K = {k_fixed}, frozen draft (same prompts)",
+            "rollout/accept_len_frozen_fixed",
+            (b_head, b_tail),
+        ),
         row("acceptance length, co-trained draft (every step)", "rollout/accept_len"),
         row("completion length, mean tokens", "rollout/completion_len", fmt=".1f"),
         row("completion length, p90 tokens", "rollout/completion_len_p90", fmt=".1f"),
@@ -103,18 +109,29 @@ def summary_table(rows: list[dict], window: int = 10) -> str:
     if any(r.get("rollout/draft_k") is not None for r in rl):  # absent without speculation
         lines.append(row("draft tokens per round (adaptive K)", "rollout/draft_k", fmt=".2f"))
     if any(r.get("rollout/depth_regret") is not None for r in base):  # absent at fixed depth
-        lines.append(row("adaptive depth's regret vs the best fixed K (same prompts)", "rollout/depth_regret",
-                         (b_head, b_tail), fmt="+.3f"))
+        lines.append(
+            row(
+                "adaptive depth's regret vs the best fixed K (same prompts)",
+                "rollout/depth_regret",
+                (b_head, b_tail),
+                fmt="+.3f",
+            )
+        )
     if not any(r.get("rollout/accept_len_fixed") is not None for r in base):  # older runs, co_train off
         lines = [ln for ln in lines if "at fixed K" not in ln]
-    for key, name in (("time/push_s", "weight push"), ("time/rollout_s", "rollout"), ("time/train_s", "train"),
-                      ("time/step_s", "step")):
+    for key, name in (
+        ("time/push_s", "weight push"),
+        ("time/rollout_s", "rollout"),
+        ("time/train_s", "train"),
+        ("time/step_s", "step"),
+    ):
         lines.append(row(f"{name} s/step", key, (warm, tail)))
     if any(r.get("time/rollout_wait_s") is not None for r in rl):
         # rl.async_steps: push and rollout ran beside earlier steps' training; a step paid
         # only its wait for them (bench/rl_async.py sets this against a synchronous run).
-        lines.append(row("wait for the batch s/step (async; push and rollout overlapped)", "time/rollout_wait_s",
-                         (warm, tail)))
+        lines.append(
+            row("wait for the batch s/step (async; push and rollout overlapped)", "time/rollout_wait_s", (warm, tail))
+        )
         lines.append(row("policy lag, steps (async)", "rl/policy_lag", fmt=".1f"))
     headline = _headline(b_tail[0] if b_tail else {}, k_fixed)
     regret = _regret_line(base)
@@ -131,15 +148,18 @@ def _regret_line(base: list[dict]) -> str:
     regrets = [r["rollout/depth_regret"] for r in rows]
     best = [int(r["rollout/best_fixed_k"]) for r in rows]
     wall = _median(rows, "rollout/depth_regret_wall")
-    return (f"Adaptive depth vs the best fixed K of the same call, {len(rows)} baseline steps after the first, "
-            f"rounds priced by the engine's round-cost table: regret median {statistics.median(regrets):+.3f}, "
-            f"worst {max(regrets):+.3f} (positive = the best single K was that much faster); best fixed K per "
-            f"step: {best}; by wall seconds (noisy: the best of K_max + 1 calls) median {_fmt(wall, '+.3f')}.")
+    return (
+        f"Adaptive depth vs the best fixed K of the same call, {len(rows)} baseline steps after the first, "
+        f"rounds priced by the engine's round-cost table: regret median {statistics.median(regrets):+.3f}, "
+        f"worst {max(regrets):+.3f} (positive = the best single K was that much faster); best fixed K per "
+        f"step: {best}; by wall seconds (noisy: the best of K_max + 1 calls) median {_fmt(wall, '+.3f')}."
+    )
 
 
 def _headline(last: dict, k) -> str:
     """Co-trained vs frozen at the last baseline step: at fixed K (the drafts) and under the
     engine's depth choice (what the engine achieved), each as a ratio."""
+
     def ratio(a, b):
         x, y = last.get(a), last.get(b)
         return f"{x / y:.2f}x" if x is not None and y else None
@@ -148,9 +168,11 @@ def _headline(last: dict, k) -> str:
     if fixed is None:
         return ""
     adaptive = ratio("rollout/accept_len", "rollout/accept_len_frozen")
-    return (f"\nAt the last baseline step the co-trained draft accepts {fixed} the frozen draft's tokens per "
-            f"verify at fixed K = {k} (the drafts' quality at equal depth); under the engine's own depth choice "
-            f"{adaptive or '-'} (what the engine achieved: a draft it keeps at K = 0 counts 1.00).")
+    return (
+        f"\nAt the last baseline step the co-trained draft accepts {fixed} the frozen draft's tokens per "
+        f"verify at fixed K = {k} (the drafts' quality at equal depth); under the engine's own depth choice "
+        f"{adaptive or '-'} (what the engine achieved: a draft it keeps at K = 0 counts 1.00)."
+    )
 
 
 def variant_summary(rows: list[dict], window: int = 10) -> dict:
@@ -160,10 +182,14 @@ def variant_summary(rows: list[dict], window: int = 10) -> dict:
     rl = [r for r in rows if "rl/reward" in r]
     body = rl[1:] or rl
     return {
-        "reward_start": _mean(rl[:window], "rl/reward"), "reward_end": _mean(rl[-window:], "rl/reward"),
-        "accept_start": _mean(rl[:window], "rollout/accept_len"), "accept_end": _mean(rl[-window:], "rollout/accept_len"),
-        "rollout_s": _median(body, "time/rollout_s"), "step_s": _median(body, "time/step_s"),
-        "train_s": _median(body, "time/train_s"), "push_s": _median(body, "time/push_s"),
+        "reward_start": _mean(rl[:window], "rl/reward"),
+        "reward_end": _mean(rl[-window:], "rl/reward"),
+        "accept_start": _mean(rl[:window], "rollout/accept_len"),
+        "accept_end": _mean(rl[-window:], "rollout/accept_len"),
+        "rollout_s": _median(body, "time/rollout_s"),
+        "step_s": _median(body, "time/step_s"),
+        "train_s": _median(body, "time/train_s"),
+        "push_s": _median(body, "time/push_s"),
         "completion_len_end": _mean(rl[-window:], "rollout/completion_len"),
     }
 
@@ -181,11 +207,17 @@ def inrun_variants(rows: list[dict]) -> dict[str, dict]:
     med = base[1:] or base
 
     def v(accept, rollout_s):
-        per_step = [r[rollout_s] / r["time/rollout_s_nospec"] for r in med
-                    if r.get(rollout_s) is not None and r.get("time/rollout_s_nospec")]
-        return {"accept_start": _mean(b1, accept) if accept else 1.0, "accept_end": _mean(b2, accept) if accept else 1.0,
-                "rollout_s": _median(med, rollout_s),
-                "rollout_vs_nospec": statistics.median(per_step) if per_step else None}
+        per_step = [
+            r[rollout_s] / r["time/rollout_s_nospec"]
+            for r in med
+            if r.get(rollout_s) is not None and r.get("time/rollout_s_nospec")
+        ]
+        return {
+            "accept_start": _mean(b1, accept) if accept else 1.0,
+            "accept_end": _mean(b2, accept) if accept else 1.0,
+            "rollout_s": _median(med, rollout_s),
+            "rollout_vs_nospec": statistics.median(per_step) if per_step else None,
+        }
 
     co = {**variant_summary(rows), **v("rollout/accept_len", "time/rollout_s")}
     out = {"co-trained": co}
@@ -210,7 +242,10 @@ def variants_table(variants: dict[str, dict], title: str) -> str:
 
     cells = [
         ("reward, start -> end", lambda v: f"{_fmt(v.get('reward_start'))} -> {_fmt(v.get('reward_end'))}"),
-        ("acceptance length, start -> end", lambda v: f"{_fmt(v.get('accept_start'), '.2f')} -> {_fmt(v.get('accept_end'), '.2f')}"),
+        (
+            "acceptance length, start -> end",
+            lambda v: f"{_fmt(v.get('accept_start'), '.2f')} -> {_fmt(v.get('accept_end'), '.2f')}",
+        ),
         ("rollout s/step", lambda v: _fmt(v.get("rollout_s"))),
         ("rollout vs no-spec", lambda v: ratio(v, "rollout_s")),
         ("step s", lambda v: _fmt(v.get("step_s"))),
@@ -228,11 +263,18 @@ def write_report(dump_folder: str, runs: dict[str, list[dict]] | None = None, pl
     the run in ``dump_folder`` (whose in-run baselines are used without them)."""
     rows = read_metrics(dump_folder)
     parts = [summary_table(rows)]
-    parts.append(variants_table(inrun_variants(rows),
-                                "In-run baselines on the same prompts (no reward / step time: they do not train)"))
+    parts.append(
+        variants_table(
+            inrun_variants(rows), "In-run baselines on the same prompts (no reward / step time: they do not train)"
+        )
+    )
     if runs:
-        parts.append(variants_table({n: variant_summary(r) for n, r in runs.items()},
-                                    "Whole runs, same seeds (bench/rl_baselines.py): seconds are medians over steps 2.."))
+        parts.append(
+            variants_table(
+                {n: variant_summary(r) for n, r in runs.items()},
+                "Whole runs, same seeds (bench/rl_baselines.py): seconds are medians over steps 2..",
+            )
+        )
     text = "\n\n".join(parts)
     if plots:
         write_plots(os.path.join(dump_folder, "plots"), rows, runs)

@@ -93,14 +93,24 @@ def batch_to_state(batch: RolloutBatch) -> dict:
     record may hold values JSON cannot)."""
     if batch.dynamic is not None:
         raise ValueError("a batch of rl.dynamic_sampling is never queued (config/validate.py refuses the pair)")
-    return {"problem_index": batch.problem_index, "rollouts": [dataclasses.asdict(r) for r in batch.rollouts],
-            "stats": dataclasses.asdict(batch.stats),
-            "baselines": {n: dataclasses.asdict(s) for n, s in batch.baselines.items()},
-            "policy_version": batch.policy_version, "push_s": batch.push_s}
+    return {
+        "problem_index": batch.problem_index,
+        "rollouts": [dataclasses.asdict(r) for r in batch.rollouts],
+        "stats": dataclasses.asdict(batch.stats),
+        "baselines": {n: dataclasses.asdict(s) for n, s in batch.baselines.items()},
+        "policy_version": batch.policy_version,
+        "push_s": batch.push_s,
+    }
 
 
 def batch_from_state(state: dict, problems: list) -> RolloutBatch:
     """``batch_to_state``'s inverse, with the problems drawn again."""
-    return RolloutBatch(problems, [Rollout(**r) for r in state["rollouts"]], RolloutStats(**state["stats"]),
-                        {n: RolloutStats(**s) for n, s in state["baselines"].items()},
-                        int(state["policy_version"]), float(state["push_s"]), problem_index=int(state["problem_index"]))
+    return RolloutBatch(
+        problems,
+        [Rollout(**r) for r in state["rollouts"]],
+        RolloutStats(**state["stats"]),
+        {n: RolloutStats(**s) for n, s in state["baselines"].items()},
+        int(state["policy_version"]),
+        float(state["push_s"]),
+        problem_index=int(state["problem_index"]),
+    )

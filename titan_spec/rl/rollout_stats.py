@@ -32,8 +32,14 @@ class RolloutStats:
     @classmethod
     def of(cls, rollouts: list[Rollout], seconds: float, priced_s: float = 0.0) -> "RolloutStats":
         steps = sum(r.verify_steps for r in rollouts)
-        return cls(sum(len(r.output_ids) for r in rollouts), steps, seconds,
-                   sum(r.drafted_tokens for r in rollouts), steps - len(rollouts), priced_s)
+        return cls(
+            sum(len(r.output_ids) for r in rollouts),
+            steps,
+            seconds,
+            sum(r.drafted_tokens for r in rollouts),
+            steps - len(rollouts),
+            priced_s,
+        )
 
     @classmethod
     def combined(cls, shares: list["RolloutStats"]) -> "RolloutStats":
@@ -41,6 +47,11 @@ class RolloutStats:
         add up, their seconds are the slowest share's."""
         if len(shares) == 1:
             return shares[0]
-        return cls(sum(s.tokens for s in shares), sum(s.verify_steps for s in shares), max(s.seconds for s in shares),
-                   sum(s.drafted_tokens for s in shares), sum(s.rounds for s in shares),
-                   max(s.priced_s for s in shares))
+        return cls(
+            sum(s.tokens for s in shares),
+            sum(s.verify_steps for s in shares),
+            max(s.seconds for s in shares),
+            sum(s.drafted_tokens for s in shares),
+            sum(s.rounds for s in shares),
+            max(s.priced_s for s in shares),
+        )

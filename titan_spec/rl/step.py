@@ -90,12 +90,20 @@ class RLTrainer(SpecTrainer):
         self.rl = config.rl
         # The draft as it was before RL (SpecTrainer's starting draft): the rollout engines
         # start from it and the frozen-draft baseline keeps it (rebuilt identically on resume).
-        self.worker = RolloutWorker(config, config.arch, self.device, self.starting_draft,
-                                    costs_dir=config.dump_folder, resume_hint=self._resume_hint)
+        self.worker = RolloutWorker(
+            config,
+            config.arch,
+            self.device,
+            self.starting_draft,
+            costs_dir=config.dump_folder,
+            resume_hint=self._resume_hint,
+        )
         # The ranks of this rank's data-parallel rank (its CP ranks) share each step's
         # generation (rl/sharing.py); collective over the world.
         group = same_data_group(self.dataloader.dp_rank, dist.get_world_size())
-        self.generation = RolloutGeneration(self.rl, config.task.seed, self.tokenizer, self.dataloader, self.worker, group)
+        self.generation = RolloutGeneration(
+            self.rl, config.task.seed, self.tokenizer, self.dataloader, self.worker, group
+        )
         """Phase 2, synchronous or queued (rl/generation.py)."""
         self._degenerate_steps = 0
         self.reward = reward_fn(config.task.reward)
@@ -159,16 +167,27 @@ class RLTrainer(SpecTrainer):
             batch = gen.generate(self.step, version, self.push_weights())
         rewards_PG = self.score(batch)
         if rl.dynamic_sampling:  # DAPO: rounds of new prompts until every group has spread
-            batch, rewards_PG = dynamic_sample(batch, rewards_PG, lambda: gen.generate(self.step, version, 0.0, first=False),
-                                               self.score, rl.dynamic_sampling_rounds)
+            batch, rewards_PG = dynamic_sample(
+                batch,
+                rewards_PG,
+                lambda: gen.generate(self.step, version, 0.0, first=False),
+                self.score,
+                rl.dynamic_sampling_rounds,
+            )
         self._warn_if_degenerate(rewards_PG)  # once a step, on the batch trained on
         shaping_PG = self.reward_shaping(batch)
         advantages_PG = group_advantages(rewards_PG + shaping_PG, rl.scale_advantages)
         minibatches = self.pack(batch, advantages_PG)
         mismatch = recompute_behaviour(self, minibatches) if rl.behaviour_logprobs == "recompute" else None
-        record = StepRecord(batch, rewards_PG, shaping_PG if rl.dapo.overlong_buffer > 0 else None,
-                            rollout_done=time.perf_counter(), mismatch=mismatch, wait_s=wait_s,
-                            policy_version=version)
+        record = StepRecord(
+            batch,
+            rewards_PG,
+            shaping_PG if rl.dapo.overlong_buffer > 0 else None,
+            rollout_done=time.perf_counter(),
+            mismatch=mismatch,
+            wait_s=wait_s,
+            policy_version=version,
+        )
         # torchtitan's throughput account: the rollouts are this step's data loading.
         self.metrics_processor.count_data(record.rollout_done - t0, sum(mb.labels_BL.numel() for mb in minibatches))
         for _ in range(rl.ppo_epochs):
@@ -214,8 +233,12 @@ class RLTrainer(SpecTrainer):
         """3: rewards_PG of the batch's completions (no collective: rl.dynamic_sampling scores
         each round, and the data-parallel ranks may run different numbers of rounds)."""
         G, tok = self.rl.group_size, self.tokenizer
-        rewards = score(self.reward, self.config.task.reward, [tok.decode(r.output_ids) for r in batch.rollouts],
-                        [batch.problems[i // G] for i in range(len(batch.rollouts))])
+        rewards = score(
+            self.reward,
+            self.config.task.reward,
+            [tok.decode(r.output_ids) for r in batch.rollouts],
+            [batch.problems[i // G] for i in range(len(batch.rollouts))],
+        )
         return torch.tensor(rewards, dtype=torch.float32).view(len(batch.problems), G)
 
     def pack(self, batch: RolloutBatch, advantages_PG: torch.Tensor) -> list[Minibatch]:
@@ -224,13 +247,18 @@ class RLTrainer(SpecTrainer):
         adv = advantages_PG.reshape(-1).tolist()
         n = len(batch.rollouts) // self.rl.minibatches  # config validation: it divides
         docs = [
-            Document(r.prompt_ids + r.output_ids, loss_from=len(r.prompt_ids), values={
-                "behaviour_logp": r.logprobs, "advantages": [a] * len(r.output_ids),
-                # what the loss variants read: the completion (1-based in its minibatch), its truncation
-                "seq_index": [float(i % n + 1)] * len(r.output_ids),
-                "truncated": [float(r.finish_reason == "length")] * len(r.output_ids),
-                "seq_tokens": [float(len(r.output_ids))] * len(r.output_ids),
-            })
+            Document(
+                r.prompt_ids + r.output_ids,
+                loss_from=len(r.prompt_ids),
+                values={
+                    "behaviour_logp": r.logprobs,
+                    "advantages": [a] * len(r.output_ids),
+                    # what the loss variants read: the completion (1-based in its minibatch), its truncation
+                    "seq_index": [float(i % n + 1)] * len(r.output_ids),
+                    "truncated": [float(r.finish_reason == "length")] * len(r.output_ids),
+                    "seq_tokens": [float(len(r.output_ids))] * len(r.output_ids),
+                },
+            )
             for i, (r, a) in enumerate(zip(batch.rollouts, adv))
         ]
         # Under PP the schedule's microbatches have static shapes: a minibatch fills exactly
@@ -238,10 +266,11 @@ class RLTrainer(SpecTrainer):
         rows = self.config.training.local_batch_size if self.parallel_dims.pp_enabled else None
         out = []
         for i in range(self.rl.minibatches):
-            share = docs[i * n:(i + 1) * n]
+            share = docs[i * n : (i + 1) * n]
             try:
-                packed, used = pack_documents(share, rows, self.config.training.seq_len, self.tokenizer.pad_id,
-                                              self.dataloader.document_multiple)
+                packed, used = pack_documents(
+                    share, rows, self.config.training.seq_len, self.tokenizer.pad_id, self.dataloader.document_multiple
+                )
             except ValueError as e:
                 raise ValueError(f"{e}: raise training.seq_len or lower rl.max_new_tokens") from None
             if used < len(share):
@@ -251,8 +280,11 @@ class RLTrainer(SpecTrainer):
                     f"{len(share)} completions fit: raise training.local_batch_size (a multiple of "
                     "parallelism.pipeline_parallel_microbatch_size), training.seq_len or rl.minibatches"
                 )
-            out.append(Minibatch({"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL,
-                                 packed.values_BL))
+            out.append(
+                Minibatch(
+                    {"input": packed.input_BL, "positions": packed.positions_BL}, packed.labels_BL, packed.values_BL
+                )
+            )
         return out
 
     def update(self, mb: Minibatch) -> UpdateStats:
@@ -279,15 +311,22 @@ class RLTrainer(SpecTrainer):
         loss = self.account_loss(loss, global_valid_tokens, last=True)
         # torchtitan's clip returns the global pre-clip norm, also when it is not finite: the guard's input.
         grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
-            pp_mesh=pd.get_optional_mesh("pp"), ep_enabled=pd.ep_enabled,
+            [p for m in self.model_parts for p in m.parameters()],
+            self.config.training.max_norm,
+            foreach=True,
+            pp_mesh=pd.get_optional_mesh("pp"),
+            ep_enabled=pd.ep_enabled,
         )
         self.checkpointer.maybe_wait_for_staging()
         # The policy's step (or the guard's skip), then the draft's (training/joint_step.py).
         self.joint_step.step(self.step, self._step_loss, grad_norm)
         return UpdateStats(
-            loss=loss, local_valid_tokens=local_valid_tokens, global_valid_tokens=global_valid_tokens,
-            grad_norm=grad_norm, policy_tokens=policy_tokens, **stats,
+            loss=loss,
+            local_valid_tokens=local_valid_tokens,
+            global_valid_tokens=global_valid_tokens,
+            grad_norm=grad_norm,
+            policy_tokens=policy_tokens,
+            **stats,
         )
 
     def _forward_backward(self, mb: Minibatch, global_valid_tokens) -> tuple[torch.Tensor, float, dict]:
@@ -320,15 +359,22 @@ class RLTrainer(SpecTrainer):
         n = float(sum(count for _, count in got))
         weighted = lambda name: sum(float(getattr(st, name)) * c for st, c in got) / max(n, 1.0)
         # Fractions and means weighted by the microbatches' tokens, maxima maxed.
-        stats = {name: (max((float(getattr(st, name)) for st, _ in got), default=0.0) if name in UpdateStats.MAXIMA
-                        else weighted(name)) for name in UpdateStats.POLICY_STATS}
+        stats = {
+            name: (
+                max((float(getattr(st, name)) for st, _ in got), default=0.0)
+                if name in UpdateStats.MAXIMA
+                else weighted(name)
+            )
+            for name in UpdateStats.POLICY_STATS
+        }
         return loss, n, stats
 
     def on_device(self, mb: Minibatch, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """The minibatch's ``rows`` on the device through post_dataloading_process: (inputs,
         labels, extra kwargs); under context parallelism this rank's zigzag shard of them."""
-        return self.post_dataloading_process({k: v[rows].to(self.device) for k, v in mb.inputs.items()},
-                                             mb.labels_BL[rows].to(self.device))
+        return self.post_dataloading_process(
+            {k: v[rows].to(self.device) for k, v in mb.inputs.items()}, mb.labels_BL[rows].to(self.device)
+        )
 
     def microbatch_rows(self, mb: Minibatch) -> list[slice]:
         """Under pipeline parallelism: the minibatch's rows of each of the schedule's
@@ -409,17 +455,23 @@ class RLTrainer(SpecTrainer):
                 # Each rank's loss is its sum / the global token count: the global mean is
                 # the sum over ranks; the largest rank mean rescales by its own count.
                 losses.append(dist_utils.dist_sum(u.loss, mesh))
-                max_losses.append(dist_utils.dist_max(u.loss * u.global_valid_tokens / u.local_valid_tokens.to(u.loss.device), mesh))
+                max_losses.append(
+                    dist_utils.dist_max(u.loss * u.global_valid_tokens / u.local_valid_tokens.to(u.loss.device), mesh)
+                )
             else:
                 losses.append(float(u.loss.item()))
                 max_losses.append(losses[-1])
         ntokens = self.ntokens_seen
         if pd.dp_cp_enabled:
-            ntokens = dist_utils.dist_sum(torch.tensor(ntokens, dtype=torch.int64, device=self.device),
-                                          pd.get_optional_mesh("loss"))
+            ntokens = dist_utils.dist_sum(
+                torch.tensor(ntokens, dtype=torch.int64, device=self.device), pd.get_optional_mesh("loss")
+            )
         grad_norm = sum(float(u.grad_norm.item()) for u in record.updates) / len(record.updates)
         self.metrics_processor.log(
-            self.step, sum(losses) / len(losses), max(max_losses), grad_norm,
+            self.step,
+            sum(losses) / len(losses),
+            max(max_losses),
+            grad_norm,
             extra_metrics={"n_tokens_seen": ntokens, **lr_metrics},
         )
 
@@ -437,4 +489,3 @@ class RLTrainer(SpecTrainer):
         if dist.get_rank() == 0:
             summary = write_report(self.config.dump_folder)
             logger.info(f"RL summary\n{summary}")
-

@@ -41,10 +41,13 @@ def rl_step_metrics(record: StepRecord, cfg, mode, pd) -> dict[str, float]:
     # The rollouts are the same on every rank of a data-parallel rank (its CP ranks hold
     # the group's exchanged rollouts): counted once, summed over the data-parallel ranks ...
     rollout_sums = {
-        "reward": float(record.rewards_PG.sum()), "completions": len(b.rollouts),
+        "reward": float(record.rewards_PG.sum()),
+        "completions": len(b.rollouts),
         "stopped": sum(r.finish_reason == "stop" for r in b.rollouts),
-        "tokens": stats.tokens, "verify": stats.verify_steps,
-        "drafted": stats.drafted_tokens, "rounds": stats.rounds,
+        "tokens": stats.tokens,
+        "verify": stats.verify_steps,
+        "drafted": stats.drafted_tokens,
+        "rounds": stats.rounds,
         **_length_counts(b.rollouts, rl.max_new_tokens),
     }
     if record.shaping_PG is not None:  # DAPO's soft overlong punishment (rl/dapo.py)
@@ -55,47 +58,59 @@ def rl_step_metrics(record: StepRecord, cfg, mode, pd) -> dict[str, float]:
     # every rank that trains on data (dp x cp), means over all completion tokens ...
     # The engine/trainer mismatch at the step's starting weights (rl/mismatch.py): from the
     # recompute forward, or the first update's (it runs at those weights).
-    mismatch = (MismatchSums(**record.mismatch) if record.mismatch is not None
-                else MismatchSums.from_update(record.updates[0]))
+    mismatch = (
+        MismatchSums(**record.mismatch) if record.mismatch is not None else MismatchSums.from_update(record.updates[0])
+    )
     token_sums = {
         "policy_tokens": sum(u.policy_tokens for u in record.updates),
         "clip": sum(u.policy_tokens * u.clip_fraction for u in record.updates),
         "dual_clip": sum(u.policy_tokens * u.dual_clip_fraction for u in record.updates),
         "kl": sum(u.policy_tokens * u.kl for u in record.updates),
-        "mismatch_tokens": mismatch.tokens, "mismatch_diff": mismatch.diff_sum,
+        "mismatch_tokens": mismatch.tokens,
+        "mismatch_diff": mismatch.diff_sum,
         "mismatch_out": mismatch.out_of_band,
         **record.drift,  # per token of this rank's shard, like the PPO stats
     }
     # ... and the slowest rank's seconds.
-    maxes = {"rollout": stats.seconds, "push": b.push_s, "train": record.train_s, "mismatch_max": mismatch.diff_max,
-             "len_max": max((len(r.output_ids) for r in b.rollouts), default=0), "rollout_priced": stats.priced_s,
-             **baseline_maxes(b.baselines, K)}
-    sums = {**_reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
-            **_reduce(token_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("loss"))}
+    maxes = {
+        "rollout": stats.seconds,
+        "push": b.push_s,
+        "train": record.train_s,
+        "mismatch_max": mismatch.diff_max,
+        "len_max": max((len(r.output_ids) for r in b.rollouts), default=0),
+        "rollout_priced": stats.priced_s,
+        **baseline_maxes(b.baselines, K),
+    }
+    sums = {
+        **_reduce(rollout_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("batch")),
+        **_reduce(token_sums, dist.ReduceOp.SUM, pd.get_optional_mesh("loss")),
+    }
     if record.wait_s is not None:  # rl.async_steps: push and rollouts overlapped earlier steps
         maxes["wait"] = record.wait_s
     maxes = _reduce(maxes, dist.ReduceOp.MAX, pd.get_optional_mesh("loss"))
     tokens, ppo_tokens = sums["tokens"], max(sums["policy_tokens"], 1.0)
     updates_per_step = rl.ppo_epochs * rl.minibatches  # versions count optimizer steps
-    out.update({
-        "rl/reward": sums["reward"] / sums["completions"],
-        "rl/stop_fraction": sums["stopped"] / sums["completions"],
-        "rl/clip_fraction": sums["clip"] / ppo_tokens,
-        "rl/logp_mismatch_mean": sums["mismatch_diff"] / max(sums["mismatch_tokens"], 1.0),
-        "rl/logp_mismatch_max": maxes["mismatch_max"],
-        "rl/logp_mismatch_out_of_band": sums["mismatch_out"] / max(sums["mismatch_tokens"], 1.0),
-        "rl/kl": sums["kl"] / ppo_tokens,
-        "rl/policy_version": b.policy_version,
-        # Staleness in RL steps: 0 synchronous, rl.async_steps once the queue is full.
-        "rl/policy_lag": (record.policy_version - b.policy_version) / updates_per_step,
-        "rollout/tokens": tokens,
-        "rollout/accept_len": tokens / max(sums["verify"], 1),
-        "rollout/tokens_per_s": tokens / max(maxes["rollout"], 1e-9),
-        "time/push_s": maxes["push"],
-        "time/rollout_s": maxes["rollout"],
-        "time/train_s": maxes["train"],
-        "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
-    })
+    out.update(
+        {
+            "rl/reward": sums["reward"] / sums["completions"],
+            "rl/stop_fraction": sums["stopped"] / sums["completions"],
+            "rl/clip_fraction": sums["clip"] / ppo_tokens,
+            "rl/logp_mismatch_mean": sums["mismatch_diff"] / max(sums["mismatch_tokens"], 1.0),
+            "rl/logp_mismatch_max": maxes["mismatch_max"],
+            "rl/logp_mismatch_out_of_band": sums["mismatch_out"] / max(sums["mismatch_tokens"], 1.0),
+            "rl/kl": sums["kl"] / ppo_tokens,
+            "rl/policy_version": b.policy_version,
+            # Staleness in RL steps: 0 synchronous, rl.async_steps once the queue is full.
+            "rl/policy_lag": (record.policy_version - b.policy_version) / updates_per_step,
+            "rollout/tokens": tokens,
+            "rollout/accept_len": tokens / max(sums["verify"], 1),
+            "rollout/tokens_per_s": tokens / max(maxes["rollout"], 1e-9),
+            "time/push_s": maxes["push"],
+            "time/rollout_s": maxes["rollout"],
+            "time/train_s": maxes["train"],
+            "time/step_s": maxes["push"] + maxes["rollout"] + maxes["train"],
+        }
+    )
     if "wait" in maxes:
         out["time/rollout_wait_s"] = maxes["wait"]
         out["time/step_s"] = maxes["wait"] + maxes["train"]
@@ -113,16 +128,21 @@ def rl_step_metrics(record: StepRecord, cfg, mode, pd) -> dict[str, float]:
     if rl.dual_clip:
         out["rl/dual_clip_fraction"] = sums["dual_clip"] / ppo_tokens
     counts = [sums[f"len_{n}"] for n in range(rl.max_new_tokens + 1)]
-    out.update({"rollout/completion_len": tokens / sums["completions"],
-                "rollout/completion_len_p90": percentile_from_counts(counts, 0.9),
-                "rollout/completion_len_max": maxes["len_max"]})
+    out.update(
+        {
+            "rollout/completion_len": tokens / sums["completions"],
+            "rollout/completion_len_p90": percentile_from_counts(counts, 0.9),
+            "rollout/completion_len_max": maxes["len_max"],
+        }
+    )
     if sums.get("drift_tokens"):
         out["drift/kl"] = sums["drift_k1"] / sums["drift_tokens"]
         out["drift/kl_k3"] = sums["drift_k3"] / sums["drift_tokens"]
     # The baselines (rl/baselines.py): the frozen draft's, no-spec's and fixed K's speed and
     # acceptance, adaptive depth's regret.
-    out.update(baseline_metrics(b.baselines, sums, maxes, K, tokens, out["rollout/tokens_per_s"],
-                                maxes["rollout_priced"]))
+    out.update(
+        baseline_metrics(b.baselines, sums, maxes, K, tokens, out["rollout/tokens_per_s"], maxes["rollout_priced"])
+    )
     # --- rl.dynamic_sampling (rl/dynamic_sampling.py) ------------------------------------
     # rl/reward above is the kept batch's (the groups trained on); the rollout/ speed and
     # token metrics count every round's generation (its real cost), so the mean completion
@@ -131,14 +151,25 @@ def rl_step_metrics(record: StepRecord, cfg, mode, pd) -> dict[str, float]:
     # data-parallel rank used (the step waited for it).
     if b.dynamic is not None:
         d, batch_mesh = b.dynamic, pd.get_optional_mesh("batch")
-        ds = _reduce({"dropped": d.dropped, "topped_up": d.topped_up, "generated": d.generated,
-                      "kept_tokens": sum(len(r.output_ids) for r in b.rollouts)}, dist.ReduceOp.SUM, batch_mesh)
-        out.update({
-            "rl/dynamic_groups_dropped": ds["dropped"], "rl/dynamic_topped_up": ds["topped_up"],
-            "rl/dynamic_groups_generated": ds["generated"],
-            "rl/dynamic_rounds": _reduce({"rounds": d.rounds}, dist.ReduceOp.MAX, batch_mesh)["rounds"],
-            "rollout/completion_len": ds["kept_tokens"] / sums["completions"],
-        })
+        ds = _reduce(
+            {
+                "dropped": d.dropped,
+                "topped_up": d.topped_up,
+                "generated": d.generated,
+                "kept_tokens": sum(len(r.output_ids) for r in b.rollouts),
+            },
+            dist.ReduceOp.SUM,
+            batch_mesh,
+        )
+        out.update(
+            {
+                "rl/dynamic_groups_dropped": ds["dropped"],
+                "rl/dynamic_topped_up": ds["topped_up"],
+                "rl/dynamic_groups_generated": ds["generated"],
+                "rl/dynamic_rounds": _reduce({"rounds": d.rounds}, dist.ReduceOp.MAX, batch_mesh)["rounds"],
+                "rollout/completion_len": ds["kept_tokens"] / sums["completions"],
+            }
+        )
     return out
 
 

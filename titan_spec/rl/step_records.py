@@ -111,7 +111,14 @@ class UpdateStats:
     out_of_band: float
 
     POLICY_STATS: ClassVar[tuple[str, ...]] = (
-        "clip_fraction", "dual_clip_fraction", "kl", "ratio_dev", "logp_diff_mean", "logp_diff_max", "out_of_band")
+        "clip_fraction",
+        "dual_clip_fraction",
+        "kl",
+        "ratio_dev",
+        "logp_diff_mean",
+        "logp_diff_max",
+        "out_of_band",
+    )
     """The fields taken from the policy loss's PolicyLossOutput."""
     MAXIMA: ClassVar[tuple[str, ...]] = ("ratio_dev", "logp_diff_max")
     """Those of them that are maxima (the others are per-token means)."""

@@ -72,7 +72,8 @@ class RolloutWorker:
         whether a verified checkpoint exists)."""
         self.cfg = cfg
         self.resume_hint: Callable[[], str] = resume_hint or (
-            lambda: "whether a checkpoint exists to resume from is unknown here")
+            lambda: "whether a checkpoint exists to resume from is unknown here"
+        )
         speculates = cfg.mode.speculates
         self.co_train = cfg.mode.trains_draft
         self.device = device

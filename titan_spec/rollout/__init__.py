@@ -13,8 +13,11 @@ import importlib
 __all__ = ["Rollout", "RolloutEngine", "SamplingParams", "BuiltinEngineConfig", "BuiltinRolloutEngine"]
 
 _HOME = {
-    "Rollout": "base", "RolloutEngine": "base", "SamplingParams": "base",
-    "BuiltinEngineConfig": "builtin.engine", "BuiltinRolloutEngine": "builtin.engine",
+    "Rollout": "base",
+    "RolloutEngine": "base",
+    "SamplingParams": "base",
+    "BuiltinEngineConfig": "builtin.engine",
+    "BuiltinRolloutEngine": "builtin.engine",
 }
 
 

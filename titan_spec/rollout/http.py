@@ -21,8 +21,9 @@ class NoAnswer(Exception):
 def request_json(url: str, endpoint: str, payload: dict | None, method: str, timeout: float) -> tuple[int, bytes]:
     """``payload`` as JSON to ``url/endpoint`` (None: no body) -> (HTTP status, raw body)."""
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(f"{url}/{endpoint}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/{endpoint}", data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()

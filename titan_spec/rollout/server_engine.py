@@ -170,7 +170,9 @@ class ServerRolloutEngine:
                 self._lost = True
                 n = self.config.max_restarts
                 if failures > n:
-                    raise self._died_error(f"{e}; gave up after {n} restart(s) (rollout.{self._section}.max_restarts)") from None
+                    raise self._died_error(
+                        f"{e}; gave up after {n} restart(s) (rollout.{self._section}.max_restarts)"
+                    ) from None
                 self._log.warning(f"{self._lost_what} lost (%s); restarting (%d/%d)", e, failures, n)
 
     def _restart(self) -> None:
@@ -230,12 +232,16 @@ class ServerRolloutEngine:
             elif t.is_floating_point() != dtype.is_floating_point or (not dtype.is_floating_point and t.dtype != dtype):
                 bad.append(f"{name}: dtype {t.dtype} where the server holds {dtype}")
             elif name in self._draft_maps and not torch.equal(t.cpu(), self._draft_maps[name].cpu()):
-                bad.append(f"{name} differs from the one {self._server} loaded at start (the draft vocabulary is fixed "
-                           "for the server's lifetime; restart it to change it)")
+                bad.append(
+                    f"{name} differs from the one {self._server} loaded at start (the draft vocabulary is fixed "
+                    "for the server's lifetime; restart it to change it)"
+                )
         bad += self._extra_push_problems(pairs)
         if bad:
-            raise ValueError(f"{what} push refused before sending ({self._refusal}): "
-                             f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+            raise ValueError(
+                f"{what} push refused before sending ({self._refusal}): "
+                f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}"
+            )
 
     def _update(self, kind: str, pairs: dict, version: int) -> None:
         """Push one weight set; it becomes the host copy and its version the engine's only

@@ -27,7 +27,13 @@ from titan_spec.models.registry import Arch, build_target_config
 from titan_spec.models.target import default_tap_layer_ids
 from titan_spec.rollout.base import NamedTensors, named_tensor_items
 
-__all__ = ["policy_to_hf_names", "draft_to_export_names", "check_draft_fits_policy", "sglang_tap_misfit", "served_tap_ids"]
+__all__ = [
+    "policy_to_hf_names",
+    "draft_to_export_names",
+    "check_draft_fits_policy",
+    "sglang_tap_misfit",
+    "served_tap_ids",
+]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -111,8 +117,10 @@ def sglang_tap_misfit(taps, n_layers: int) -> str | None:
         return why
     bad = [i for i in taps if not 0 <= i < n_layers - 1]
     if bad:
-        return (f"tap ids {taps} cannot be served by SGLang: it captures tap id k at the input of layer k+1, "
-                f"so ids must be in 0..{n_layers - 2} for the {n_layers}-layer policy")
+        return (
+            f"tap ids {taps} cannot be served by SGLang: it captures tap id k at the input of layer k+1, "
+            f"so ids must be in 0..{n_layers - 2} for the {n_layers}-layer policy"
+        )
     return None
 
 
@@ -141,8 +149,10 @@ def sglang_config_misfit(draft_config: dict, n_layers: int) -> str | None:
         return "use_aux_hidden_state = false: SGLang captures no aux hidden states for the EAGLE-3 draft"
     served, top = served_tap_ids(draft_config, n_layers), draft_config.get("eagle_aux_hidden_state_layer_ids")
     if top and tuple(int(i) for i in top) != served:
-        return (f"top-level eagle_aux_hidden_state_layer_ids {[int(i) for i in top]} is not what SGLang serves: "
-                f"SGLang serves {list(served)} (eagle_config's ids, else its default)")
+        return (
+            f"top-level eagle_aux_hidden_state_layer_ids {[int(i) for i in top]} is not what SGLang serves: "
+            f"SGLang serves {list(served)} (eagle_config's ids, else its default)"
+        )
     return None
 
 
@@ -154,7 +164,9 @@ def check_draft_fits_policy(policy_path: str, draft_path: str) -> None:
     tapped layers of the target, which it must be able to capture (``sglang_tap_misfit``).
     """
     if not os.path.isdir(draft_path):
-        raise ValueError(f"draft directory {draft_path!r} does not exist; export one with save_draft or --draft.export_dir")
+        raise ValueError(
+            f"draft directory {draft_path!r} does not exist; export one with save_draft or --draft.export_dir"
+        )
     policy = read_hf_arch(policy_path)
     draft = read_draft_arch(draft_path)
     if not os.path.isfile(os.path.join(draft_path, "model.safetensors")):
@@ -163,8 +175,10 @@ def check_draft_fits_policy(policy_path: str, draft_path: str) -> None:
     if draft.draft_vocab_size > policy.vocab_size:
         bad.append(f"draft_vocab_size {draft.draft_vocab_size} > policy vocab {policy.vocab_size}")
     draft_config = _draft_config(draft_path)
-    for why in (sglang_config_misfit(draft_config, policy.n_layers),
-                sglang_tap_misfit(served_tap_ids(draft_config, policy.n_layers), policy.n_layers)):
+    for why in (
+        sglang_config_misfit(draft_config, policy.n_layers),
+        sglang_tap_misfit(served_tap_ids(draft_config, policy.n_layers), policy.n_layers),
+    ):
         if why:
             bad.append(why)
     if bad:

@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             from titan_spec.models.registry import active_parameter_count, parameter_count
 
             arch = trainer_config.arch
-            print(f"titan_spec: {path}: checked without its weight files; the target has "
-                  f"{parameter_count(arch):,} parameters, {active_parameter_count(arch):,} active per token")
+            print(
+                f"titan_spec: {path}: checked without its weight files; the target has "
+                f"{parameter_count(arch):,} parameters, {active_parameter_count(arch):,} active per token"
+            )
         return 0
     init_logger()
     try:
@@ -97,4 +99,3 @@ def train_and_close(trainer_config: "SpecTrainer.Config") -> int:
         if trainer is not None:
             trainer.close()
     return 0
-

@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             what = failure.message  # a str, or the error file's {"message": "Type: text", "extraInfo": ...}
             what = str(what.get("message", what) if isinstance(what, dict) else what).strip()
             what = what.splitlines()[-1] if what else "no error recorded"
-            print(f"titan_spec: rank {rank} exited with code {failure.exitcode}: {what} "
-                  f"(its output: LOG_RANK={rank})", file=sys.stderr)
+            print(
+                f"titan_spec: rank {rank} exited with code {failure.exitcode}: {what} (its output: LOG_RANK={rank})",
+                file=sys.stderr,
+            )
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:
         return 128 + int(e.sigval)

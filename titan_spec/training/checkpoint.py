@@ -40,7 +40,15 @@ from torchtitan.tools.logging import logger
 
 from titan_spec.training.finite import fault
 
-__all__ = ["VerifiedCheckpointManager", "CheckpointCorrupt", "CheckpointWriteFailed", "MANIFEST", "choose_checkpoint", "seal_checkpoint", "verify_checkpoint"]
+__all__ = [
+    "VerifiedCheckpointManager",
+    "CheckpointCorrupt",
+    "CheckpointWriteFailed",
+    "MANIFEST",
+    "choose_checkpoint",
+    "seal_checkpoint",
+    "verify_checkpoint",
+]
 
 MANIFEST = "titan_spec_manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -126,8 +134,9 @@ def seal_checkpoint(path: str) -> None:
         box = [files]
         dist.broadcast_object_list(box, src=0)
         files = box[0]
-    mine = [(rel, os.path.getsize(os.path.join(path, rel)), _digest(os.path.join(path, rel)))
-            for rel in files[rank::world]]
+    mine = [
+        (rel, os.path.getsize(os.path.join(path, rel)), _digest(os.path.join(path, rel))) for rel in files[rank::world]
+    ]
     entries = sorted(_gather(mine))
     if rank == 0:
         manifest = {"format": 1, "files": {rel: {"size": size, "sha256": h} for rel, size, h in entries}}
@@ -232,7 +241,8 @@ class VerifiedCheckpointManager(CheckpointManager):
             raise CheckpointWriteFailed(
                 f"writing checkpoint {checkpoint_id} failed: {what.lower()}; it stays "
                 f"unsealed and a resume passes over it; last good checkpoint: {self.last_good()}; free space (or "
-                "fix the folder) and rerun the same command to resume") from None
+                "fix the folder) and rerun the same command to resume"
+            ) from None
         if async_mode == AsyncMode.DISABLED:
             self._seal(checkpoint_id)
         else:

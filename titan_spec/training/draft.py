@@ -99,17 +99,21 @@ class DraftTraining(Stateful):
         into pipeline microbatches leaves the loss and its gradients unchanged. Under context
         parallelism (a microbatch's meta is a CPMetadata) the draft kind counts the rank's
         shard with the rows it reads from other shards, and the sum runs over dp x cp."""
-        return self._global_count(sum(
-            self.kind.normalizer_counts(p, l, meta, self.cfg)
-            for p, l, meta in zip(positions_BL, labels_BL, metas, strict=True)
-        ))
+        return self._global_count(
+            sum(
+                self.kind.normalizer_counts(p, l, meta, self.cfg)
+                for p, l, meta in zip(positions_BL, labels_BL, metas, strict=True)
+            )
+        )
 
     def _global_count(self, count_S: torch.Tensor) -> torch.Tensor:
         if self.dp_mesh is not None:
             dist.all_reduce(count_S, group=self.dp_mesh.get_group())
         return count_S
 
-    def loss(self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta, count_S=None) -> DraftLossResult:
+    def loss(
+        self, logits_BLV: torch.Tensor, taps: Taps, positions_BL, labels_BL, meta, count_S=None
+    ) -> DraftLossResult:
         """The draft kind's loss of one (micro)batch, normalized by ``count_S`` (default: this
         batch's ``normalizer``); ``meta`` may be a CPMetadata (the kind handles the shards)."""
         result = self.kind.loss(
@@ -164,8 +168,11 @@ class DraftTraining(Stateful):
         loss_sum, count, correct = stacked.cpu()
         self._acc = {}
         n = count.clamp(min=1)
-        out = {"draft/grad_norm": self.last_grad_norm, "draft/lr": self.scheduler.schedulers[0].get_last_lr()[0],
-               "draft/skipped_steps": self.guard.skipped}
+        out = {
+            "draft/grad_norm": self.last_grad_norm,
+            "draft/lr": self.scheduler.schedulers[0].get_last_lr()[0],
+            "draft/skipped_steps": self.guard.skipped,
+        }
         out["draft/loss"] = float((loss_sum / n).mean())
         for j in range(len(count)):
             out[f"draft/acc_{j}"] = float(correct[j] / n[j])

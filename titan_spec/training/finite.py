@@ -125,20 +125,26 @@ class StepGuard:
             return True
         self.skipped += 1
         self.consecutive += 1
-        what = " and ".join(w for w, bad in ((f"{self.name} loss", loss_bad), (f"{self.name} gradient norm", norm_bad)) if bad)
+        what = " and ".join(
+            w for w, bad in ((f"{self.name} loss", loss_bad), (f"{self.name} gradient norm", norm_bad)) if bad
+        )
         self.last_reason = what
         return False
 
     def skip_message(self, step: int) -> str:
-        return (f"step {step}: the {self.last_reason} is not finite; the {self.name} optimizer step is skipped "
-                f"({self.consecutive} in a row, {self.skipped} in all)")
+        return (
+            f"step {step}: the {self.last_reason} is not finite; the {self.name} optimizer step is skipped "
+            f"({self.consecutive} in a row, {self.skipped} in all)"
+        )
 
     def stop_message(self, step: int, last_good: str) -> str:
         """The one line the run stops with at the limit (``last_reason`` is empty on a rank
         without this model, e.g. the draft's guard on a pipeline stage before the last)."""
         what = self.last_reason or f"{self.name} loss or gradient norm"
-        return (f"stopped at step {step}: the {what} was not finite for {self.max_consecutive} consecutive steps "
-                f"(training.max_consecutive_skips = {self.max_consecutive}); last good checkpoint: {last_good}")
+        return (
+            f"stopped at step {step}: the {what} was not finite for {self.max_consecutive} consecutive steps "
+            f"(training.max_consecutive_skips = {self.max_consecutive}); last good checkpoint: {last_good}"
+        )
 
     def log_skip(self, step: int) -> None:
         logger.warning(self.skip_message(step))

@@ -34,8 +34,15 @@ __all__ = ["JointStep", "TorchtitanCalls"]
 class JointStep:
     """The guarded policy step, the draft's step and both schedules, in that order."""
 
-    def __init__(self, policy: OptimizersContainer, policy_schedules: LRSchedulersContainer, draft, *,
-                 max_consecutive_skips: int, last_good: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        policy: OptimizersContainer,
+        policy_schedules: LRSchedulersContainer,
+        draft,
+        *,
+        max_consecutive_skips: int,
+        last_good: Callable[[], str],
+    ) -> None:
         """``draft``: the draft's training side (draft.DraftTraining, its own optimizer and
         schedule) or None; ``last_good()``: the last good checkpoint, for the stop message."""
         self.policy, self.policy_schedules, self.draft = policy, policy_schedules, draft
@@ -62,10 +69,13 @@ class JointStep:
         # Every rank stops together (under PP the draft lives on the last stage only).
         draft_guard = self.draft.guard if self.draft is not None else None
         limit = self.guard.max_consecutive
-        flags = torch.tensor([
-            float(self.guard.consecutive >= limit),
-            float(draft_guard is not None and draft_guard.consecutive >= limit),
-        ], device=device)  # on the device: NCCL has no CPU tensors
+        flags = torch.tensor(
+            [
+                float(self.guard.consecutive >= limit),
+                float(draft_guard is not None and draft_guard.consecutive >= limit),
+            ],
+            device=device,
+        )  # on the device: NCCL has no CPU tensors
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         flags = flags.cpu()
         if flags.any():

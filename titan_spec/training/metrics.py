@@ -52,8 +52,14 @@ class CoTrainingMetrics(MetricsProcessor):
         self.data_loading_times.append(seconds)
         self.ntokens_since_last_log += tokens
 
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None) -> None:
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
         own = self._step_metrics()
         global_avg_loss = own.pop("loss", global_avg_loss)
         global_max_loss = own.pop("max_loss", global_max_loss)

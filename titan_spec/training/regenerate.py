@@ -32,7 +32,8 @@ class Regenerator:
 
     def __init__(self, hf_dir: str, stop_ids: tuple[int, ...], row_len: int, device: torch.device | str = "cpu"):
         self.engine = BuiltinRolloutEngine.from_pretrained(
-            hf_dir, None, BuiltinEngineConfig(num_draft_tokens=0), max_seq_len=row_len, device=device)
+            hf_dir, None, BuiltinEngineConfig(num_draft_tokens=0), max_seq_len=row_len, device=device
+        )
         self.stop_ids, self.row_len = tuple(stop_ids), row_len
         self.memo: dict[tuple[int, ...], list[int]] = {}
 
@@ -44,8 +45,10 @@ class Regenerator:
             by_budget.setdefault(self.row_len - len(p), []).append(p)
         for budget, group in by_budget.items():
             if budget < 1:
-                raise ValueError(f"a prompt of {self.row_len - budget} tokens leaves no room for a completion "
-                                 f"in rows of training.seq_len = {self.row_len}")
+                raise ValueError(
+                    f"a prompt of {self.row_len - budget} tokens leaves no room for a completion "
+                    f"in rows of training.seq_len = {self.row_len}"
+                )
             sp = SamplingParams(temperature=0.0, max_new_tokens=budget, stop_token_ids=self.stop_ids)
             for p, r in zip(group, self.engine.generate([list(p) for p in group], sp)):
                 self.memo[p] = list(r.output_ids)

@@ -34,7 +34,15 @@ from torchtitan.trainer import Trainer
 from titan_spec import platform
 from titan_spec.training.co_training import CoTrainingLoss, LossTerms
 from titan_spec.config import RunMode, mode_of
-from titan_spec.config.schema import DraftConfig, JobConfig, ModelConfig, RLConfig, RolloutConfig, SpeculativeConfig, TaskConfig
+from titan_spec.config.schema import (
+    DraftConfig,
+    JobConfig,
+    ModelConfig,
+    RLConfig,
+    RolloutConfig,
+    SpeculativeConfig,
+    TaskConfig,
+)
 from titan_spec.training.draft import DraftTraining, initial_draft, under_dump_folder
 from titan_spec.training.finite import fault, global_grad_norm, inject_nan_grad
 from titan_spec.training.joint_step import JointStep, TorchtitanCalls
@@ -93,7 +101,9 @@ class SpecTrainer(Trainer):
 
     def __init__(self, config: Config):
         # torchtitan builds the metrics processor; this trainer's step metrics join its every log.
-        config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, step_metrics=self.step_metrics))
+        config = dataclasses.replace(
+            config, metrics=dataclasses.replace(config.metrics, step_metrics=self.step_metrics)
+        )
         super().__init__(config)
         platform.init_like_unsharded(self.model_parts, self.model_config, config.debug.seed)
         if torch.distributed.get_rank() == 0:
@@ -104,8 +114,9 @@ class SpecTrainer(Trainer):
                 load_hf_into(part, config.model.hf_checkpoint, config.arch, stage=self.parallel_dims.pp_enabled)
             logger.info(f"Loaded HF weights from {config.model.hf_checkpoint}")
         if config.draft.data == "regenerated":
-            self.dataloader.use_regenerator(Regenerator(
-                config.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device))
+            self.dataloader.use_regenerator(
+                Regenerator(config.model.hf_checkpoint, self.tokenizer.stop_ids, config.training.seq_len, self.device)
+            )
         # Under PP the draft lives on the last stage only; the TapChannel brings it the taps.
         # The schedule's loss (parallelisms/pipeline.py PipelineLoss), kept by the pipelining_fn.
         self.pp_loss = config.model_spec.pipelining_fn.loss if self.parallel_dims.pp_enabled else None
@@ -117,13 +128,20 @@ class SpecTrainer(Trainer):
         start = self._starting_draft() if keep or trains_draft_here else None
         self.starting_draft: torch.nn.Module | None = start if keep else None
         """The draft before training (unsharded), kept where ``keeps_starting_draft``."""
-        self.draft_training = (self._build_draft_training(copy.deepcopy(start) if keep else start)
-                               if trains_draft_here else None)
-        self.co_loss = CoTrainingLoss(self.draft_training, config.draft.loss_weight, trains_policy=self.mode.trains != "draft")
+        self.draft_training = (
+            self._build_draft_training(copy.deepcopy(start) if keep else start) if trains_draft_here else None
+        )
+        self.co_loss = CoTrainingLoss(
+            self.draft_training, config.draft.loss_weight, trains_policy=self.mode.trains != "draft"
+        )
         # The joint update (training/joint_step.py) over torchtitan's containers of the policy.
-        self.joint_step = JointStep(self.optimizers, self.lr_schedulers, self.draft_training,
-                                    max_consecutive_skips=config.training.max_consecutive_skips,
-                                    last_good=self._last_good)
+        self.joint_step = JointStep(
+            self.optimizers,
+            self.lr_schedulers,
+            self.draft_training,
+            max_consecutive_skips=config.training.max_consecutive_skips,
+            last_good=self._last_good,
+        )
         # torchtitan's train_step (SFT) clips, then calls self.optimizers.step() and
         # self.lr_schedulers.step() without arguments: under those names, the joint step's two
         # functions (the checkpointer keeps torchtitan's containers, so their state keys).
@@ -188,7 +206,9 @@ class SpecTrainer(Trainer):
     # --- the finiteness guard (titan_spec/training/finite.py) ----------------------------------------
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        loss = super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
         last = self._fb_calls + 1 == self.gradient_accumulation_steps
         loss = self.account_loss(loss, global_valid_tokens, last=last)
         if last:
@@ -220,7 +240,9 @@ class SpecTrainer(Trainer):
     def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
         if self.draft_training is None:  # the policy alone: torchtitan's own step
             return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
-        return self.co_train_forward_backward(inputs, labels, global_valid_tokens, extra_kwargs, self.loss_fn).policy.detach()
+        return self.co_train_forward_backward(
+            inputs, labels, global_valid_tokens, extra_kwargs, self.loss_fn
+        ).policy.detach()
 
     def co_train_forward_backward(self, inputs, labels, global_valid_tokens, extra_kwargs, policy_loss) -> LossTerms:
         """ONE forward of the policy; ``policy_loss`` (co_training.PolicyLoss) from its
@@ -232,21 +254,34 @@ class SpecTrainer(Trainer):
                 out = self.model_parts[0](inputs, **extra_kwargs)
             logits, taps = out if isinstance(out, tuple) else (out, None)
             terms = self.co_loss(
-                policy_loss, logits, taps, labels, global_valid_tokens,
-                positions_BL=extra_kwargs.get("positions"), attention_meta=extra_kwargs.get("attention_masks"),
+                policy_loss,
+                logits,
+                taps,
+                labels,
+                global_valid_tokens,
+                positions_BL=extra_kwargs.get("positions"),
+                attention_meta=extra_kwargs.get("attention_masks"),
             )
             terms.total.backward()
         return terms
 
     def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
         # Each microbatch's loss on the last stage is policy + lambda * draft (pipeline.py).
-        return pipeline_forward_backward(self.pipeline_run(), self.prepare_microbatches(input_dict_mbs, label_mbs),
-                                         global_valid_tokens)
+        return pipeline_forward_backward(
+            self.pipeline_run(), self.prepare_microbatches(input_dict_mbs, label_mbs), global_valid_tokens
+        )
 
     def pipeline_run(self) -> PipelineRun:
         """What one pipelined forward/backward needs of this trainer (parallelisms/pipeline.py)."""
-        return PipelineRun(self.pp_schedule, self.pp_loss, self.pp_has_first_stage, self.pp_has_last_stage,
-                           self.device, self.train_context, self.co_loss if self.draft_training is not None else None)
+        return PipelineRun(
+            self.pp_schedule,
+            self.pp_loss,
+            self.pp_has_first_stage,
+            self.pp_has_last_stage,
+            self.device,
+            self.train_context,
+            self.co_loss if self.draft_training is not None else None,
+        )
 
     def prepare_microbatches(self, input_dict_mbs, label_mbs) -> list[tuple]:
         """Each microbatch's (inputs, labels, extra kwargs) after post_dataloading_process."""

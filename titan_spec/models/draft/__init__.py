@@ -31,8 +31,9 @@ def draft_kind(name: str) -> DraftKind:
     """The kind ``draft.kind = name`` selects; ValueError (one line) naming the allowed kinds."""
     kind = KINDS.get(name)
     if kind is None:
-        raise ValueError(f"draft.kind = {name!r} is not a known draft kind; allowed: "
-                         f"{', '.join(repr(k) for k in KINDS)}")
+        raise ValueError(
+            f"draft.kind = {name!r} is not a known draft kind; allowed: {', '.join(repr(k) for k in KINDS)}"
+        )
     return kind
 
 

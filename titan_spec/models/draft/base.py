@@ -114,8 +114,9 @@ class DraftKind(ABC):
         """The taps an n_layers target feeds this kind when draft.tap_layer_ids is empty."""
 
     @abstractmethod
-    def arch_from_target(self, target_arch, tap_layer_ids: tuple[int, ...], draft_vocab_size: int,
-                         cfg: DraftConfig) -> Any:
+    def arch_from_target(
+        self, target_arch, tap_layer_ids: tuple[int, ...], draft_vocab_size: int, cfg: DraftConfig
+    ) -> Any:
         """The draft's arch for this target (``tap_layer_ids`` and ``draft_vocab_size`` already
         resolved against the target and draft.init_from; the kind's own sizes from ``cfg``),
         checked: ValueError (one line) if it cannot be built."""
@@ -138,8 +139,16 @@ class DraftKind(ABC):
 
     @abstractmethod
     def loss(
-        self, model: nn.Module, logits_BLV: torch.Tensor, taps, positions_BL, labels_BL, meta,
-        cfg: DraftConfig, count_S: torch.Tensor | None, global_count: Callable[[torch.Tensor], torch.Tensor],
+        self,
+        model: nn.Module,
+        logits_BLV: torch.Tensor,
+        taps,
+        positions_BL,
+        labels_BL,
+        meta,
+        cfg: DraftConfig,
+        count_S: torch.Tensor | None,
+        global_count: Callable[[torch.Tensor], torch.Tensor],
     ) -> DraftLossResult:
         """The draft loss of one (micro)batch from the target's taps (models/target.Taps) and
         logits, normalized by ``count_S`` (None: this batch's own counts, summed by
@@ -171,8 +180,9 @@ class DraftKind(ABC):
 
     # --- serving -----------------------------------------------------------------------
 
-    def cached_proposer(self, model: nn.Module, embed: Callable[[torch.Tensor], torch.Tensor]
-                        ) -> CachedProposer | BlockProposer | None:
+    def cached_proposer(
+        self, model: nn.Module, embed: Callable[[torch.Tensor], torch.Tensor]
+    ) -> CachedProposer | BlockProposer | None:
         """The built-in engine's proposer over a KV cache for ``model``; ``embed`` maps token
         ids to the target's embeddings (shared, not the draft's). None: this kind does not
         speculate in the built-in engine (it still trains; the engine refuses it with one line)."""

@@ -16,8 +16,15 @@ import torch
 
 from titan_spec.models.safetensors_header import read_tensor
 
-__all__ = ["KIND_OF_ARCHITECTURE", "check_vocab_maps", "config_field", "is_int", "kind_of_directory", "read_config_json",
-           "weights_file"]
+__all__ = [
+    "KIND_OF_ARCHITECTURE",
+    "check_vocab_maps",
+    "config_field",
+    "is_int",
+    "kind_of_directory",
+    "read_config_json",
+    "weights_file",
+]
 
 KIND_OF_ARCHITECTURE = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
 """config.json ``architectures`` -> the draft.kind that reads it."""
@@ -52,8 +59,11 @@ def read_config_json(path: str, architecture: str, kind: str) -> tuple[str, dict
     archs = cfg.get("architectures") or []
     if architecture not in archs:
         other = next((KIND_OF_ARCHITECTURE[a] for a in archs if a in KIND_OF_ARCHITECTURE), None)
-        hint = (f" (it is {_NAMES[other]} draft: set draft.kind = {other!r}, or give {_NAMES[kind]} draft directory)"
-                if other else f" (draft.kind = {kind!r} reads {architecture} directories)")
+        hint = (
+            f" (it is {_NAMES[other]} draft: set draft.kind = {other!r}, or give {_NAMES[kind]} draft directory)"
+            if other
+            else f" (draft.kind = {kind!r} reads {architecture} directories)"
+        )
         raise ValueError(f"{cfg_path}: architectures {archs} is not {architecture}{hint}")
     return cfg_path, cfg
 
@@ -70,14 +80,20 @@ def config_field(cfg_path: str, cfg: dict, name: str, default=None, kind=int):
     if value is None:
         if default is None:
             what = "missing" if name not in cfg else "null"
-            raise ValueError(f"{cfg_path}: field {name!r} is {what}; it must be a positive "
-                             f"{'integer' if kind is int else 'number'}")
+            raise ValueError(
+                f"{cfg_path}: field {name!r} is {what}; it must be a positive {'integer' if kind is int else 'number'}"
+            )
         return default
-    ok = is_int(value) if kind is int else (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                             and math.isfinite(value))
+    ok = (
+        is_int(value)
+        if kind is int
+        else (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+    )
     if not ok or value <= 0:
-        raise ValueError(f"{cfg_path}: {name} = {json.dumps(value)} is not allowed; it must be a positive "
-                         f"{'integer' if kind is int else 'number'}")
+        raise ValueError(
+            f"{cfg_path}: {name} = {json.dumps(value)} is not allowed; it must be a positive "
+            f"{'integer' if kind is int else 'number'}"
+        )
     return kind(value)
 
 
@@ -99,11 +115,15 @@ def check_vocab_maps(file: str, arch) -> None:
     outside = ((ids < 0) | (ids >= arch.vocab_size)).nonzero().flatten()
     if outside.numel():
         i = int(outside[0])
-        raise ValueError(f"{file}: d2t maps {outside.numel()} draft id(s) outside the target vocabulary "
-                         f"0..{arch.vocab_size - 1} (first: draft id {i} -> {int(ids[i])}); target id = i + d2t[i] "
-                         "must be a target id")
+        raise ValueError(
+            f"{file}: d2t maps {outside.numel()} draft id(s) outside the target vocabulary "
+            f"0..{arch.vocab_size - 1} (first: draft id {i} -> {int(ids[i])}); target id = i + d2t[i] "
+            "must be a target id"
+        )
     if ids.unique().numel() != ids.numel():
         values, counts = ids.unique(return_counts=True)
         repeated = values[counts > 1]
-        raise ValueError(f"{file}: d2t maps several draft ids onto the same target id ({repeated.numel()} repeated, "
-                         f"first: {int(repeated[0])}); each draft id must have its own target id")
+        raise ValueError(
+            f"{file}: d2t maps several draft ids onto the same target id ({repeated.numel()} repeated, "
+            f"first: {int(repeated[0])}); each draft id must have its own target id"
+        )

@@ -74,6 +74,5 @@ class TTTHalo:
     def shifts(self, labels_Rh: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per step j: (src_R into the extended rows, valid_R), as ttt.ttt_shifts."""
         return [
-            (src_R, in_doc_R & (labels_Rh[src_R] != IGNORE_INDEX))
-            for src_R, in_doc_R in zip(self._src, self._in_doc)
+            (src_R, in_doc_R & (labels_Rh[src_R] != IGNORE_INDEX)) for src_R, in_doc_R in zip(self._src, self._in_doc)
         ]

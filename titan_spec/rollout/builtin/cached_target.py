@@ -54,9 +54,21 @@ class CachedTarget:
         linears, norms = {"lm_head": model.lm_head}, {"norm": model.norm}
         for y, b in enumerate(self.blocks):
             a = b.attention
-            ffn = () if self._moe[y] else (("w1", b.feed_forward.w1), ("w2", b.feed_forward.w2), ("w3", b.feed_forward.w3))
-            linears |= {f"layers.{y}.{n}": m for n, m in (("wq", a.qkv_linear.wq), ("wk", a.qkv_linear.wk),
-                        ("wv", a.qkv_linear.wv), ("wo", a.wo), *ffn)}
+            ffn = (
+                ()
+                if self._moe[y]
+                else (("w1", b.feed_forward.w1), ("w2", b.feed_forward.w2), ("w3", b.feed_forward.w3))
+            )
+            linears |= {
+                f"layers.{y}.{n}": m
+                for n, m in (
+                    ("wq", a.qkv_linear.wq),
+                    ("wk", a.qkv_linear.wk),
+                    ("wv", a.qkv_linear.wv),
+                    ("wo", a.wo),
+                    *ffn,
+                )
+            }
             norms |= {f"layers.{y}.attention_norm": b.attention_norm, f"layers.{y}.ffn_norm": b.ffn_norm}
             if a.q_norm is not None:
                 norms |= {f"layers.{y}.q_norm": a.q_norm, f"layers.{y}.k_norm": a.k_norm}
@@ -68,10 +80,14 @@ class CachedTarget:
         self.max_seq_len = int(model.config.max_seq_len)
         self.vocab_size = int(model.config.vocab_size)
         self.dim = int(model.config.dim)
-        self._qkv = [FusedLinearWeight(b.attention.qkv_linear.wq, b.attention.qkv_linear.wk, b.attention.qkv_linear.wv)
-                     for b in self.blocks]
-        self._w13 = [None if moe else FusedLinearWeight(b.feed_forward.w1, b.feed_forward.w3)
-                     for b, moe in zip(self.blocks, self._moe)]
+        self._qkv = [
+            FusedLinearWeight(b.attention.qkv_linear.wq, b.attention.qkv_linear.wk, b.attention.qkv_linear.wv)
+            for b in self.blocks
+        ]
+        self._w13 = [
+            None if moe else FusedLinearWeight(b.feed_forward.w1, b.feed_forward.w3)
+            for b, moe in zip(self.blocks, self._moe)
+        ]
         self._no_w13 = torch.empty(0)
         self._qkv_heads = [n // self.head_dim for n in self._qkv[0].sizes]
         # Every layer's rotary module has the same config (and so the same cache): look the
@@ -94,14 +110,23 @@ class CachedTarget:
 
     def fused_weights(self) -> list[torch.Tensor]:
         """[wqkv, w13] per layer, current (rebuilt when the model's weights changed)."""
-        return [w for y in range(len(self.blocks))
-                for w in (self._qkv[y].get(), self._no_w13 if self._w13[y] is None else self._w13[y].get())]
+        return [
+            w
+            for y in range(len(self.blocks))
+            for w in (self._qkv[y].get(), self._no_w13 if self._w13[y] is None else self._w13[y].get())
+        ]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(tokens)
 
-    def forward(self, tokens_BL: torch.Tensor, start_B: torch.Tensor, logits_at_B: torch.Tensor | None = None,
-                n_slots: int | None = None, fused: list[torch.Tensor] | None = None):
+    def forward(
+        self,
+        tokens_BL: torch.Tensor,
+        start_B: torch.Tensor,
+        logits_at_B: torch.Tensor | None = None,
+        n_slots: int | None = None,
+        fused: list[torch.Tensor] | None = None,
+    ):
         """Returns (logits, taps_BLCD). logits is [B, L, V], or [B, V] at index logits_at_B
         of each row when given (the prefill needs only the last prompt position).
         taps_BLCD is None when there are no tap ids (no draft to feed).

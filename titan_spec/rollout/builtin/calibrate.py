@@ -49,8 +49,16 @@ def round_clock(device: torch.device) -> float:
     return time.thread_time() if device.type == "cpu" else time.perf_counter()
 
 
-def calibrate(costs: RoundCosts, run: RunRounds, batch: int, sp: SamplingParams, k_max: int,
-              max_seq_len: int, vocab_size: int, device: torch.device) -> None:
+def calibrate(
+    costs: RoundCosts,
+    run: RunRounds,
+    batch: int,
+    sp: SamplingParams,
+    k_max: int,
+    max_seq_len: int,
+    vocab_size: int,
+    device: torch.device,
+) -> None:
     """Measures ``costs``' missing entries for ``sp``'s sampling mode and every batch bucket
     up to ``batch`` (batch_buckets): synthetic rounds at each fixed K through ``run``, with
     a private RNG. Touches nothing a generate call reads (the caches are rebuilt per

@@ -20,8 +20,14 @@ import bisect
 import copy
 
 __all__ = [
-    "AcceptanceEstimate", "AcceptanceState", "PROBE_DEPTH", "PROBE_EVERY", "RoundCosts", "batch_buckets",
-    "choose_depth", "sampling_mode",
+    "AcceptanceEstimate",
+    "AcceptanceState",
+    "PROBE_DEPTH",
+    "PROBE_EVERY",
+    "RoundCosts",
+    "batch_buckets",
+    "choose_depth",
+    "sampling_mode",
 ]
 
 PROBE_EVERY = 64
@@ -151,8 +157,9 @@ class AcceptanceEstimate:
     make a useless draft pay the prior's first rounds every call: K = 3, then K = 0, at the
     test pair's batch-8-like costs.)"""
 
-    def __init__(self, k_max: int, prior: float = 0.8, prior_weight: float = 0.5, decay: float = 0.9,
-                 idle_decay: float = 0.995):
+    def __init__(
+        self, k_max: int, prior: float = 0.8, prior_weight: float = 0.5, decay: float = 0.9, idle_decay: float = 0.995
+    ):
         self.k_max, self.prior, self.w, self.decay, self.idle_decay = k_max, prior, prior_weight, decay, idle_decay
         self.reached = [0.0] * (k_max + 1)  # index j = 1..k_max (0 unused)
         self.accepted = [0.0] * (k_max + 1)
@@ -195,8 +202,10 @@ class AcceptanceEstimate:
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["reached"]) != self.k_max + 1 or len(state["accepted"]) != self.k_max + 1:
-            raise ValueError(f"an acceptance estimate for K up to {len(state['reached']) - 1} cannot be loaded "
-                             f"into one for K up to {self.k_max}")
+            raise ValueError(
+                f"an acceptance estimate for K up to {len(state['reached']) - 1} cannot be loaded "
+                f"into one for K up to {self.k_max}"
+            )
         self.reached = [float(x) for x in state["reached"]]
         self.accepted = [float(x) for x in state["accepted"]]
         self.idle = int(state.get("idle", 0))  # absent in states saved before probes

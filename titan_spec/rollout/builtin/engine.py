@@ -38,7 +38,13 @@ from titan_spec.models.registry import build_target_config
 from titan_spec.rollout.base import NamedTensors, Rollout, SamplingParams, named_tensor_items
 from titan_spec.rollout.builtin.cached_target import CachedTarget
 from titan_spec.rollout.builtin.calibrate import calibrate, round_clock
-from titan_spec.rollout.builtin.depth import AcceptanceEstimate, AcceptanceState, RoundCosts, choose_depth, sampling_mode
+from titan_spec.rollout.builtin.depth import (
+    AcceptanceEstimate,
+    AcceptanceState,
+    RoundCosts,
+    choose_depth,
+    sampling_mode,
+)
 from titan_spec.rollout.builtin.sampling import accept, behaviour_logprobs, sample
 from titan_spec.rollout.builtin.trunk import PendingTrunk
 
@@ -113,8 +119,13 @@ class BuiltinRolloutEngine:
     them; the trainer pushes new weights with update_*_weights). Both are put in eval mode.
     """
 
-    def __init__(self, target: nn.Module, draft: nn.Module | None = None, config: BuiltinEngineConfig | None = None,
-                 costs: RoundCosts | None = None):
+    def __init__(
+        self,
+        target: nn.Module,
+        draft: nn.Module | None = None,
+        config: BuiltinEngineConfig | None = None,
+        costs: RoundCosts | None = None,
+    ):
         """costs: the round-cost table of adaptive depth, shared with other engines over the
         same models (measured into on first use; a new, empty one when None)."""
         config = config or BuiltinEngineConfig()
@@ -143,8 +154,10 @@ class BuiltinRolloutEngine:
             self._draft = _cached_proposer(self.draft, self._target.embed)
             block = self._draft.block_size
             if block and self.K > block - 1:
-                raise ValueError(f"num_draft_tokens = {self.K} is more than the draft's block proposes: it must be "
-                                 f"<= {block - 1} (block_size {block} - 1)")
+                raise ValueError(
+                    f"num_draft_tokens = {self.K} is more than the draft's block proposes: it must be "
+                    f"<= {block - 1} (block_size {block} - 1)"
+                )
         self.policy_version = 0
         self.draft_version = 0
         self.adaptive = config.depth == "adaptive" and self.K > 0
@@ -167,8 +180,13 @@ class BuiltinRolloutEngine:
 
     @classmethod
     def from_pretrained(
-        cls, policy_path: str, draft_path: str | None = None, config: BuiltinEngineConfig | None = None,
-        max_seq_len: int | None = None, device: str | torch.device = "cpu", draft_kind_name: str = "eagle3",
+        cls,
+        policy_path: str,
+        draft_path: str | None = None,
+        config: BuiltinEngineConfig | None = None,
+        max_seq_len: int | None = None,
+        device: str | torch.device = "cpu",
+        draft_kind_name: str = "eagle3",
     ) -> "BuiltinRolloutEngine":
         """An engine over an HF policy directory and a draft directory of kind ``draft_kind_name``
         (EAGLE-3: SpecForge/SGLang's format)."""
@@ -238,8 +256,16 @@ class BuiltinRolloutEngine:
         with torch.inference_mode():
             est = None
             if self.adaptive:
-                calibrate(self.costs, self._timed_rounds, min(chunk, len(prompts)), sampling, self.K,
-                          self._target.max_seq_len, self._target.vocab_size, self.device)
+                calibrate(
+                    self.costs,
+                    self._timed_rounds,
+                    min(chunk, len(prompts)),
+                    sampling,
+                    self.K,
+                    self._target.max_seq_len,
+                    self._target.vocab_size,
+                    self.device,
+                )
                 est = self.acceptance.of(sampling)
             for s in range(0, len(prompts), chunk):
                 out += self._generate_batch(prompts[s : s + chunk], sampling, gen, est=est)
@@ -271,8 +297,9 @@ class BuiltinRolloutEngine:
 
     # --- one batch ----------------------------------------------------------------------
 
-    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator,
-                        est: AcceptanceEstimate | None = None) -> list[Rollout]:
+    def _generate_batch(
+        self, prompts: list[list[int]], sp: SamplingParams, gen: torch.Generator, est: AcceptanceEstimate | None = None
+    ) -> list[Rollout]:
         """One batch of a call, each round at the depth ``_depth`` picks (est: the call's
         acceptance estimate, adaptive depth; it observes every round)."""
         bar = self._progress_bar(len(prompts) * sp.max_new_tokens)
@@ -323,12 +350,14 @@ class BuiltinRolloutEngine:
         tokens_BLp = torch.zeros(B, Lp, dtype=torch.long, device=dev)  # right-padded
         for b, p in enumerate(prompts):
             tokens_BLp[b, : len(p)] = torch.tensor(p, device=dev)
-        logits_BV, taps_BLpCD = self._target.forward(tokens_BLp, torch.zeros_like(P_B), P_B - 1, n_slots=Lp,
-                                                    fused=batch.tw)
+        logits_BV, taps_BLpCD = self._target.forward(
+            tokens_BLp, torch.zeros_like(P_B), P_B - 1, n_slots=Lp, fused=batch.tw
+        )
         y_B = sample(logits_BV, sp, gen)[0]
         lp_B1 = behaviour_logprobs(logits_BV[:, None], y_B[:, None], sp)
-        batch.keep, _ = self._emit(batch.reqs, batch.done, y_B[:, None], torch.zeros_like(P_B), lp_B1, batch.stop,
-                                   sp, bar, 0)
+        batch.keep, _ = self._emit(
+            batch.reqs, batch.done, y_B[:, None], torch.zeros_like(P_B), lp_B1, batch.stop, sp, bar, 0
+        )
         # Positions live twice: on the device (index math) and on the host (slot counts,
         # so no forward needs a sync); the host copy advances from _emit's one transfer.
         batch.c_B, batch.c_host = P_B, [len(p) for p in prompts]  # target positions processed; y_B sits at c_B
@@ -340,7 +369,8 @@ class BuiltinRolloutEngine:
         """Drops the rows the last round finished (``_drop_finished``); whether any remain."""
         if batch.keep is not None:
             batch.reqs, batch.c_host, batch.c_B, batch.y_B = self._drop_finished(
-                batch.keep, batch.reqs, batch.c_host, batch.c_B, batch.y_B, batch.trunk)
+                batch.keep, batch.reqs, batch.c_host, batch.c_B, batch.y_B, batch.trunk
+            )
             batch.keep = None
         return bool(batch.reqs)
 
@@ -351,8 +381,9 @@ class BuiltinRolloutEngine:
         c_max = max(batch.c_host)
         d_BK = d_idx_BK = q_BKVd = None
         if K:
-            d_BK, d_idx_BK, q_BKVd = self._propose(batch.trunk, batch.y_B, batch.c_B, c_max, K, sp, gen, batch.dw,
-                                                   batch.d2t_Vd)
+            d_BK, d_idx_BK, q_BKVd = self._propose(
+                batch.trunk, batch.y_B, batch.c_B, c_max, K, sp, gen, batch.dw, batch.d2t_Vd
+            )
         verify_BL = torch.cat([batch.y_B[:, None], d_BK], dim=1) if K else batch.y_B[:, None]
         logits_BLV, taps_BLCD = self._target.forward(verify_BL, batch.c_B, n_slots=c_max + K + 1, fused=batch.tw)
         a_B, new_BL = accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, batch.d2t_Vd, sp, gen)
@@ -394,9 +425,15 @@ class BuiltinRolloutEngine:
         done.sort(key=lambda r: r.index)
         return [
             Rollout(
-                prompt_ids=r.prompt, output_ids=r.out, logprobs=r.logprobs, finish_reason=r.finish,
-                verify_steps=r.verify_steps, accepted_tokens=r.accepted, drafted_tokens=r.drafted,
-                policy_version=self.policy_version, draft_version=self.draft_version if self.K else 0,
+                prompt_ids=r.prompt,
+                output_ids=r.out,
+                logprobs=r.logprobs,
+                finish_reason=r.finish,
+                verify_steps=r.verify_steps,
+                accepted_tokens=r.accepted,
+                drafted_tokens=r.drafted,
+                policy_version=self.policy_version,
+                draft_version=self.draft_version if self.K else 0,
             )
             for r in done
         ]
@@ -486,8 +523,10 @@ def _cached_proposer(draft: nn.Module, embed):
     proposer = kind.cached_proposer(draft, embed) if kind is not None else None
     if proposer is None:
         serving = [n for n, k in KINDS.items() if type(k).cached_proposer is not DraftKind.cached_proposer]
-        raise ValueError(f"the built-in engine has no cached proposer for draft kind {draft.arch.kind!r} "
-                         f"(it has {', '.join(map(repr, serving))}; DraftKind.cached_proposer)")
+        raise ValueError(
+            f"the built-in engine has no cached proposer for draft kind {draft.arch.kind!r} "
+            f"(it has {', '.join(map(repr, serving))}; DraftKind.cached_proposer)"
+        )
     return proposer
 
 

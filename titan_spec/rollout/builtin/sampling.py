@@ -62,8 +62,12 @@ def sample(logits_TV: torch.Tensor, sp: SamplingParams, gen: torch.Generator | N
 
 
 def speculative_accept(
-    p_BLV: torch.Tensor, d_BK: torch.Tensor, d_idx_BK: torch.Tensor, q_BKVd: torch.Tensor,
-    d2t_Vd: torch.Tensor, gen: torch.Generator | None,
+    p_BLV: torch.Tensor,
+    d_BK: torch.Tensor,
+    d_idx_BK: torch.Tensor,
+    q_BKVd: torch.Tensor,
+    d2t_Vd: torch.Tensor,
+    gen: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampled acceptance rule (module docstring) on plain tensors, K >= 1.
 

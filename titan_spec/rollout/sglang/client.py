@@ -38,8 +38,17 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor reductions wit
 from titan_spec.rollout.http import NoAnswer, request_json
 
 __all__ = [
-    "EngineDied", "SGLangError", "SGLangStartError", "INSTALL_HINT", "require_sglang",
-    "serialize_named_tensors", "serialize_per_rank", "server_cli_args", "HttpClient", "InProcessClient", "launch_server",
+    "EngineDied",
+    "SGLangError",
+    "SGLangStartError",
+    "INSTALL_HINT",
+    "require_sglang",
+    "serialize_named_tensors",
+    "serialize_per_rank",
+    "server_cli_args",
+    "HttpClient",
+    "InProcessClient",
+    "launch_server",
 ]
 
 INSTALL_HINT = "sglang is not installed; on a GPU machine run: pip install -e '.[sglang]' (sglang==0.5.23, needs CUDA)"
@@ -114,8 +123,14 @@ def server_cli_args(server_args: dict) -> list[str]:
 class HttpClient:
     """SGLang's HTTP API with the standard library (no extra dependency on the trainer)."""
 
-    def __init__(self, url: str, request_timeout_s: float, tp_size: int = 1,
-                 process: subprocess.Popen | None = None, log_path: str = ""):
+    def __init__(
+        self,
+        url: str,
+        request_timeout_s: float,
+        tp_size: int = 1,
+        process: subprocess.Popen | None = None,
+        log_path: str = "",
+    ):
         self.url = url.rstrip("/")
         self.timeout = request_timeout_s
         self.tp_size = tp_size
@@ -126,7 +141,9 @@ class HttpClient:
 
     def _died(self, what: str) -> EngineDied:
         if self.process is not None and self.process.poll() is not None:
-            return EngineDied(f"SGLang server exited with code {self.process.returncode} ({what}); log: {self.log_path}")
+            return EngineDied(
+                f"SGLang server exited with code {self.process.returncode} ({what}); log: {self.log_path}"
+            )
         return EngineDied(f"SGLang server at {self.url}: {what}")
 
     def _call(self, endpoint: str, payload: dict | None = None, method: str = "POST", timeout: float | None = None):
@@ -157,7 +174,9 @@ class HttpClient:
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict]) -> list[dict]:
         # GenerateReqInput: batch of token-id prompts, per-request sampling params,
         # return_logprob for meta_info["output_token_logprobs"]; a batch answers a list.
-        body = self._ok("generate", {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True})
+        body = self._ok(
+            "generate", {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+        )
         return body if isinstance(body, list) else [body]
 
     def pause(self) -> None:
@@ -177,13 +196,16 @@ class HttpClient:
 
     def update_tensors(self, pairs, load_format: str, weight_version: str, selector: str) -> None:
         # UpdateWeightsFromTensorReqInput: one serialized payload per TP rank.
-        self._ok("update_weights_from_tensor", {
-            "serialized_named_tensors": serialize_per_rank(pairs, self.tp_size),
-            "load_format": load_format,
-            "flush_cache": False,  # flushed once after the session, see SGLangRolloutEngine._push
-            "weight_version": weight_version,
-            "selector": selector,
-        })
+        self._ok(
+            "update_weights_from_tensor",
+            {
+                "serialized_named_tensors": serialize_per_rank(pairs, self.tp_size),
+                "load_format": load_format,
+                "flush_cache": False,  # flushed once after the session, see SGLangRolloutEngine._push
+                "weight_version": weight_version,
+                "selector": selector,
+            },
+        )
 
     def flush_cache(self) -> None:
         self._ok("flush_cache")
@@ -278,7 +300,9 @@ class InProcessClient:
 
     @staticmethod
     def _check(name: str, out) -> None:
-        ok, msg = (out.success, out.message) if hasattr(out, "success") else (out if isinstance(out, tuple) else (True, ""))
+        ok, msg = (
+            (out.success, out.message) if hasattr(out, "success") else (out if isinstance(out, tuple) else (True, ""))
+        )
         if not ok:
             raise SGLangError(f"SGLang {name} failed: {msg}")
 
@@ -310,9 +334,14 @@ class InProcessClient:
 
         obj = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=serialize_per_rank(pairs, self.tp_size),
-            load_format=load_format, flush_cache=False, weight_version=weight_version, selector=selector,
+            load_format=load_format,
+            flush_cache=False,
+            weight_version=weight_version,
+            selector=selector,
         )
-        self._check("update_weights_from_tensor", self._run(self.engine.tokenizer_manager.update_weights_from_tensor(obj, None)))
+        self._check(
+            "update_weights_from_tensor", self._run(self.engine.tokenizer_manager.update_weights_from_tensor(obj, None))
+        )
 
     def flush_cache(self) -> None:
         self._check("flush_cache", self.engine.flush_cache())

@@ -41,23 +41,43 @@ from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
 from titan_spec.rollout.sglang.client import EngineDied, InProcessClient, SGLangError, launch_server
 from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER
 from titan_spec.rollout.weight_names import (
-    check_draft_fits_policy, draft_to_export_names,
+    check_draft_fits_policy,
+    draft_to_export_names,
 )
 
 __all__ = [
-    "SGLangRolloutEngine", "sglang_server_args", "sampling_to_sglang", "rollout_from_result",
+    "SGLangRolloutEngine",
+    "sglang_server_args",
+    "sampling_to_sglang",
+    "rollout_from_result",
     "MANAGED_SERVER_ARGS",
-    "MEMORY_TAGS", "SEEDS_IGNORED", "SEED_MIX",
+    "MEMORY_TAGS",
+    "SEEDS_IGNORED",
+    "SEED_MIX",
 ]
 
 logger = logging.getLogger(__name__)
 
 # Fields this module sets; rollout.sglang.server_args may add any other ServerArgs field.
 MANAGED_SERVER_ARGS = (
-    "model_path", "host", "port", "tp_size", "dtype", "mem_fraction_static", "skip_tokenizer_init",
-    "custom_weight_loader", "enable_memory_saver", "speculative_algorithm", "speculative_draft_model_path",
-    "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-    "enable_draft_weights_cpu_backup", "max_running_requests", "enable_deterministic_inference", "base_gpu_id",
+    "model_path",
+    "host",
+    "port",
+    "tp_size",
+    "dtype",
+    "mem_fraction_static",
+    "skip_tokenizer_init",
+    "custom_weight_loader",
+    "enable_memory_saver",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "enable_draft_weights_cpu_backup",
+    "max_running_requests",
+    "enable_deterministic_inference",
+    "base_gpu_id",
 )
 
 # SGLang's memory kinds (GPU_MEMORY_ALL_TYPES); tags=None releases or resumes all of them.
@@ -85,8 +105,9 @@ _ACCEPTED_KEYS = ("spec_num_correct_drafts", "spec_accept_token_num", "spec_acce
 _VERSION_RE = re.compile(r"policy-(\d+)\.draft-(\d+)")
 
 
-def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int,
-                       max_running_requests: int = 0) -> dict:
+def sglang_server_args(
+    cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int, max_running_requests: int = 0
+) -> dict:
     """[rollout.sglang] + paths + K -> sglang ServerArgs fields (sglang/srt/arg_groups/fields/).
 
     K draft tokens in a chain are SGLang's ``speculative_num_steps = K`` with
@@ -96,7 +117,9 @@ def sglang_server_args(cfg, policy_path: str, draft_path: str | None, num_draft_
     """
     clash = sorted(set(cfg.server_args) & set(MANAGED_SERVER_ARGS))
     if clash:
-        raise ValueError(f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys")
+        raise ValueError(
+            f"rollout.sglang.server_args sets {clash}, which titan_spec sets itself; use the [rollout.sglang] keys"
+        )
     args = {
         "model_path": policy_path,
         "host": cfg.host,
@@ -212,15 +235,23 @@ def rollout_from_result(prompt: list[int], result: dict, speculates: bool, versi
         accepted = n - verify
         acc = _first(meta, _ACCEPTED_KEYS)
         if acc is not None and acc < accepted:  # SGLang counted fewer: a forward we do not know of
-            logger.warning("SGLang reports %d accepted drafts for %d tokens in %d verify steps; using its count", acc, n, verify)
+            logger.warning(
+                "SGLang reports %d accepted drafts for %d tokens in %d verify steps; using its count", acc, n, verify
+            )
             accepted = acc
     pv, dv = versions
     m = _VERSION_RE.search(str(meta.get("weight_version", "")))
     if m:
         pv, dv = int(m.group(1)), int(m.group(2))
     return Rollout(
-        prompt_ids=list(prompt), output_ids=ids, logprobs=logprobs, finish_reason=kind,
-        verify_steps=verify, accepted_tokens=accepted, policy_version=pv, draft_version=dv,
+        prompt_ids=list(prompt),
+        output_ids=ids,
+        logprobs=logprobs,
+        finish_reason=kind,
+        verify_steps=verify,
+        accepted_tokens=accepted,
+        policy_version=pv,
+        draft_version=dv,
     )
 
 
@@ -247,8 +278,15 @@ class SGLangRolloutEngine(ServerRolloutEngine):
     _refusal = "SGLang's scheduler would die on it"
     _log = logger
 
-    def __init__(self, config, policy_path: str, draft_path: str | None, num_draft_tokens: int,
-                 connect: Callable[[dict], object] | None = None, max_running_requests: int = 0):
+    def __init__(
+        self,
+        config,
+        policy_path: str,
+        draft_path: str | None,
+        num_draft_tokens: int,
+        connect: Callable[[dict], object] | None = None,
+        max_running_requests: int = 0,
+    ):
         self._init_engine(config, policy_path, num_draft_tokens)
         if self.K:
             if not draft_path:
@@ -392,7 +430,9 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         params = sampling_to_sglang(sampling, len(prompts), seeded)
         with self._lock:
             if self._released:
-                raise RuntimeError(f"the server's memory {sorted(self._released)} is released: call resume_memory() before generate")
+                raise RuntimeError(
+                    f"the server's memory {sorted(self._released)} is released: call resume_memory() before generate"
+                )
             if self._policy_released:
                 if not self._policy:
                     raise RuntimeError(

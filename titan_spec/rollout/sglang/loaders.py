@@ -80,7 +80,9 @@ def load_draft_weights(model, named_tensors) -> None:
     pairs = list(named_tensors)
     bad = [n for n, _ in pairs if not (n.startswith(_DRAFT_ONLY) or n in _DRAFT_NAMES_EXACT)]
     if bad:
-        raise ValueError(f"draft push: {bad[:4]} are not EAGLE-3 draft export names (fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d)")
+        raise ValueError(
+            f"draft push: {bad[:4]} are not EAGLE-3 draft export names (fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d)"
+        )
     hot = getattr(model, "hot_token_id", None)
     for name, t in pairs:
         if name == "d2t" and hot is not None:

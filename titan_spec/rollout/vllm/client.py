@@ -60,8 +60,9 @@ class HttpClient:
 
     def _call(self, endpoint: str, payload: dict | None = None, timeout: float | None = None):
         try:
-            status, raw = request_json(self.url, endpoint, payload, "GET" if payload is None else "POST",
-                                       timeout or self.timeout)
+            status, raw = request_json(
+                self.url, endpoint, payload, "GET" if payload is None else "POST", timeout or self.timeout
+            )
         except NoAnswer as e:
             raise self._died(str(e)) from None
         try:
@@ -120,9 +121,18 @@ class HttpClient:
             pass
 
 
-def launch_server(python: str, llm_kwargs: dict, host: str, port: int, start_timeout_s: float,
-                  request_timeout_s: float, log_path: str, env: dict | None = None, work_dir: str = "",
-                  cpus: str = "") -> HttpClient:
+def launch_server(
+    python: str,
+    llm_kwargs: dict,
+    host: str,
+    port: int,
+    start_timeout_s: float,
+    request_timeout_s: float,
+    log_path: str,
+    env: dict | None = None,
+    work_dir: str = "",
+    cpus: str = "",
+) -> HttpClient:
     """Start the server (its own session, so that its process group can be ended whole; on
     the cores ``cpus`` with taskset, its children too) and wait for /health. A server that exits while starting reports its exit code and the
     last lines of its log; one that does not answer within start_timeout_s is killed."""
@@ -134,23 +144,44 @@ def launch_server(python: str, llm_kwargs: dict, host: str, port: int, start_tim
     full_env.pop("PYTHONPATH", None)  # the trainer's path must not shadow the server env's packages
     full_env.update(env or {})
     log = open(log_path, "ab")
-    cmd = [python, SERVER_SCRIPT, "--host", host, "--port", str(port), "--config", config_path,
-           "--parent-pid", str(os.getpid()), "--orphan-cleanup", work_dir]
+    cmd = [
+        python,
+        SERVER_SCRIPT,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--config",
+        config_path,
+        "--parent-pid",
+        str(os.getpid()),
+        "--orphan-cleanup",
+        work_dir,
+    ]
     if cpus:
         cmd = ["taskset", "-c", cpus, *cmd]
     # cwd: a neutral folder, so that no titan_spec folder named vllm shadows the vllm package.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=os.path.dirname(config_path),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        cwd=os.path.dirname(config_path),
+        start_new_session=True,
+    )
     log.close()
     client = HttpClient(f"http://{host}:{port}", request_timeout_s, proc, log_path)
     deadline = time.monotonic() + start_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise VLLMStartError(f"vLLM server exited with code {proc.returncode} while starting; "
-                                 f"log {log_path}:\n{_tail(log_path)}")
+            raise VLLMStartError(
+                f"vLLM server exited with code {proc.returncode} while starting; log {log_path}:\n{_tail(log_path)}"
+            )
         if client.healthy(timeout_s=2.0):
             return client
         time.sleep(1.0)
     client.shutdown()
-    raise VLLMStartError(f"vLLM server did not answer /health within {start_timeout_s:g}s (rollout.vllm.start_timeout_s); "
-                         f"log {log_path}:\n{_tail(log_path)}")
+    raise VLLMStartError(
+        f"vLLM server did not answer /health within {start_timeout_s:g}s (rollout.vllm.start_timeout_s); "
+        f"log {log_path}:\n{_tail(log_path)}"
+    )

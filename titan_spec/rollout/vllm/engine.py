@@ -49,12 +49,26 @@ from titan_spec.rollout.vllm.client import EngineDied, VLLMError, VLLMStartError
 from titan_spec.rollout.vllm.ipc import ipc_update_info
 from titan_spec.models.draft.directory import kind_of_directory
 from titan_spec.rollout.vllm.serving import (
-    ENV_SCRIPT, MASK_FILE, METHODS, dflash_misfit, served_draft_dir, vllm_misfit, write_mask_embedding,
+    ENV_SCRIPT,
+    MASK_FILE,
+    METHODS,
+    dflash_misfit,
+    served_draft_dir,
+    vllm_misfit,
+    write_mask_embedding,
 )
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names
 
-__all__ = ["VLLMRolloutEngine", "vllm_llm_kwargs", "sampling_to_vllm", "rollout_from_result", "resolve_python", "SEED_MIX",
-           "RAW_LOGPROB_TEMPERATURES", "SAMPLED_SPECULATION_BROKEN"]
+__all__ = [
+    "VLLMRolloutEngine",
+    "vllm_llm_kwargs",
+    "sampling_to_vllm",
+    "rollout_from_result",
+    "resolve_python",
+    "SEED_MIX",
+    "RAW_LOGPROB_TEMPERATURES",
+    "SAMPLED_SPECULATION_BROKEN",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +107,9 @@ def resolve_python(cfg) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def vllm_llm_kwargs(cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int, max_num_seqs: int = 0,
-                    method: str = "eagle3") -> dict:
+def vllm_llm_kwargs(
+    cfg, policy_path: str, draft_path: str | None, num_draft_tokens: int, max_num_seqs: int = 0, method: str = "eagle3"
+) -> dict:
     """[rollout.vllm] + paths + K -> ``vllm.LLM`` keyword arguments (vllm/engine/arg_utils.py
     EngineArgs fields). Token ids in and out (``skip_tokenizer_init``); behaviour log-probs
     of the raw logits (``logprobs_mode = "raw_logprobs"``: log_softmax(logits), before
@@ -122,12 +137,18 @@ def vllm_llm_kwargs(cfg, policy_path: str, draft_path: str | None, num_draft_tok
     if num_draft_tokens > 0:
         if not draft_path:
             raise ValueError(f"num_draft_tokens = {num_draft_tokens} needs a draft directory (or set it to 0)")
-        kw["speculative_config"] = {"method": method, "model": draft_path, "num_speculative_tokens": int(num_draft_tokens)}
+        kw["speculative_config"] = {
+            "method": method,
+            "model": draft_path,
+            "num_speculative_tokens": int(num_draft_tokens),
+        }
         kw["per_request_spec_decode_metrics"] = "summary"
     # The server sets these two itself (its transport, its worker extension).
     clash = sorted(set(cfg.llm_args) & (set(kw) | {"weight_transfer_config", "worker_extension_cls"}))
     if clash:
-        raise ValueError(f"rollout.vllm.llm_args sets {clash}, which titan_spec sets itself; use the [rollout.vllm] keys")
+        raise ValueError(
+            f"rollout.vllm.llm_args sets {clash}, which titan_spec sets itself; use the [rollout.vllm] keys"
+        )
     kw.update(cfg.llm_args)
     return kw
 
@@ -136,9 +157,13 @@ def sampling_to_vllm(sp: SamplingParams, n: int) -> list[dict]:
     """SamplingParams -> one parameter dict per request for the server (which builds
     ``vllm.SamplingParams`` with ignore_eos, logprobs=0, detokenize=False). Seeds differ
     per request so that G copies of a prompt give G samples; greedy needs none."""
-    base = {"temperature": float(sp.temperature), "top_p": float(sp.top_p),
-            "top_k": sp.top_k if sp.top_k > 0 else 0, "max_tokens": sp.max_new_tokens,
-            "stop_token_ids": list(sp.stop_token_ids)}
+    base = {
+        "temperature": float(sp.temperature),
+        "top_p": float(sp.top_p),
+        "top_k": sp.top_k if sp.top_k > 0 else 0,
+        "max_tokens": sp.max_new_tokens,
+        "stop_token_ids": list(sp.stop_token_ids),
+    }
     seed = None
     if not sp.greedy:
         seed = int(sp.seed) if sp.seed is not None else random.SystemRandom().getrandbits(62)
@@ -175,9 +200,17 @@ def rollout_from_result(prompt: list[int], result: dict, versions: tuple[int, in
         counted = sum(j * c for j, c in enumerate(hist))
         verify = max(min(1 + steps, n), n - counted) if n else 0
         accepted, drafted = n - verify, int(spec_decode["num_draft_tokens"])
-    return Rollout(prompt_ids=list(prompt), output_ids=[int(t) for t in ids], logprobs=[float(x) for x in lps],
-                   finish_reason=kind, verify_steps=verify, accepted_tokens=accepted, drafted_tokens=drafted,
-                   policy_version=versions[0], draft_version=versions[1])
+    return Rollout(
+        prompt_ids=list(prompt),
+        output_ids=[int(t) for t in ids],
+        logprobs=[float(x) for x in lps],
+        finish_reason=kind,
+        verify_steps=verify,
+        accepted_tokens=accepted,
+        drafted_tokens=drafted,
+        policy_version=versions[0],
+        draft_version=versions[1],
+    )
 
 
 class VLLMRolloutEngine(ServerRolloutEngine):
@@ -199,8 +232,15 @@ class VLLMRolloutEngine(ServerRolloutEngine):
     _host_device = "cpu"  # pushes travel as safetensors files
     _log = logger
 
-    def __init__(self, config, policy_path: str, draft_path: str | None, num_draft_tokens: int,
-                 connect: Callable[[dict], object] | None = None, max_num_seqs: int = 0):
+    def __init__(
+        self,
+        config,
+        policy_path: str,
+        draft_path: str | None,
+        num_draft_tokens: int,
+        connect: Callable[[dict], object] | None = None,
+        max_num_seqs: int = 0,
+    ):
         # Absolute: the server runs in its own folder, and vLLM reads a relative path that
         # is not a folder there as a model hub id.
         policy_path = os.path.abspath(policy_path)
@@ -225,8 +265,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             check_draft_fits_policy(policy_path, draft_path)
         if self.K:
             self._served_draft = served_draft_dir(draft_path, os.path.join(self._work, "draft"))
-        self.llm_kwargs = vllm_llm_kwargs(config, policy_path, self._served_draft, self.K, max_num_seqs,
-                                          METHODS.get(self.draft_kind, "eagle3"))
+        self.llm_kwargs = vllm_llm_kwargs(
+            config, policy_path, self._served_draft, self.K, max_num_seqs, METHODS.get(self.draft_kind, "eagle3")
+        )
         self._init_bookkeeping(tensor_table(sorted(glob.glob(os.path.join(policy_path, "*.safetensors")))), connect)
         self._pushes = 0
         if self.K:
@@ -234,7 +275,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             # push must not change it.
             start = load_file(os.path.join(draft_path, "model.safetensors"))
             if self.draft_kind == "dflash":
-                start["mask_embedding"] = torch.load(os.path.join(draft_path, MASK_FILE), weights_only=True)["embedding"]
+                start["mask_embedding"] = torch.load(os.path.join(draft_path, MASK_FILE), weights_only=True)[
+                    "embedding"
+                ]
             self._set_draft_start(dict(self._draft_names(start)))
         self._server_info: dict | None = None
         self.served_version: str | None = None
@@ -255,8 +298,18 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             # The IPC transport shares this rank's GPU memory: the server must run on it.
             uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
             env["CUDA_VISIBLE_DEVICES"] = f"GPU-{uuid}"
-        return launch_server(self._python, llm_kwargs, c.host, port, c.start_timeout_s, c.request_timeout_s, log, env,
-                             work_dir=self._work, cpus=c.cpus)
+        return launch_server(
+            self._python,
+            llm_kwargs,
+            c.host,
+            port,
+            c.start_timeout_s,
+            c.request_timeout_s,
+            log,
+            env,
+            work_dir=self._work,
+            cpus=c.cpus,
+        )
 
     @property
     def server_pid(self) -> int | None:
@@ -319,7 +372,9 @@ class VLLMRolloutEngine(ServerRolloutEngine):
                     if f".{part}." in name:
                         missing = [name.replace(part, o) for o in group if name.replace(part, o) not in pairs]
                         if missing:
-                            bad.append(f"{name} without {missing[0]} (vLLM fuses {'/'.join(group)}: push them together)")
+                            bad.append(
+                                f"{name} without {missing[0]} (vLLM fuses {'/'.join(group)}: push them together)"
+                            )
         return bad
 
     def _draft_names(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
@@ -334,8 +389,10 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         pairs = [(n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in named_tensor_items(named_tensors)]
         unknown = [n for n, _ in pairs if n not in allowed]
         if unknown:
-            raise ValueError(f"draft weights: unknown name(s) {unknown[:4]}{'...' if len(unknown) > 4 else ''} for a "
-                             f"DFlash draft; allowed: {', '.join(sorted(allowed))}")
+            raise ValueError(
+                f"draft weights: unknown name(s) {unknown[:4]}{'...' if len(unknown) > 4 else ''} for a "
+                f"DFlash draft; allowed: {', '.join(sorted(allowed))}"
+            )
         if arch.draft_vocab_size == arch.vocab_size:  # the identity maps vLLM does not hold (serving.py)
             pairs = [(n, t) for n, t in pairs if n not in ("d2t", "t2d")]
         return pairs
@@ -355,16 +412,20 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         """The prompt and its completion budget fit the server's max_model_len."""
         limit = self.llm_kwargs["max_model_len"]
         if len(prompt) + sampling.max_new_tokens > limit:
-            raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} > "
-                             f"the server's max_model_len {limit}")
+            raise ValueError(
+                f"prompt {i}: {len(prompt)} tokens + max_new_tokens {sampling.max_new_tokens} > "
+                f"the server's max_model_len {limit}"
+            )
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Rollout]:
         """One Rollout per prompt, at temperature 0 or 1 only (RAW_LOGPROB_TEMPERATURES)."""
         prompts = self._checked_prompts(prompts, sampling)
         if sampling.temperature not in RAW_LOGPROB_TEMPERATURES:
-            raise ValueError(f"temperature = {sampling.temperature!r} is not served by the vLLM engine; it must be 0 (greedy) "
-                             "or 1: vLLM 0.32's temperature-scaled log-probs are wrong under speculative decoding on CPU "
-                             "(vllm_llm_kwargs says what was measured), and the raw ones are log_softmax(logits / T) only at T = 1")
+            raise ValueError(
+                f"temperature = {sampling.temperature!r} is not served by the vLLM engine; it must be 0 (greedy) "
+                "or 1: vLLM 0.32's temperature-scaled log-probs are wrong under speculative decoding on CPU "
+                "(vllm_llm_kwargs says what was measured), and the raw ones are log_softmax(logits / T) only at T = 1"
+            )
         if not prompts:
             return []
         if not sampling.greedy and self.K and not self._sampled_speculation_ok():

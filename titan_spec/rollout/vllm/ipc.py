@@ -40,6 +40,10 @@ def ipc_update_info(pairs: dict[str, torch.Tensor], device: torch.device) -> tup
         shapes.append(list(t.shape))
         handles.append({uuid: reduce_tensor(t)[1]})
     torch.cuda.synchronize(device)  # the copies are complete before another process reads them
-    info = {"names": names, "dtype_names": dtype_names, "shapes": shapes,
-            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}
+    info = {
+        "names": names,
+        "dtype_names": dtype_names,
+        "shapes": shapes,
+        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode(),
+    }
     return info, keep

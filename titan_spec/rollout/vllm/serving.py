@@ -39,8 +39,16 @@ from titan_spec.models.draft.directory import kind_of_directory
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.safetensors_header import read_safetensors_header
 
-__all__ = ["ENV_SCRIPT", "METHODS", "VLLM_CPU_HEAD_DIMS", "dflash_misfit", "head_dim_problem", "served_draft_dir",
-           "vllm_misfit", "write_mask_embedding"]
+__all__ = [
+    "ENV_SCRIPT",
+    "METHODS",
+    "VLLM_CPU_HEAD_DIMS",
+    "dflash_misfit",
+    "head_dim_problem",
+    "served_draft_dir",
+    "vllm_misfit",
+    "write_mask_embedding",
+]
 
 METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
 """draft.kind -> vLLM's speculative_config method."""
@@ -57,8 +65,10 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def head_dim_problem(head_dim: int, what: str) -> str | None:
     if head_dim in VLLM_CPU_HEAD_DIMS:
         return None
-    return (f"{what} has head_dim {head_dim}, which vLLM's CPU attention cannot serve; it must be one of "
-            f"{', '.join(map(str, VLLM_CPU_HEAD_DIMS))}")
+    return (
+        f"{what} has head_dim {head_dim}, which vLLM's CPU attention cannot serve; it must be one of "
+        f"{', '.join(map(str, VLLM_CPU_HEAD_DIMS))}"
+    )
 
 
 def _config(path: str) -> dict:
@@ -81,8 +91,10 @@ def vllm_misfit(policy_path: str, draft_path: str | None) -> str | None:
         return why
     weights = os.path.join(draft_path, "model.safetensors")
     if d.draft_vocab_size == d.vocab_size and os.path.isfile(weights) and "d2t" in read_safetensors_header(weights):
-        return (f"the draft {draft_path} has the full vocabulary ({d.vocab_size}) and a d2t tensor, which vLLM refuses; "
-                "export it again with titan_spec's save_draft (it omits d2t/t2d for a full vocabulary)")
+        return (
+            f"the draft {draft_path} has the full vocabulary ({d.vocab_size}) and a d2t tensor, which vLLM refuses; "
+            "export it again with titan_spec's save_draft (it omits d2t/t2d for a full vocabulary)"
+        )
     return None
 
 
@@ -109,7 +121,9 @@ def served_draft_dir(draft_path: str, out: str) -> str:
     ids in vLLM's numbering, k + 1, module docstring), the exported weights linked in, and a
     DFlash draft's own copy of its mask embedding."""
     cfg = _config(draft_path)
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
     if ids and kind_of_directory(draft_path) == "eagle3":
         cfg["eagle_aux_hidden_state_layer_ids"] = [int(k) + 1 for k in ids]
     os.makedirs(out, exist_ok=True)

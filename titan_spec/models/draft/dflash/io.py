@@ -30,8 +30,16 @@ from titan_spec.models.draft.directory import check_vocab_maps, config_field, is
 from titan_spec.models.hf_io import write_safetensors_dir
 from titan_spec.models.safetensors_header import read_safetensors_header
 
-__all__ = ["MASK_FILE", "check_dflash_weights", "dflash_config_json", "dflash_mismatches", "export_keys",
-           "load_dflash_into", "read_dflash_arch", "save_dflash"]
+__all__ = [
+    "MASK_FILE",
+    "check_dflash_weights",
+    "dflash_config_json",
+    "dflash_mismatches",
+    "export_keys",
+    "load_dflash_into",
+    "read_dflash_arch",
+    "save_dflash",
+]
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_FILE = "mask_embedding.pt"
@@ -40,12 +48,26 @@ VOCAB_MAP_KEYS = ("d2t", "t2d")
 
 def export_keys(a: DFlashArch) -> tuple[str, ...]:
     """The tensors of model.safetensors for architecture ``a`` (the mask embedding has its own file)."""
-    layer = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-             "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
-             "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-             "mlp.up_proj.weight", "mlp.down_proj.weight")
-    keys = ("fc.weight", "hidden_norm.weight",
-            *(f"layers.{i}.{k}" for i in range(a.n_layers) for k in layer), "norm.weight", "lm_head.weight")
+    layer = (
+        "input_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    )
+    keys = (
+        "fc.weight",
+        "hidden_norm.weight",
+        *(f"layers.{i}.{k}" for i in range(a.n_layers) for k in layer),
+        "norm.weight",
+        "lm_head.weight",
+    )
     return keys if a.draft_vocab_size == a.vocab_size else keys + VOCAB_MAP_KEYS
 
 
@@ -78,52 +100,83 @@ def save_dflash(draft: DFlashDraft, path: str, dtype: torch.dtype = torch.float3
     sd, a = draft.state_dict(), draft.arch
     keys = export_keys(a)
     if "d2t" not in keys and (sd["d2t"].any() or not sd["t2d"].all()):
-        raise ValueError("a full-vocabulary draft must map every id to itself (d2t all 0, t2d all true) to be exported "
-                         "without its maps; this one permutes the vocabulary")
+        raise ValueError(
+            "a full-vocabulary draft must map every id to itself (d2t all 0, t2d all true) to be exported "
+            "without its maps; this one permutes the vocabulary"
+        )
     tensors = {k: (sd[k].to(dtype) if sd[k].is_floating_point() else sd[k]).detach().cpu().contiguous() for k in keys}
     mask = {"mask_token_id": a.mask_token_id, "embedding": sd["mask_embedding"].detach().to(dtype).cpu().clone()}
-    write_safetensors_dir(path, tensors, dflash_config_json(a, dtype),
-                          extra=lambda tmp: torch.save(mask, os.path.join(tmp, MASK_FILE)))
+    write_safetensors_dir(
+        path, tensors, dflash_config_json(a, dtype), extra=lambda tmp: torch.save(mask, os.path.join(tmp, MASK_FILE))
+    )
 
 
 def read_dflash_arch(path: str) -> DFlashArch:
     cfg_path, cfg = read_config_json(path, ARCHITECTURE, "dflash")
     dc = cfg.get("dflash_config")
     if not isinstance(dc, dict):
-        raise ValueError(f"{cfg_path}: dflash_config is {json.dumps(dc)}; it must be an object with mask_token_id "
-                         "and target_layer_ids")
+        raise ValueError(
+            f"{cfg_path}: dflash_config is {json.dumps(dc)}; it must be an object with mask_token_id "
+            "and target_layer_ids"
+        )
     ids = dc.get("target_layer_ids")
     if not (isinstance(ids, list) and ids and all(is_int(i) and i >= 0 for i in ids)):
-        raise ValueError(f"{cfg_path}: dflash_config.target_layer_ids = {json.dumps(ids)} is not allowed; it must be a "
-                         "non-empty list of layer ids (integers >= 0)")
+        raise ValueError(
+            f"{cfg_path}: dflash_config.target_layer_ids = {json.dumps(ids)} is not allowed; it must be a "
+            "non-empty list of layer ids (integers >= 0)"
+        )
     mask_id = dc.get("mask_token_id")
     if not (is_int(mask_id) and mask_id >= 0):
-        raise ValueError(f"{cfg_path}: dflash_config.mask_token_id = {json.dumps(mask_id)} is not allowed; it must be "
-                         "a token id (an integer >= 0)")
+        raise ValueError(
+            f"{cfg_path}: dflash_config.mask_token_id = {json.dumps(mask_id)} is not allowed; it must be "
+            "a token id (an integer >= 0)"
+        )
     hidden, heads = config_field(cfg_path, cfg, "hidden_size"), config_field(cfg_path, cfg, "num_attention_heads")
     vocab = config_field(cfg_path, cfg, "vocab_size")
     return DFlashArch(
-        hidden=hidden, n_heads=heads, n_kv_heads=config_field(cfg_path, cfg, "num_key_value_heads", heads),
+        hidden=hidden,
+        n_heads=heads,
+        n_kv_heads=config_field(cfg_path, cfg, "num_key_value_heads", heads),
         head_dim=config_field(cfg_path, cfg, "head_dim", hidden // heads),
         intermediate=config_field(cfg_path, cfg, "intermediate_size"),
         n_layers=config_field(cfg_path, cfg, "num_hidden_layers"),
-        target_hidden=config_field(cfg_path, cfg, "target_hidden_size", hidden), vocab_size=vocab,
+        target_hidden=config_field(cfg_path, cfg, "target_hidden_size", hidden),
+        vocab_size=vocab,
         draft_vocab_size=config_field(cfg_path, cfg, "draft_vocab_size", vocab),
         rope_theta=config_field(cfg_path, cfg, "rope_theta", 1e6, float),
         norm_eps=config_field(cfg_path, cfg, "rms_norm_eps", 1e-6, float),
         max_seq_len=config_field(cfg_path, cfg, "max_position_embeddings", 2048),
-        tap_layer_ids=tuple(ids), block_size=config_field(cfg_path, cfg, "block_size"), mask_token_id=mask_id,
+        tap_layer_ids=tuple(ids),
+        block_size=config_field(cfg_path, cfg, "block_size"),
+        mask_token_id=mask_id,
     )
 
 
 def dflash_mismatches(found: DFlashArch, want: DFlashArch) -> list[str]:
     """Why a directory of architecture ``found`` cannot initialize the draft ``want`` ([] = it fits)."""
-    checks = ["target_hidden", "hidden", "vocab_size", "draft_vocab_size", "n_heads", "n_kv_heads", "head_dim",
-              "intermediate", "n_layers", "block_size", "mask_token_id"]
-    names = {"n_layers": "layers (draft.dflash.num_layers)", "block_size": "block_size (draft.dflash.block_size)",
-             "mask_token_id": "mask_token_id (draft.dflash.mask_token_id)"}
-    bad = [f"{names.get(k, k)}: directory {getattr(found, k)} vs target/config {getattr(want, k)}"
-           for k in checks if getattr(found, k) != getattr(want, k)]
+    checks = [
+        "target_hidden",
+        "hidden",
+        "vocab_size",
+        "draft_vocab_size",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "intermediate",
+        "n_layers",
+        "block_size",
+        "mask_token_id",
+    ]
+    names = {
+        "n_layers": "layers (draft.dflash.num_layers)",
+        "block_size": "block_size (draft.dflash.block_size)",
+        "mask_token_id": "mask_token_id (draft.dflash.mask_token_id)",
+    }
+    bad = [
+        f"{names.get(k, k)}: directory {getattr(found, k)} vs target/config {getattr(want, k)}"
+        for k in checks
+        if getattr(found, k) != getattr(want, k)
+    ]
     if tuple(found.tap_layer_ids) != tuple(want.tap_layer_ids):
         bad.append(f"tap ids: directory {list(found.tap_layer_ids)} vs config {list(want.tap_layer_ids)}")
     return bad
@@ -145,8 +198,10 @@ def check_dflash_weights(path: str, arch: DFlashArch) -> None:
         want = {k: tuple(v.shape) for k, v in DFlashDraft(arch).state_dict().items()}
     bad = [f"{k} {list(found[k][1])} (needs {list(want[k])})" for k in export_keys(arch) if found[k][1] != want[k]]
     if bad:
-        raise ValueError(f"draft directory {path}: tensor shapes do not match its config.json and the target: "
-                         f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+        raise ValueError(
+            f"draft directory {path}: tensor shapes do not match its config.json and the target: "
+            f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}"
+        )
     if "d2t" in found:
         check_vocab_maps(weights_file(path), arch)
     _mask_embedding(path, arch)
@@ -164,8 +219,9 @@ def _mask_embedding(path: str, arch: DFlashArch) -> torch.Tensor:
     if not isinstance(emb, torch.Tensor) or emb.numel() != arch.hidden:
         raise ValueError(f"{file}: the embedding must be a tensor of {arch.hidden} values (hidden_size)")
     if isinstance(state, dict) and state.get("mask_token_id", arch.mask_token_id) != arch.mask_token_id:
-        raise ValueError(f"{file}: mask_token_id {state.get('mask_token_id')} != dflash_config.mask_token_id "
-                         f"{arch.mask_token_id}")
+        raise ValueError(
+            f"{file}: mask_token_id {state.get('mask_token_id')} != dflash_config.mask_token_id {arch.mask_token_id}"
+        )
     return emb.reshape(-1)
 
 

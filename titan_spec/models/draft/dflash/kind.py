@@ -12,7 +12,11 @@ from titan_spec.models.attention import DocMetadata
 from titan_spec.models.draft.base import DraftKind, DraftLossResult
 from titan_spec.models.draft.dflash.context import CPStream
 from titan_spec.models.draft.dflash.io import (
-    check_dflash_weights, dflash_mismatches, load_dflash_into, read_dflash_arch, save_dflash,
+    check_dflash_weights,
+    dflash_mismatches,
+    load_dflash_into,
+    read_dflash_arch,
+    save_dflash,
 )
 from titan_spec.models.draft.dflash.loss import block_plan, block_targets, block_valid, doc_bounds_of
 from titan_spec.models.draft.dflash.model import DFlashArch, DFlashDraft, default_dflash_tap_ids
@@ -42,7 +46,9 @@ class _Blocks:
         else:
             st = self.stream
             self.labels_Tg, self.positions_Tg = st.gather_labels(labels_T), st.positions_Tg.to(labels_T.device)
-            self.plan = block_plan(st.doc_bounds, self.labels_Tg, cfg.dflash.anchors_per_doc, st.owner_Tg == st.rank, st.local_Tg)
+            self.plan = block_plan(
+                st.doc_bounds, self.labels_Tg, cfg.dflash.anchors_per_doc, st.owner_Tg == st.rank, st.local_Tg
+            )
         self.valid = block_valid(self.plan, self.labels_Tg, cfg.dflash.block_size)
 
     def counts(self) -> torch.Tensor:
@@ -69,8 +75,14 @@ class DFlashKind(DraftKind):
         return default_dflash_tap_ids(n_layers)
 
     def arch_from_target(self, target_arch, tap_layer_ids, draft_vocab_size: int, cfg: DraftConfig) -> DFlashArch:
-        d = DFlashArch.from_target(target_arch, tap_layer_ids, draft_vocab_size, cfg.dflash.block_size,
-                                   cfg.dflash.num_layers, cfg.dflash.mask_token_id)
+        d = DFlashArch.from_target(
+            target_arch,
+            tap_layer_ids,
+            draft_vocab_size,
+            cfg.dflash.block_size,
+            cfg.dflash.num_layers,
+            cfg.dflash.mask_token_id,
+        )
         d.validate()
         return d
 
@@ -93,8 +105,9 @@ class DFlashKind(DraftKind):
         over the ranks is the one-process count)."""
         return _Blocks(positions_BL, labels_BL, meta, cfg).counts()
 
-    def loss(self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig,
-             count_S, global_count) -> DraftLossResult:
+    def loss(
+        self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig, count_S, global_count
+    ) -> DraftLossResult:
         T = positions_BL.numel()
         blocks = _Blocks(positions_BL, labels_BL, meta, cfg)
         logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), meta, cfg.dflash.block_size)
@@ -104,8 +117,16 @@ class DFlashKind(DraftKind):
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         gather = blocks.stream.gather if blocks.stream is not None else None
         # Through forward: FSDP's hooks gather the parameters.
-        return model(hidden, taps.embeds_BLD.detach().reshape(T, -1), blocks.positions_Tg, blocks.plan, targets,
-                     cfg.loss_decay, count_S, gather)
+        return model(
+            hidden,
+            taps.embeds_BLD.detach().reshape(T, -1),
+            blocks.positions_Tg,
+            blocks.plan,
+            targets,
+            cfg.loss_decay,
+            count_S,
+            gather,
+        )
 
     # --- export / import ---------------------------------------------------------------
 

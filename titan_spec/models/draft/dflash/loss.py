@@ -137,15 +137,28 @@ def _attend(draft: nn.Module, plan: BlockPlan, q_QNHd, k_QKvHd, v_QKvHd, kc_TgKv
         keys = torch.cat([kc_TgKvHd[s:e], k_QKvHd[q0:q1]]).transpose(0, 1)
         vals = torch.cat([vc_TgKvHd[s:e], v_QKvHd[q0:q1]]).transpose(0, 1)
         o_NQHd = F.scaled_dot_product_attention(
-            q_QNHd[q0:q1].transpose(0, 1), keys, vals, attn_mask=torch.cat([ctx_mask, own_mask], dim=1),
-            scale=scale, enable_gqa=a.n_heads != a.n_kv_heads,
+            q_QNHd[q0:q1].transpose(0, 1),
+            keys,
+            vals,
+            attn_mask=torch.cat([ctx_mask, own_mask], dim=1),
+            scale=scale,
+            enable_gqa=a.n_heads != a.n_kv_heads,
         )
         outs.append(o_NQHd.transpose(0, 1))
     return torch.cat(outs) if outs else q_QNHd * 0
 
 
-def block_loss(draft: nn.Module, taps, embeds_TH, positions_Tg, plan: BlockPlan, targets, decay: float = 0.8,
-               count_S: torch.Tensor | None = None, gather=None) -> DraftLossResult:
+def block_loss(
+    draft: nn.Module,
+    taps,
+    embeds_TH,
+    positions_Tg,
+    plan: BlockPlan,
+    targets,
+    decay: float = 0.8,
+    count_S: torch.Tensor | None = None,
+    gather=None,
+) -> DraftLossResult:
     """The draft's block loss, for ``targets = block_targets(...)``. ``taps``: the C local tap
     tensors [T, D] and ``embeds_TH`` the local embeddings (detached here); ``positions_Tg``: of
     the context stream, which ``gather`` makes from the local context rows (None: they are
@@ -175,5 +188,9 @@ def block_loss(draft: nn.Module, taps, embeds_TH, positions_Tg, plan: BlockPlan,
         loss_sum.append(step_sum.detach())
         counts.append(n)
         correct.append(((logits_AVd.argmax(-1) == tgt_p_AVd.argmax(-1)) & valid).sum())
-    return DraftLossResult(loss=torch.stack(terms).sum(), loss_sum_S=torch.stack(loss_sum),
-                           count_S=torch.stack(counts), correct_S=torch.stack(correct))
+    return DraftLossResult(
+        loss=torch.stack(terms).sum(),
+        loss_sum_S=torch.stack(loss_sum),
+        count_S=torch.stack(counts),
+        correct_S=torch.stack(correct),
+    )

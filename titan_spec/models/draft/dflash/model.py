@@ -67,15 +67,26 @@ class DFlashArch:
     """The target id a masked position stands for in the exported config (vLLM)."""
 
     @staticmethod
-    def from_target(arch, tap_layer_ids, draft_vocab_size: int, block_size: int, n_layers: int,
-                    mask_token_id: int = -1) -> "DFlashArch":
+    def from_target(
+        arch, tap_layer_ids, draft_vocab_size: int, block_size: int, n_layers: int, mask_token_id: int = -1
+    ) -> "DFlashArch":
         """Decoder layers of the target's width and heads (as z-lab's and SpecForge's DFlash drafts)."""
         return DFlashArch(
-            hidden=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim,
-            intermediate=arch.hidden_dim, n_layers=n_layers, target_hidden=arch.dim, vocab_size=arch.vocab_size,
-            draft_vocab_size=draft_vocab_size or arch.vocab_size, rope_theta=arch.rope_theta,
-            norm_eps=arch.norm_eps, max_seq_len=arch.max_seq_len, tap_layer_ids=tuple(tap_layer_ids),
-            block_size=block_size, mask_token_id=mask_token_id if mask_token_id >= 0 else arch.vocab_size - 1,
+            hidden=arch.dim,
+            n_heads=arch.n_heads,
+            n_kv_heads=arch.n_kv_heads,
+            head_dim=arch.head_dim,
+            intermediate=arch.hidden_dim,
+            n_layers=n_layers,
+            target_hidden=arch.dim,
+            vocab_size=arch.vocab_size,
+            draft_vocab_size=draft_vocab_size or arch.vocab_size,
+            rope_theta=arch.rope_theta,
+            norm_eps=arch.norm_eps,
+            max_seq_len=arch.max_seq_len,
+            tap_layer_ids=tuple(tap_layer_ids),
+            block_size=block_size,
+            mask_token_id=mask_token_id if mask_token_id >= 0 else arch.vocab_size - 1,
         )
 
     def validate(self) -> None:
@@ -83,8 +94,10 @@ class DFlashArch:
         if why:
             raise ValueError(why)
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft.draft_vocab_size = {self.draft_vocab_size} must be in 1..{self.vocab_size} "
-                             "(the target vocabulary)")
+            raise ValueError(
+                f"draft.draft_vocab_size = {self.draft_vocab_size} must be in 1..{self.vocab_size} "
+                "(the target vocabulary)"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"draft heads {self.n_heads} must be a multiple of kv heads {self.n_kv_heads}")
         if self.block_size < 2:
@@ -92,7 +105,9 @@ class DFlashArch:
         if self.n_layers < 1:
             raise ValueError(f"draft.dflash.num_layers = {self.n_layers} must be >= 1")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"draft.dflash.mask_token_id = {self.mask_token_id} must be a target id in 0..{self.vocab_size - 1}")
+            raise ValueError(
+                f"draft.dflash.mask_token_id = {self.mask_token_id} must be a target id in 0..{self.vocab_size - 1}"
+            )
 
     def misfits(self, target_vocab: int, target_dim: int) -> list[str]:
         """Why this draft cannot serve a target of this vocabulary and width ([] = it fits)."""

@@ -49,8 +49,15 @@ class CachedBlockDraft:
         """Nothing to fuse: the cores read the draft's modules."""
         return ()
 
-    def extend(self, taps_BLCD: torch.Tensor, tokens_BL: torch.Tensor, start_B: torch.Tensor, n_B: torch.Tensor,
-               n_slots: int | None = None, weights: tuple | None = None) -> None:
+    def extend(
+        self,
+        taps_BLCD: torch.Tensor,
+        tokens_BL: torch.Tensor,
+        start_B: torch.Tensor,
+        n_B: torch.Tensor,
+        n_slots: int | None = None,
+        weights: tuple | None = None,
+    ) -> None:
         """Write the context K/V of positions start .. start+L-1 (rows past n_B write slots that
         no query sees before the next call overwrites them: models/kv_cache.py)."""
         pos_BL = start_B[:, None] + torch.arange(tokens_BL.shape[1], device=tokens_BL.device)[None, :]
@@ -72,7 +79,13 @@ class CachedBlockDraft:
         ctx_TH = d.context(taps_BLCD.flatten(2)).reshape(B * L, -1)
         for i in range(d.arch.n_layers):
             k_TKvHd, v_TKvHd = d.context_kv(i, ctx_TH, st.pos_BL.reshape(-1))
-            write_kv(k_YBKvSlHd[i], v_YBKvSlHd[i], st, k_TKvHd.view(B, L, *k_TKvHd.shape[1:]), v_TKvHd.view(B, L, *v_TKvHd.shape[1:]))
+            write_kv(
+                k_YBKvSlHd[i],
+                v_YBKvSlHd[i],
+                st,
+                k_TKvHd.view(B, L, *k_TKvHd.shape[1:]),
+                v_TKvHd.view(B, L, *v_TKvHd.shape[1:]),
+            )
 
     def _propose_core(self, y_B, st: Step, k_YBKvSlHd, v_YBKvSlHd):
         d = self.draft
@@ -82,7 +95,17 @@ class CachedBlockDraft:
         pos_Q = st.pos_BL.reshape(-1)
         for i in range(d.arch.n_layers):
             q_QNHd, k_QKvHd, v_QKvHd = d.block_qkv(i, h_BJH.reshape(B * J, -1), pos_Q)
-            write_kv(k_YBKvSlHd[i], v_YBKvSlHd[i], st, k_QKvHd.view(B, J, *k_QKvHd.shape[1:]), v_QKvHd.view(B, J, *v_QKvHd.shape[1:]))
-            out_BJNHd = attend(k_YBKvSlHd[i], v_YBKvSlHd[i], st, q_QNHd.view(B, J, *q_QNHd.shape[1:]), self.scale, self._gqa)
-            h_BJH = d.block_finish(i, h_BJH.reshape(B * J, -1), out_BJNHd.reshape(B * J, *out_BJNHd.shape[2:])).view(B, J, -1)
+            write_kv(
+                k_YBKvSlHd[i],
+                v_YBKvSlHd[i],
+                st,
+                k_QKvHd.view(B, J, *k_QKvHd.shape[1:]),
+                v_QKvHd.view(B, J, *v_QKvHd.shape[1:]),
+            )
+            out_BJNHd = attend(
+                k_YBKvSlHd[i], v_YBKvSlHd[i], st, q_QNHd.view(B, J, *q_QNHd.shape[1:]), self.scale, self._gqa
+            )
+            h_BJH = d.block_finish(i, h_BJH.reshape(B * J, -1), out_BJNHd.reshape(B * J, *out_BJNHd.shape[2:])).view(
+                B, J, -1
+            )
         return d.logits(h_BJH[:, 1:])

@@ -34,8 +34,15 @@ from titan_spec.models.hf_io import write_safetensors_dir
 from titan_spec.models.safetensors_header import read_safetensors_header
 
 __all__ = [
-    "EXPORT_KEYS", "VOCAB_MAP_KEYS", "export_keys", "draft_config_json", "save_draft", "read_draft_arch",
-    "load_draft_into", "draft_mismatches", "check_draft_weights",
+    "EXPORT_KEYS",
+    "VOCAB_MAP_KEYS",
+    "export_keys",
+    "draft_config_json",
+    "save_draft",
+    "read_draft_arch",
+    "load_draft_into",
+    "draft_mismatches",
+    "check_draft_weights",
 ]
 
 EXPORT_KEYS = (
@@ -96,11 +103,11 @@ def save_draft(draft: Eagle3Draft, path: str, dtype: torch.dtype = torch.float32
     sd = draft.state_dict()
     keys = export_keys(draft.arch)
     if keys != EXPORT_KEYS and (sd["d2t"].any() or not sd["t2d"].all()):
-        raise ValueError("a full-vocabulary draft must map every id to itself (d2t all 0, t2d all true) to be exported "
-                         "without its maps; this one permutes the vocabulary")
-    tensors = {
-        k: (sd[k].to(dtype) if sd[k].is_floating_point() else sd[k]).detach().cpu().contiguous() for k in keys
-    }
+        raise ValueError(
+            "a full-vocabulary draft must map every id to itself (d2t all 0, t2d all true) to be exported "
+            "without its maps; this one permutes the vocabulary"
+        )
+    tensors = {k: (sd[k].to(dtype) if sd[k].is_floating_point() else sd[k]).detach().cpu().contiguous() for k in keys}
     write_safetensors_dir(path, tensors, draft_config_json(draft.arch, dtype))
 
 
@@ -112,15 +119,20 @@ def read_draft_arch(path: str) -> DraftArch:
     if not ids:
         ids_field, ids = "eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids and not (isinstance(ids, list) and all(is_int(i) and i >= 0 for i in ids)):
-        raise ValueError(f"{cfg_path}: {ids_field} = {json.dumps(ids)} is not allowed; it must be a list of layer ids "
-                         "(integers >= 0)")
+        raise ValueError(
+            f"{cfg_path}: {ids_field} = {json.dumps(ids)} is not allowed; it must be a list of layer ids "
+            "(integers >= 0)"
+        )
     hidden, heads = config_field(cfg_path, cfg, "hidden_size"), config_field(cfg_path, cfg, "num_attention_heads")
     vocab = config_field(cfg_path, cfg, "vocab_size")
     return DraftArch(
-        hidden=hidden, n_heads=heads, n_kv_heads=config_field(cfg_path, cfg, "num_key_value_heads", heads),
+        hidden=hidden,
+        n_heads=heads,
+        n_kv_heads=config_field(cfg_path, cfg, "num_key_value_heads", heads),
         head_dim=config_field(cfg_path, cfg, "head_dim", hidden // heads),
         intermediate=config_field(cfg_path, cfg, "intermediate_size"),
-        target_hidden=config_field(cfg_path, cfg, "target_hidden_size", hidden), vocab_size=vocab,
+        target_hidden=config_field(cfg_path, cfg, "target_hidden_size", hidden),
+        vocab_size=vocab,
         draft_vocab_size=config_field(cfg_path, cfg, "draft_vocab_size", vocab),
         rope_theta=config_field(cfg_path, cfg, "rope_theta", 10000.0, float),
         norm_eps=config_field(cfg_path, cfg, "rms_norm_eps", 1e-6, float),
@@ -132,8 +144,21 @@ def read_draft_arch(path: str) -> DraftArch:
 def draft_mismatches(found: DraftArch, want: DraftArch) -> list[str]:
     """Why a draft directory of architecture ``found`` cannot initialize the draft ``want``
     (built for the target and the config): [] = it fits."""
-    checks = ["target_hidden", "hidden", "vocab_size", "draft_vocab_size", "n_heads", "n_kv_heads", "head_dim", "intermediate"]
-    bad = [f"{k}: directory {getattr(found, k)} vs target/config {getattr(want, k)}" for k in checks if getattr(found, k) != getattr(want, k)]
+    checks = [
+        "target_hidden",
+        "hidden",
+        "vocab_size",
+        "draft_vocab_size",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "intermediate",
+    ]
+    bad = [
+        f"{k}: directory {getattr(found, k)} vs target/config {getattr(want, k)}"
+        for k in checks
+        if getattr(found, k) != getattr(want, k)
+    ]
     if found.tap_layer_ids and tuple(found.tap_layer_ids) != tuple(want.tap_layer_ids):
         bad.append(f"tap ids: directory {list(found.tap_layer_ids)} vs config {list(want.tap_layer_ids)}")
     return bad
@@ -156,10 +181,14 @@ def check_draft_weights(path: str, arch: DraftArch) -> None:
     _check_names(path, found, arch.draft_vocab_size == arch.vocab_size)
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in Eagle3Draft(arch).state_dict().items()}
-    bad = [f"{k} {list(found[k][1])} (needs {list(want[k])})" for k in EXPORT_KEYS if k in found and found[k][1] != want[k]]
+    bad = [
+        f"{k} {list(found[k][1])} (needs {list(want[k])})" for k in EXPORT_KEYS if k in found and found[k][1] != want[k]
+    ]
     if bad:
-        raise ValueError(f"draft directory {path}: tensor shapes do not match its config.json and the target: "
-                         f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}")
+        raise ValueError(
+            f"draft directory {path}: tensor shapes do not match its config.json and the target: "
+            f"{'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}"
+        )
     if "d2t" in found:
         check_vocab_maps(weights_file(path), arch)
 

@@ -14,7 +14,13 @@ import torch
 from titan_spec.config import DraftConfig
 from titan_spec.models.attention import DocMetadata
 from titan_spec.models.draft.base import DraftKind, DraftLossResult
-from titan_spec.models.draft.eagle3.io import check_draft_weights, draft_mismatches, load_draft_into, read_draft_arch, save_draft
+from titan_spec.models.draft.eagle3.io import (
+    check_draft_weights,
+    draft_mismatches,
+    load_draft_into,
+    read_draft_arch,
+    save_draft,
+)
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.models.draft.eagle3.proposer import CachedDraft
 from titan_spec.models.draft.halo import TTTHalo
@@ -68,8 +74,9 @@ class Eagle3Kind(DraftKind):
             return _count_S(halo.shifts(halo.extend(labels_BL.reshape(-1))))
         return _count_S(ttt_shifts(positions_BL.reshape(-1), labels_BL.reshape(-1), cfg.eagle3.ttt_steps))
 
-    def loss(self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig,
-             count_S, global_count) -> DraftLossResult:
+    def loss(
+        self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig, count_S, global_count
+    ) -> DraftLossResult:
         T = positions_BL.numel()
         logits_TV = logits_BLV.detach().reshape(T, -1)
         positions_T, labels_T = positions_BL.reshape(T), labels_BL.reshape(T)
@@ -82,9 +89,9 @@ class Eagle3Kind(DraftKind):
             shifts = halo.shifts(labels_T)
         targets = ttt_targets(model, positions_T, labels_T, logits_TV, cfg.eagle3.ttt_steps, shifts)
         if count_S is None:  # this batch alone (the shifts of the CP halo are already built)
-            count_S = global_count(_count_S(
-                shifts if shifts is not None else ttt_shifts(positions_T, labels_T, cfg.eagle3.ttt_steps)
-            ))
+            count_S = global_count(
+                _count_S(shifts if shifts is not None else ttt_shifts(positions_T, labels_T, cfg.eagle3.ttt_steps))
+            )
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
         # Through forward (not ttt_unroll directly): FSDP's hooks gather the parameters.
         return model(hidden, embeds_TH, positions_T, meta, targets, cfg.loss_decay, count_S)

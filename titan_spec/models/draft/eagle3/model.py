@@ -52,10 +52,18 @@ class DraftArch:
     def from_target(arch, tap_layer_ids, draft_vocab_size: int) -> "DraftArch":
         """SpecForge's default: the draft layer has the target's width and heads."""
         return DraftArch(
-            hidden=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim,
-            intermediate=arch.hidden_dim, target_hidden=arch.dim, vocab_size=arch.vocab_size,
-            draft_vocab_size=draft_vocab_size or arch.vocab_size, rope_theta=arch.rope_theta,
-            norm_eps=arch.norm_eps, max_seq_len=arch.max_seq_len, tap_layer_ids=tuple(tap_layer_ids),
+            hidden=arch.dim,
+            n_heads=arch.n_heads,
+            n_kv_heads=arch.n_kv_heads,
+            head_dim=arch.head_dim,
+            intermediate=arch.hidden_dim,
+            target_hidden=arch.dim,
+            vocab_size=arch.vocab_size,
+            draft_vocab_size=draft_vocab_size or arch.vocab_size,
+            rope_theta=arch.rope_theta,
+            norm_eps=arch.norm_eps,
+            max_seq_len=arch.max_seq_len,
+            tap_layer_ids=tuple(tap_layer_ids),
         )
 
     def validate(self) -> None:

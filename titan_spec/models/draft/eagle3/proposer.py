@@ -39,12 +39,29 @@ class CachedDraft:
         self.draft = draft
         self.embed = embed
         a, ml = draft.arch, draft.midlayer
-        require_plain({"fc": draft.fc, "lm_head": draft.lm_head, "q_proj": ml.self_attn.q_proj,
-                       "k_proj": ml.self_attn.k_proj, "v_proj": ml.self_attn.v_proj, "o_proj": ml.self_attn.o_proj,
-                       "gate_proj": ml.mlp.gate_proj, "up_proj": ml.mlp.up_proj, "down_proj": ml.mlp.down_proj},
-                      nn.Linear)
-        require_plain({"input_layernorm": ml.input_layernorm, "hidden_norm": ml.hidden_norm,
-                       "post_attention_layernorm": ml.post_attention_layernorm, "norm": draft.norm}, nn.RMSNorm)
+        require_plain(
+            {
+                "fc": draft.fc,
+                "lm_head": draft.lm_head,
+                "q_proj": ml.self_attn.q_proj,
+                "k_proj": ml.self_attn.k_proj,
+                "v_proj": ml.self_attn.v_proj,
+                "o_proj": ml.self_attn.o_proj,
+                "gate_proj": ml.mlp.gate_proj,
+                "up_proj": ml.mlp.up_proj,
+                "down_proj": ml.mlp.down_proj,
+            },
+            nn.Linear,
+        )
+        require_plain(
+            {
+                "input_layernorm": ml.input_layernorm,
+                "hidden_norm": ml.hidden_norm,
+                "post_attention_layernorm": ml.post_attention_layernorm,
+                "norm": draft.norm,
+            },
+            nn.RMSNorm,
+        )
         self.scale = a.head_dim**-0.5
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self._gqa = bool(a.n_heads != a.n_kv_heads)
@@ -69,8 +86,15 @@ class CachedDraft:
         """(wqkv, w_gate_up, cos table, sin table), current; pass to extend/step for a batch."""
         return self._qkv.get(), self._gate_up.get(), self.rotary.cos_SlHd, self.rotary.sin_SlHd
 
-    def extend(self, taps_BLCD: torch.Tensor, tokens_BL: torch.Tensor, start_B: torch.Tensor, n_B: torch.Tensor,
-               n_slots: int | None = None, weights: tuple | None = None):
+    def extend(
+        self,
+        taps_BLCD: torch.Tensor,
+        tokens_BL: torch.Tensor,
+        start_B: torch.Tensor,
+        n_B: torch.Tensor,
+        n_slots: int | None = None,
+        weights: tuple | None = None,
+    ):
         """n_slots: a host-side bound >= max(start_B + n_B) (saves a sync); extra slots are masked."""
         pos_BL = start_B[:, None] + torch.arange(tokens_BL.shape[1], device=tokens_BL.device)[None, :]
         # Only the last committed row needs an output; the others only contribute keys.
@@ -78,10 +102,18 @@ class CachedDraft:
         pos_B1 = pos_BL.gather(1, last_B[:, None])
         st, st_last = step_indices(pos_BL, mask=False), step_indices(pos_B1, n_slots)
         w = self.weights() if weights is None else weights
-        return self._extend(taps_BLCD, tokens_BL, st, st_last, last_B, self.cache.k_YBKvSlHd[0], self.cache.v_YBKvSlHd[0], w)
+        return self._extend(
+            taps_BLCD, tokens_BL, st, st_last, last_B, self.cache.k_YBKvSlHd[0], self.cache.v_YBKvSlHd[0], w
+        )
 
-    def step(self, h_BH: torch.Tensor, tokens_B: torch.Tensor, pos_B: torch.Tensor,
-             n_slots: int | None = None, weights: tuple | None = None):
+    def step(
+        self,
+        h_BH: torch.Tensor,
+        tokens_B: torch.Tensor,
+        pos_B: torch.Tensor,
+        n_slots: int | None = None,
+        weights: tuple | None = None,
+    ):
         """n_slots: max(pos_B) + 1 when the caller knows it on the host (saves a sync)."""
         st = step_indices(pos_B[:, None], n_slots)
         w = self.weights() if weights is None else weights

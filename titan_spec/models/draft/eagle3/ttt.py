@@ -111,9 +111,7 @@ def ttt_unroll(
             kb.append(k)
             vb.append(v)
         empty = k.new_zeros((0, *k.shape))
-        attn = ttt_attention(
-            q, k0, v0, torch.stack(kb) if kb else empty, torch.stack(vb) if vb else empty, meta, scale
-        )
+        attn = ttt_attention(q, k0, v0, torch.stack(kb) if kb else empty, torch.stack(vb) if vb else empty, meta, scale)
         h_TH, logits_TVd = draft.finish(h_TH, attn)
 
         logp_TVd = F.log_softmax(logits_TVd.float(), dim=-1)

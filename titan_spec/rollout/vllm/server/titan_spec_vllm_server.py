@@ -45,9 +45,15 @@ def _sampling(vllm, d: dict):
     # logprobs=0: vLLM returns the log-prob of the sampled token only. ignore_eos: the
     # engine stops only at the ids titan_spec sends (as the built-in engine does).
     return vllm.SamplingParams(
-        temperature=float(d["temperature"]), top_p=float(d["top_p"]), top_k=int(d["top_k"]),
-        max_tokens=int(d["max_tokens"]), stop_token_ids=list(d.get("stop_token_ids") or []),
-        ignore_eos=True, seed=d.get("seed"), logprobs=0, detokenize=False,
+        temperature=float(d["temperature"]),
+        top_p=float(d["top_p"]),
+        top_k=int(d["top_k"]),
+        max_tokens=int(d["max_tokens"]),
+        stop_token_ids=list(d.get("stop_token_ids") or []),
+        ignore_eos=True,
+        seed=d.get("seed"),
+        logprobs=0,
+        detokenize=False,
     )
 
 
@@ -80,9 +86,13 @@ class Server:
         # What the trainer must know of this build: on CPU without Triton the speculative
         # rejection sampler is the policy's distribution only with the worker's expand-kernel
         # fix in place (cpu_expand_fix.py); every worker says whether it runs it.
-        self.info = {"device": str(current_platform.device_type), "triton": bool(HAS_TRITON),
-                     "vllm": vllm.__version__, "transport": self.transport,
-                     "expand_fixed": all(self.llm.collective_rpc("titan_spec_expand_fixed"))}
+        self.info = {
+            "device": str(current_platform.device_type),
+            "triton": bool(HAS_TRITON),
+            "vllm": vllm.__version__,
+            "transport": self.transport,
+            "expand_fixed": all(self.llm.collective_rpc("titan_spec_expand_fixed")),
+        }
 
     def generate(self, body: dict) -> list[dict]:
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in body["prompts"]]
@@ -134,8 +144,11 @@ def _handler(server: Server, stop: threading.Event):
             n = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(n) or b"{}")
-                route = {"/generate": server.generate, "/update_weights": server.update_weights,
-                         "/fingerprint": server.fingerprint}
+                route = {
+                    "/generate": server.generate,
+                    "/update_weights": server.update_weights,
+                    "/fingerprint": server.fingerprint,
+                }
                 if self.path == "/shutdown":
                     self._send(200, {"ok": True})
                     stop.set()
