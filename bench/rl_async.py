@@ -176,8 +176,8 @@ def _plot(path: Path, runs: dict[str, list[dict]]) -> None:
     plt.close(fig)
 
 
-def _f(x, spec=".3f") -> str:
-    return "-" if x is None else format(x, spec)
+def _f(x, fmt=".3f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def main(argv=None) -> int:

@@ -130,8 +130,8 @@ def summarize(name: str, rows: list[dict], window: int = 10) -> dict:
     return out
 
 
-def _f(x, spec=".3f"):
-    return "-" if x is None else format(x, spec)
+def _f(x, fmt=".3f"):
+    return "-" if x is None else format(x, fmt)
 
 
 def projection(co: dict, ns: dict) -> list[tuple[float, float]]:

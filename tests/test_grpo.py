@@ -232,9 +232,8 @@ def test_co_training_step_with_kl_uses_a_frozen_reference_copy_and_adds_the_kl_g
     model = build_target_config(arch, tap_layer_ids=taps).build()
     model.init_weights(buffer_device=None)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    spec = SimpleNamespace(draft=SimpleNamespace(loss_weight=0.5))
     fake = SimpleNamespace(
-        config=SimpleNamespace(arch=arch, spec=spec),
+        config=SimpleNamespace(arch=arch, draft=SimpleNamespace(loss_weight=0.5)),
         device=torch.device("cpu"),
         model_parts=[model],
         train_context=nullcontext,

@@ -247,7 +247,7 @@ def test_a_raising_reward_stops_the_run_with_one_line_naming_the_record(capsys):
         tokenizer=tok,
         reward=boom,
         _warn_if_degenerate=print,
-        config=SimpleNamespace(spec=SimpleNamespace(task=SimpleNamespace(reward="mine:boom"))),
+        config=SimpleNamespace(task=SimpleNamespace(reward="mine:boom")),
     )
     batch = SimpleNamespace(
         problems=[Problem("1+1=", "2", source="train.jsonl:7")],

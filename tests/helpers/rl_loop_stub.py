@@ -92,7 +92,7 @@ def rollout_step(
         parallel_dims=SimpleNamespace(dp_enabled=False, cp_enabled=False, pp_enabled=pp_rows is not None),
         reward=exact_match,
         config=SimpleNamespace(
-            spec=SimpleNamespace(task=SimpleNamespace(seed=0, reward="exact_match")),
+            task=SimpleNamespace(seed=0, reward="exact_match"),
             training=SimpleNamespace(seq_len=seq_len, local_batch_size=pp_rows or 1),
         ),
     )
