@@ -25,11 +25,13 @@ behaviour is a hazard for the engine (each checked in SGLang's source; never its
 - meta_info carries SGLang's counts: ``spec_verify_ct`` (no prefill, no re-prefill),
   ``spec_num_correct_drafts`` and ``num_retractions``; ``meta`` overrides them per test.
 
-It says nothing about SGLang itself beyond these; the GPU test exercises the real server.
+It says nothing about SGLang itself beyond these; tests/test_sglang_server.py exercises the
+real server (on this CPU too).
 """
 
 import base64
 import importlib
+import sys
 import json
 import os
 import pickle
@@ -41,6 +43,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 from safetensors import safe_open
+
+from titan_spec.rollout.sglang.serving import SERVER_DIR
+
+# The real server has server/ on its PYTHONPATH: the loaders are a top-level module there.
+if SERVER_DIR not in sys.path:
+    sys.path.insert(0, SERVER_DIR)
 
 V = 128
 MEMORY_TYPES = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES

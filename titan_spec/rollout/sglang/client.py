@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 
-
 class EngineDied(RuntimeError):
     """The SGLang engine is gone or does not answer; restarting it may help."""
 
