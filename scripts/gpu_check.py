@@ -12,7 +12,6 @@ Usage (from the repository root, on a CUDA machine):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -65,7 +64,6 @@ ROLLOUT_ARGS = [
     "--threads",
     "0",
 ]
-SMOKE_ARGS = ["--distill-steps", "100"]
 TRAIN_COMMON = [
     "--metrics.log_freq",
     "1",
@@ -293,19 +291,6 @@ def engine_cuda(run: Runner) -> Result:
     return r
 
 
-def sglang_smoke(run: Runner) -> Result:
-    r = Result("sglang_smoke", "SGLang 0.5.23 EAGLE3 serving + a live draft push (bench/sglang_smoke.py)")
-    if importlib.util.find_spec("sglang") is None:
-        r.status, r.note = "skipped", "sglang is not importable (pip install -e '.[sglang]')"
-        return r
-    out = run.out / "sglang_smoke.json"
-    rc, text = run.run("sglang_smoke", [PY, "bench/sglang_smoke.py", *SMOKE_ARGS, "--out", str(out)], 150)
-    if rc != 0 or not out.is_file():
-        return _fail(r, rc, text)
-    r.status, r.metrics = "ok", json.loads(out.read_text())
-    return r
-
-
 def vllm_cuda(run: Runner) -> Result:
     r = Result(
         "vllm_cuda",
@@ -344,7 +329,7 @@ def vllm_cuda(run: Runner) -> Result:
 
 STEPS = {
     f.__name__: f
-    for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, sglang_smoke, vllm_cuda)
+    for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, vllm_cuda)
 }
 
 

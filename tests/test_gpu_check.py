@@ -36,7 +36,6 @@ def test_gpu_check_steps_pass_arguments_their_clis_accept():
         "cotrain_32k",
         "compile_train_step",
         "engine_cuda",
-        "sglang_smoke",
         "vllm_cuda",
     ]
     bench = _module("bench/ttt_attention.py")
@@ -44,7 +43,6 @@ def test_gpu_check_steps_pass_arguments_their_clis_accept():
     assert (ttt.device, ttt.dtype, ttt.variants) == ("cuda", "bfloat16", "ttt,causal_x_T,causal_fa2_x_T")
     assert {"ttt", bench.REFERENCE, bench.REFERENCE_FA2} == set(ttt.variants.split(","))
     assert _module("bench/rollout.py")._parse_args(gc.ROLLOUT_ARGS).device == "cuda"
-    assert _module("bench/sglang_smoke.py")._parse_args(gc.SMOKE_ARGS).distill_steps == 100
     path = os.path.join(ROOT, "train_configs", gc.TRAIN_CONFIG)
     big = load_config(path, gc.TRAIN_COMMON + gc.COTRAIN_ARGS, world_size=1, check_paths=False)
     assert (big.training.seq_len, big.activation_checkpoint.mode, big.draft.enable) == (32768, "full", True)
