@@ -327,10 +327,7 @@ def vllm_cuda(run: Runner) -> Result:
     return r
 
 
-STEPS = {
-    f.__name__: f
-    for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, vllm_cuda)
-}
+STEPS = {f.__name__: f for f in (gpu_tests, ttt_attention, cotrain_32k, compile_train_step, engine_cuda, vllm_cuda)}
 
 
 def _fmt(metrics: dict) -> str:

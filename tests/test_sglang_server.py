@@ -156,25 +156,13 @@ def test_bad_push_refused_trainer_side_and_server_keeps_serving(served):
     assert [r.output_ids for r in e.generate(prompts, sp)] == [r.output_ids for r in before]
 
 
-def test_sampled_logprobs_match_trainer_recomputation(served):
-    """T = 1: SGLang's behaviour log-probs (log_softmax(logits / T) of the sampled token) agree
-    with log_softmax of the trainer-side policy's logits over prompt + completion."""
-    e, prompts = served.engine, _prompts(8, seed=4)
-    out = e.generate(prompts, SamplingParams(1.0, max_new_tokens=NEW))
-    model, _ = load_target(served.a, taps=())
-    diffs = []
-    with torch.no_grad():
-        for r in out:
-            seq = torch.tensor([r.prompt_ids + r.output_ids])
-            pos = torch.arange(seq.shape[1])[None]
-            logits = model(seq, pos, model.get_attention_masks(pos))[0]
-            lp = torch.log_softmax(logits.double(), -1)[len(r.prompt_ids) - 1 : -1]
-            ref = lp.gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
-            diffs.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs())
-    d = torch.cat(diffs)
-    print(f"\nbehaviour log-prob |SGLang - trainer| over {d.numel()} sampled tokens: max {float(d.max()):.2e}")
-    assert float(d.max()) < 1e-4
-    assert all(r.verify_steps + r.accepted_tokens == len(r.output_ids) for r in out)
+def test_sampled_speculation_is_refused_on_cpu(served):
+    """SGLang 0.5.23 verifies sampled EAGLE requests greedily on CPU (eagle_utils.py
+    _verify_uses_greedy): measured here, tokens 2 and 3 of 2,400 T = 1 completions were
+    chi-square p = 0 against the policy. The engine refuses it in one line instead."""
+    with pytest.raises(ValueError, match="commits the target's argmax") as e:
+        served.engine.generate(_prompts(2, seed=4), SamplingParams(1.0, max_new_tokens=4))
+    assert "\n" not in str(e.value)
 
 
 def test_kill9_server_restarts_and_repushes_last_good_weights(served):
