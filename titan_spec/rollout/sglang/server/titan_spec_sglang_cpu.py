@@ -44,24 +44,24 @@ _lib: torch.library.Library | None = None  # keeps the registrations alive
 # request r. Scores are computed in float32.
 
 
-def _attend(q_QHD, k_KHD, v_KHD, allowed_QK, sm_scale, logit_cap, sinks_H):
+def _attend(q_LqNHd, k_LkKvHd, v_LkKvHd, allowed_LqLk, sm_scale, logit_cap, sinks_N):
     """softmax(q k^T * scale) v for one sequence, with grouped KV heads, a boolean mask of the
     keys each query may see, an optional tanh logit cap and optional per-head sink logits."""
-    n_q_heads, n_kv_heads = q_QHD.shape[1], k_KHD.shape[1]
+    n_q_heads, n_kv_heads = q_LqNHd.shape[1], k_LkKvHd.shape[1]
     group = n_q_heads // n_kv_heads
-    k_HKD = k_KHD.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    v_HKD = v_KHD.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores_HQK = torch.matmul(q_QHD.float().transpose(0, 1), k_HKD.transpose(1, 2)) * sm_scale
+    k_NLkHd = k_LkKvHd.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    v_NLkHd = v_LkKvHd.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores_NLqLk = torch.matmul(q_LqNHd.float().transpose(0, 1), k_NLkHd.transpose(1, 2)) * sm_scale
     if logit_cap > 0:
-        scores_HQK = logit_cap * torch.tanh(scores_HQK / logit_cap)
-    scores_HQK = scores_HQK.masked_fill(~allowed_QK, float("-inf"))
-    if sinks_H is not None:
+        scores_NLqLk = logit_cap * torch.tanh(scores_NLqLk / logit_cap)
+    scores_NLqLk = scores_NLqLk.masked_fill(~allowed_LqLk, float("-inf"))
+    if sinks_N is not None:
         # A sink is one extra logit per head that takes probability mass and carries no value.
-        sink_HQ1 = sinks_H.float().view(-1, 1, 1).expand(-1, scores_HQK.shape[1], 1)
-        probs_HQK = torch.softmax(torch.cat([scores_HQK, sink_HQ1], dim=-1), dim=-1)[..., :-1]
+        sink_NLq1 = sinks_N.float().view(-1, 1, 1).expand(-1, scores_NLqLk.shape[1], 1)
+        probs_NLqLk = torch.softmax(torch.cat([scores_NLqLk, sink_NLq1], dim=-1), dim=-1)[..., :-1]
     else:
-        probs_HQK = torch.softmax(scores_HQK, dim=-1)
-    return torch.matmul(probs_HQK, v_HKD).transpose(0, 1)  # [Q, H, D]
+        probs_NLqLk = torch.softmax(scores_NLqLk, dim=-1)
+    return torch.matmul(probs_NLqLk, v_NLkHd).transpose(0, 1)  # [Q, H, D]
 
 
 def _check_attention_options(is_cross_attention):
@@ -86,14 +86,14 @@ def decode_attention_cpu(
     rows = req_pool_indices.tolist()
     for i, (row, n) in enumerate(zip(rows, lens)):
         slots = req_to_token[row, :n].long()
-        keep_K = torch.ones(n, dtype=torch.bool, device=query.device)
+        keep_Lk = torch.ones(n, dtype=torch.bool, device=query.device)
         if sliding_window > 0:
-            keep_K[: max(n - sliding_window, 0)] = False
+            keep_Lk[: max(n - sliding_window, 0)] = False
         out_1HD = _attend(
             query[i : i + 1],
             k_cache[slots].float() * k_scale,
             v_cache[slots].float() * v_scale,
-            keep_K.view(1, 1, n),
+            keep_Lk.view(1, 1, n),
             sm_scale,
             logit_cap,
             sinks,
@@ -120,20 +120,20 @@ def extend_attention_cpu(
         prefix = n - ext
         slots = req_to_token[row, :n].long()
         if k_extend is not None and v_extend is not None:
-            k_KHD = torch.cat([k_buffer[slots[:prefix]].float() * k_scale, k_extend[start : start + ext].float()])
-            v_KHD = torch.cat([v_buffer[slots[:prefix]].float() * v_scale, v_extend[start : start + ext].float()])
+            k_LkKvHd = torch.cat([k_buffer[slots[:prefix]].float() * k_scale, k_extend[start : start + ext].float()])
+            v_LkKvHd = torch.cat([v_buffer[slots[:prefix]].float() * v_scale, v_extend[start : start + ext].float()])
         else:  # a KV-shared layer: its new keys are already in the cache
-            k_KHD = k_buffer[slots].float() * k_scale
-            v_KHD = v_buffer[slots].float() * v_scale
+            k_LkKvHd = k_buffer[slots].float() * k_scale
+            v_LkKvHd = v_buffer[slots].float() * v_scale
         q_pos_Q = torch.arange(prefix, n, device=q_extend.device).view(-1, 1)
         k_pos_K = torch.arange(n, device=q_extend.device).view(1, -1)
-        allowed_QK = (k_pos_K <= q_pos_Q) if is_causal else torch.ones(ext, n, dtype=torch.bool)
+        allowed_LqLk = (k_pos_K <= q_pos_Q) if is_causal else torch.ones(ext, n, dtype=torch.bool)
         if sliding_window > 0:
-            allowed_QK &= q_pos_Q - k_pos_K < sliding_window
-        out_QHD = _attend(
-            q_extend[start : start + ext], k_KHD, v_KHD, allowed_QK.unsqueeze(0), sm_scale, logit_cap, sinks
+            allowed_LqLk &= q_pos_Q - k_pos_K < sliding_window
+        out_LqNHd = _attend(
+            q_extend[start : start + ext], k_LkKvHd, v_LkKvHd, allowed_LqLk.unsqueeze(0), sm_scale, logit_cap, sinks
         )
-        o_extend[start : start + ext] = out_QHD.to(o_extend.dtype)
+        o_extend[start : start + ext] = out_LqNHd.to(o_extend.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,9 +169,9 @@ def assign_draft_cache_locs_contiguous_cpu(
     draft tokens, i.e. req_to_token[rpi[i], seq_lens[i]:][: topk*num_steps]."""
     width = topk * num_steps
     flat = req_to_token.reshape(-1)
-    out_BW = out_cache_loc.view(-1, width)
+    out_rows = out_cache_loc.view(-1, width)
     for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
-        out_BW[i] = flat[row * pool_len + n : row * pool_len + n + width].to(out_cache_loc.dtype)
+        out_rows[i] = flat[row * pool_len + n : row * pool_len + n + width].to(out_cache_loc.dtype)
 
 
 def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, topk, num_steps, pool_len):
@@ -215,8 +215,8 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
     n_slots = int(max(tgt.max(), src.max())) + 1
     for ptr, stride in zip(data_ptrs.view(torch.int64).tolist(), strides.tolist()):
         raw = (ctypes.c_uint8 * (n_slots * stride)).from_address(ptr)
-        slots_SB = torch.frombuffer(raw, dtype=torch.uint8).view(n_slots, stride)
-        slots_SB[tgt] = slots_SB[src]
+        slot_bytes = torch.frombuffer(raw, dtype=torch.uint8).view(n_slots, stride)
+        slot_bytes[tgt] = slot_bytes[src]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,17 +258,17 @@ def build_tree_kernel_efficient_cpu(
                 retrive_next_sibling[b, t] = retrive_next_token[b, p]
             retrive_next_token[b, p] = t
         if tree_mask_mode == 1:
-            mask_NN = tree_mask.view(-1, n, n)[b]
+            node_mask = tree_mask.view(-1, n, n)[b]
         else:
             block = tree_mask[mask_offset : mask_offset + n * (seq_len + n)].view(n, seq_len + n)
-            mask_NN = block[:, seq_len:]
+            node_mask = block[:, seq_len:]
             mask_offset += n * (seq_len + n)
-        mask_NN.fill_(False)
-        mask_NN[:, 0] = True
+        node_mask.fill_(False)
+        node_mask[:, 0] = True
         for t in range(n):
             node, d = t, 0
             while node > 0:
-                mask_NN[t, node] = True
+                node_mask[t, node] = True
                 node, d = parent[node], d + 1
             positions[b * n + t] = seq_len + d
 
