@@ -182,3 +182,83 @@ def test_verify_tree_greedy_on_chains_matches_a_loop():
         assert accept_num[b] == k
         assert accept_index[b].tolist() == [b * n + j for j in range(k + 1)] + [-1] * (n - k - 1)
         assert predicts[b * n : b * n + k + 1].tolist() == target[b, : k + 1].tolist()
+
+
+def _chain_sample(target_probs, drafts, n):
+    """n draws of the sampled-verify stand-in on one chain (root + len(drafts) drafts) with
+    these target rows, as n requests of one batch; returns the committed tokens [n, depth + 1]
+    padded with -1 and the accepted counts."""
+    depth = len(drafts)
+    nodes = depth + 1
+    candidates = torch.tensor([[0] + drafts] * n)
+    index = torch.arange(n * nodes).view(n, nodes)
+    next_tok = torch.tensor([list(range(1, nodes)) + [-1]] * n)
+    sibling = torch.full((n, nodes), -1)
+    predicts = torch.zeros(n * nodes, dtype=torch.int32)
+    accept_index = torch.full((n, nodes), -1, dtype=torch.int32)
+    accept_num = torch.zeros(n, dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    coins, final = torch.rand(n, nodes, generator=g), torch.rand(n, generator=g)
+    probs = target_probs.expand(n, -1, -1).contiguous()
+    cpu.tree_speculative_sampling_target_only_cpu(
+        predicts, accept_index, accept_num, candidates, index, next_tok, sibling,
+        coins, final, probs, torch.zeros_like(probs),
+    )  # fmt: skip
+    out = torch.full((n, nodes), -1)
+    for b in range(n):
+        k = int(accept_num[b])
+        out[b, : k + 1] = predicts[accept_index[b, : k + 1].long()]
+    return out, accept_num
+
+
+def test_sampled_verify_on_a_chain_draws_from_the_target():
+    """Target-only rejection sampling with a deterministic draft: token 1 follows target row 0
+    whatever the draft proposed, token 2 follows row 1 given token 1 = draft 1, and each draft
+    is accepted with its target probability (chi-square, p > 1e-3; power against another row)."""
+    from helpers.chi2 import chi2_groups, chi2_pvalue
+
+    g = torch.Generator().manual_seed(0)
+    probs_LV = torch.softmax(torch.randn(3, 7, generator=g) * 1.5, -1)
+    drafts, n = [2, 5], 6000
+    out, accepted = _chain_sample(probs_LV, drafts, n)
+    assert chi2_pvalue(*chi2_groups([(torch.bincount(out[:, 0], minlength=7), probs_LV[0])])) > 1e-3
+    hit = out[:, 0] == drafts[0]
+    assert chi2_pvalue(*chi2_groups([(torch.bincount(out[hit, 1], minlength=7), probs_LV[1])])) > 1e-3
+    assert chi2_pvalue(*chi2_groups([(torch.bincount(out[hit, 1], minlength=7), probs_LV[2])])) < 1e-6
+    # accepted counts: 0 w.p. 1 - p0(d1), 1 w.p. p0(d1) (1 - p1(d2)), 2 w.p. p0(d1) p1(d2)
+    a, b = float(probs_LV[0, drafts[0]]), float(probs_LV[1, drafts[1]])
+    expect = torch.tensor([1 - a, a * (1 - b), a * b])
+    assert chi2_pvalue(*chi2_groups([(torch.bincount(accepted, minlength=3), expect)])) > 1e-3
+    # a rejected draft is never the token committed in its place
+    assert not (out[~hit, 0] == drafts[0]).any()
+
+
+def test_sampled_verify_with_a_one_hot_target_is_greedy():
+    """A row renormalized to top_k = 1 (how SGLang sends a greedy request in a sampled batch)
+    commits exactly the argmax chain, like the greedy verifier."""
+    probs_LV = torch.zeros(3, 7)
+    probs_LV[0, 2] = probs_LV[1, 4] = probs_LV[2, 6] = 1.0
+    out, accepted = _chain_sample(probs_LV, [2, 5], 500)
+    assert (accepted == 1).all() and (out[:, :2] == torch.tensor([2, 4])).all() and (out[:, 2] == -1).all()
+
+
+def test_top_k_and_top_p_renorm_match_a_direct_rule():
+    g = torch.Generator().manual_seed(2)
+    probs_RV = torch.softmax(torch.randn(5, 11, generator=g) * 2, -1)
+    top_ks = torch.tensor([1, 3, 11, 20, 5])
+    got = cpu.top_k_renorm_prob_cpu(probs_RV, top_ks)
+    top_ps = torch.tensor([0.1, 0.5, 0.9, 1.0, 0.7])
+    got_p = cpu.top_p_renorm_prob_cpu(probs_RV, top_ps)
+    for r in range(5):
+        order = probs_RV[r].argsort(descending=True).tolist()
+        keep = torch.zeros(11, dtype=torch.bool)
+        keep[order[: int(top_ks[r])]] = True
+        ref = torch.where(keep, probs_RV[r], 0.0)
+        torch.testing.assert_close(got[r], ref / ref.sum())
+        keep, mass = torch.zeros(11, dtype=torch.bool), 0.0
+        for t in order:  # a token stays while the mass before it is at most top_p
+            if mass > float(top_ps[r]):
+                break
+            keep[t], mass = True, mass + float(probs_RV[r, t])
+        ref = torch.where(keep, probs_RV[r], 0.0)
+        torch.testing.assert_close(got_p[r], ref / ref.sum())

@@ -292,6 +292,12 @@ def test_sampled_speculation_follows_the_policy_distribution(served):
     distributions are rejected (p < 1e-6). Tokens 2 and 3 come from vLLM's rejection sampler;
     its CPU build without server/cpu_expand_fix.py fails this (measured on the same kind of
     tiny policy: p = 0, 58% of token 2 on one id)."""
+    assert_sampled_speculation_follows_the_policy(served, "vLLM")
+
+
+def assert_sampled_speculation_follows_the_policy(served, label: str) -> None:
+    """The check above, for any served engine with policies a / b and drafts fitted / rand;
+    leaves the engine serving policy A and the random draft."""
     e, prompt = served.engine, _prompts(1, seed=9)[0]
     b_model, _ = load_target(served.b, taps=())
     e.update_policy_weights(b_model.state_dict(), version=50)
@@ -332,7 +338,7 @@ def test_sampled_speculation_follows_the_policy_distribution(served):
         for T in (1.0, 1.5)
     }
     print(
-        f"\nvLLM sampled speculation, 2400 x 3 tokens ({accepted} drafts accepted): token 2 p = {p[1.0][0]:.3g} "
+        f"\n{label} sampled speculation, 2400 x 3 tokens ({accepted} drafts accepted): token 2 p = {p[1.0][0]:.3g} "
         f"({len(firsts)} prefixes), token 3 p = {p[1.0][1]:.3g} ({len(common)} prefixes); against T = 1.5: "
         f"{p[1.5][0]:.3g}, {p[1.5][1]:.3g}"
     )

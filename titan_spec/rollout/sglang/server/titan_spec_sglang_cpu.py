@@ -13,7 +13,9 @@ in the way on a machine like ours (AVX-512, no AMX, no CUDA driver):
   that only a CPU build of sgl-kernel holds; the sglang-kernel wheel is a CUDA build.
 
 ``apply()`` registers pure-PyTorch stand-ins for exactly those ops (only the ones missing) and
-lets ``intel_amx`` through. Nothing else changes: the layers still take their plain-torch path,
+lets ``intel_amx`` through. It also lets verification sample: SGLang verifies every CPU request
+greedily because its sampling-verify and top-k / top-p renorm kernels are CUDA-only, so
+temperature > 0 would silently decode the argmax; the stand-ins fill exactly those names. Nothing else changes: the layers still take their plain-torch path,
 because each of them asks ``cpu_has_amx_support()`` itself. The stand-ins follow the op
 contracts of upstream sgl-kernel/csrc/cpu/ (speculative_decoding.cpp, decode.cpp, extend.cpp,
 kvcache.cpp) with the argument lists SGLang 0.5.23's call sites pass; speculative trees are
@@ -306,6 +308,122 @@ def verify_tree_greedy_cpu(
 
 
 # ---------------------------------------------------------------------------------------------
+# Sampled verification. SGLang's eagle_sample takes its sampling path only where
+# tree_speculative_sampling_target_only and the top-k / top-p renorm kernels exist; on CPU they
+# resolve to None (sglang/kernels/ops/speculative/verify_sampling.py, sampling/renorm.py) and
+# _verify_uses_greedy sends every CPU request to argmax verification. These stand-ins follow
+# the CUDA kernel (sglang/kernels/jit/include/sgl_kernel/speculative/sampling.cuh) and SGLang's
+# own torch sampler (top_k_top_p_min_p_sampling_from_probs_torch).
+
+
+def tree_speculative_sampling_target_only_cpu(
+    predicts, accept_index, accept_token_num, candidates,
+    retrive_index, retrive_next_token, retrive_next_sibling,
+    uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
+    threshold_single=1.0, threshold_acc=1.0, deterministic=True,
+):  # fmt: skip
+    """Rejection sampling of a draft tree against target probabilities only (the draft is
+    taken as deterministic). At each level a child t is accepted when coin < p_acc / threshold_acc
+    (p_acc sums the target mass of the siblings tried so far) or p(t) >= threshold_single;
+    a rejected child's target mass is written to draft_probs so the final token is drawn from
+    relu(target - draft) at the last accepted node, by the inverse CDF of that request's final
+    coin. With both thresholds 1 this is exact sampling from the target. Writes predicts,
+    accept_index, accept_token_num and draft_probs, like the kernel."""
+    del deterministic  # one thread per request here: always deterministic
+    threshold_acc = max(float(threshold_acc), 1e-9)
+    n_spec = accept_index.shape[1]
+    for b in range(candidates.shape[0]):
+        cand = candidates[b].tolist()
+        index = retrive_index[b].tolist()
+        first_child = retrive_next_token[b].tolist()
+        sibling = retrive_next_sibling[b].tolist()
+        coins = uniform_samples[b].tolist()
+        coin, prob_acc, row = coins[0], 0.0, 0
+        last = index[0]
+        accept_index[b, 0] = last
+        accepted, node = 0, 0
+        for _ in range(1, n_spec):
+            node = first_child[node]
+            while node != -1:
+                t = cand[node]
+                p = float(target_probs[b, row, t])
+                prob_acc += p
+                if p > 0 and (coin < prob_acc / threshold_acc or p >= threshold_single):
+                    prob_acc, row, coin = 0.0, node, coins[node]
+                    predicts[last] = t
+                    accepted += 1
+                    accept_index[b, accepted] = index[node]
+                    last = index[node]
+                    break
+                draft_probs[b, row, t] = target_probs[b, row, t]
+                node = sibling[node]
+            if node == -1:
+                break
+        accept_token_num[b] = accepted
+        residual_V = target_probs[b, row].float()
+        if accepted != n_spec - 1:  # the bonus row has no draft mass to remove
+            residual_V = (residual_V - draft_probs[b, row].float()).clamp_min(0)
+        cdf_V = residual_V.cumsum(0)
+        u = float(uniform_samples_for_final_sampling[b]) * float(cdf_V[-1])
+        token = int(torch.searchsorted(cdf_V, torch.tensor([u]), right=True))
+        if token >= cdf_V.numel():  # u at the top of the mass: the last token that has any
+            nonzero = residual_V.nonzero()
+            token = int(nonzero[-1]) if nonzero.numel() else cdf_V.numel() - 1
+        predicts[last] = token
+
+
+def _sorted_keep(probs_RV, keep_fn):
+    """Zero the probabilities keep_fn drops in descending order, renormalize each row."""
+    sorted_RV, order_RV = probs_RV.sort(dim=-1, descending=True)
+    sorted_RV = sorted_RV.masked_fill(~keep_fn(sorted_RV), 0.0)
+    kept_RV = torch.zeros_like(probs_RV).scatter_(-1, order_RV, sorted_RV)
+    return kept_RV / kept_RV.sum(dim=-1, keepdim=True)
+
+
+def top_k_renorm_prob_cpu(probs_RV, top_ks_R):
+    """Keep each row's top_k most likely tokens (top_k >= vocab keeps all) and renormalize."""
+    ranks_V = torch.arange(probs_RV.shape[-1], device=probs_RV.device)
+    top_ks_R1 = torch.as_tensor(top_ks_R, device=probs_RV.device).view(-1, 1)
+    return _sorted_keep(probs_RV, lambda s: ranks_V.view(1, -1) < top_ks_R1)
+
+
+def top_p_renorm_prob_cpu(probs_RV, top_ps_R):
+    """Keep the smallest top set whose mass reaches top_p (the rule of SGLang's torch sampler:
+    a token goes when the mass before it exceeds top_p) and renormalize."""
+    top_ps_R1 = torch.as_tensor(top_ps_R, device=probs_RV.device, dtype=probs_RV.dtype).view(-1, 1)
+    return _sorted_keep(probs_RV, lambda s: (s.cumsum(-1) - s) <= top_ps_R1)
+
+
+def _enable_sampled_verify() -> list[str]:
+    """Let EAGLE verify sample on CPU: fill the CPU-less kernels in eagle_utils with the
+    stand-ins above and drop is_cpu from its greedy-only predicate (HIP, XPU and all-greedy
+    batches keep their rule)."""
+    try:
+        from sglang.srt.speculative import eagle_utils
+    except ImportError:
+        return []
+    if getattr(eagle_utils._verify_uses_greedy, "_titan_spec", False):
+        return []
+    done = []
+    for name, fn in (
+        ("tree_speculative_sampling_target_only", tree_speculative_sampling_target_only_cpu),
+        ("top_k_renorm_prob", top_k_renorm_prob_cpu),
+        ("top_p_renorm_prob", top_p_renorm_prob_cpu),
+    ):
+        if getattr(eagle_utils, name) is None:
+            setattr(eagle_utils, name, fn)
+            done.append(f"sglang.srt.speculative.eagle_utils.{name}")
+    original = eagle_utils._verify_uses_greedy
+
+    def _verify_uses_greedy(*, is_cpu, **kwargs):
+        return original(is_cpu=False, **kwargs)
+
+    _verify_uses_greedy._titan_spec = True
+    eagle_utils._verify_uses_greedy = _verify_uses_greedy
+    return done + ["sglang.srt.speculative.eagle_utils._verify_uses_greedy"]
+
+
+# ---------------------------------------------------------------------------------------------
 # Registration.
 
 # name -> (schema, stand-in). The schemas take the arguments SGLang 0.5.23's call sites pass
@@ -429,6 +547,7 @@ def apply() -> tuple[str, ...]:
     global applied
     if applied:
         return applied
-    done = [f"op:{n}" for n in _register_ops()] + [f"patch:{p}" for p in _lift_amx_fallback()]
+    patches = _lift_amx_fallback() + _enable_sampled_verify()
+    done = [f"op:{n}" for n in _register_ops()] + [f"patch:{p}" for p in patches]
     applied = tuple(done) or ("nothing",)
     return applied
