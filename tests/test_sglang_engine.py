@@ -604,7 +604,13 @@ def test_bad_draft_directories_and_config(dirs, tmp_path):
         ),
         (["--rollout.sglang.mode", "ray"], "rollout.sglang.mode"),
         (["--rollout.sglang.eagle_topk", "0"], "rollout.sglang.eagle_topk"),
+        # The trainer's own python has no sglang: refused before any process starts.
+        (["--rollout.sglang.python", sys.executable], f"rollout.sglang.python = '{sys.executable}' has no sglang"),
     ]
+    if on_cpu():  # the CPU stand-ins build chains only
+        fit = ["--model.hf_checkpoint", dirs.policy, "--draft.init_from", dirs.draft]
+        tree = fit + ["--rollout.sglang.eagle_topk", "2", "--rollout.sglang.num_verify_tokens", "6"]
+        cases.append((tree, "rollout.sglang.eagle_topk = 2 is not served on CPU"))
     for over, msg in cases:
         with pytest.raises(ConfigError, match=msg) as e:
             load_checked(None, base + over)

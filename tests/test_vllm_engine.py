@@ -457,12 +457,16 @@ def test_config_checks_before_any_process_starts(tmp_path):
     with pytest.raises(ConfigError, match="speculative.depth = 'adaptive' is not allowed with rollout.engine = 'vllm'"):
         _vllm_cfg(tmp_path, pol, draft, "--speculative.depth", "adaptive")
     pol16, draft16, _ = _tiny_dirs(tmp_path / "h16", head_dim=16)
-    # What the directories hold: the preflight (preflight/engines.py), before any process starts.
-    check_inputs(cfg)
+    # What the directories and the named environment hold: the preflight (preflight/engines.py),
+    # before any process starts. The trainer's own python has no vllm.
+    with pytest.raises(ConfigError, match=f"rollout.vllm.python = '{sys.executable}' has no vllm") as e:
+        check_inputs(cfg)
+    assert "\n" not in str(e.value)
+    check_inputs(_vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", ""))
     with pytest.raises(
         ConfigError, match="head_dim 16, which vLLM's CPU attention cannot serve.*it must be one of 32, 64, 80"
     ):
-        check_inputs(_vllm_cfg(tmp_path, pol16, draft16))
+        check_inputs(_vllm_cfg(tmp_path, pol16, draft16, "--rollout.vllm.python", ""))
     with pytest.raises(ConfigError, match="rollout.vllm.python = '/nowhere/python' is not an executable"):
         _vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", "/nowhere/python")
     with pytest.raises(
@@ -482,7 +486,7 @@ def test_config_checks_before_any_process_starts(tmp_path):
     f = os.path.join(draft, "model.safetensors")
     save_file({**load_file(f), "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)}, f)
     with pytest.raises(ConfigError, match="has the full vocabulary .* and a d2t tensor, which vLLM refuses"):
-        check_inputs(_vllm_cfg(tmp_path, pol, draft))
+        check_inputs(_vllm_cfg(tmp_path, pol, draft, "--rollout.vllm.python", ""))
 
 
 def test_result_parsing_counts():

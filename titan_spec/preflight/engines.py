@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+
 from titan_spec.config import ConfigError, TitanSpecConfig
 from titan_spec.models.hf_io import read_hf_arch
+from titan_spec.platform import on_cpu
 from titan_spec.rollout.sglang.engine import MANAGED_SERVER_ARGS
 from titan_spec.rollout.vllm.serving import vllm_misfit
 from titan_spec.rollout.weight_names import check_draft_fits_policy, sglang_tap_misfit
 
-__all__ = ["check_sglang_config", "check_vllm_config"]
+__all__ = ["check_engine_python", "check_sglang_config", "check_vllm_config"]
 
 
 def check_sglang_config(cfg: TitanSpecConfig, files: bool = True) -> None:
@@ -20,6 +23,7 @@ def check_sglang_config(cfg: TitanSpecConfig, files: bool = True) -> None:
     (``titan_spec.preflight.draft_arch_for`` checks the draft promised there)."""
     if cfg.rollout.engine != "sglang":
         return
+    check_engine_python(cfg.rollout.sglang.python, "sglang", "rollout.sglang.python")
     if not cfg.model.hf_checkpoint:
         raise ConfigError(
             "rollout.engine = 'sglang' needs model.hf_checkpoint: SGLang loads the policy from a local HF directory"
@@ -30,6 +34,12 @@ def check_sglang_config(cfg: TitanSpecConfig, files: bool = True) -> None:
         raise ConfigError(
             "rollout.engine = 'sglang' with speculative.enabled needs draft.init_from: the exported EAGLE-3 "
             "draft directory SGLang starts from (train one with --draft.offline true)"
+        )
+    if on_cpu() and cfg.rollout.sglang.eagle_topk > 1:
+        raise ConfigError(
+            f"rollout.sglang.eagle_topk = {cfg.rollout.sglang.eagle_topk} is not served on CPU: titan_spec's "
+            "stand-ins for SGLang's CPU kernels build a chain only; it must be 1 (trees need a GPU)",
+            key="rollout.sglang.eagle_topk",
         )
     clash = sorted(set(cfg.rollout.sglang.server_args) & set(MANAGED_SERVER_ARGS))
     if clash:
@@ -55,7 +65,10 @@ def check_vllm_config(cfg: TitanSpecConfig, files: bool = True) -> None:
     full-vocabulary draft carries no d2t (rollout/vllm/serving.py ``vllm_misfit``). The
     config's values are checked at load (config/validate.py). ``files`` False: an earlier
     run of the job.requires chain writes those directories."""
-    if cfg.rollout.engine != "vllm" or not cfg.rl.enable or not files or not cfg.model.hf_checkpoint:
+    if cfg.rollout.engine != "vllm" or not cfg.rl.enable:
+        return
+    check_engine_python(cfg.rollout.vllm.python, "vllm", "rollout.vllm.python")
+    if not files or not cfg.model.hf_checkpoint:
         return
     draft = cfg.draft.init_from if cfg.speculative.enabled else None
     try:
@@ -65,3 +78,21 @@ def check_vllm_config(cfg: TitanSpecConfig, files: bool = True) -> None:
     if why:
         key = "draft.init_from" if draft and why.startswith(f"the draft {draft}") else "model.hf_checkpoint"
         raise ConfigError(f"{why} (rollout.engine = 'vllm')", key=key)
+
+
+def check_engine_python(python: str, module: str, key: str) -> None:
+    """An engine environment named in the config (``key``, '' = the one its script builds
+    and checks) has ``module``: found without importing it, so this takes milliseconds."""
+    if not python:
+        return
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"{key} = {python!r} has no {module} (or does not run); it must be an environment with {module}, "
+            f"or '' (scripts/ensure_{module}_env.sh builds one)",
+            key=key,
+        )

