@@ -412,6 +412,11 @@ def test_from_config(dirs, stubs):
     plain = SGLangRolloutEngine.from_config(cfg, connect=connect)
     assert plain.K == 0 and "speculative_algorithm" not in seen[1]
     assert plain.generate([[3]], SamplingParams(max_new_tokens=3))[0].verify_steps == 3  # one forward per token
+    # Relative directories (as the shipped TOMLs give them) reach the server absolute: it runs
+    # in its log folder, where SGLang would read a relative one as a model hub id.
+    rel = os.path.relpath(dirs.policy)
+    SGLangRolloutEngine(_cfg(), rel, None, 0, connect=connect)
+    assert seen[2]["model_path"] == os.path.abspath(rel) == dirs.policy
 
 
 def test_generate_payload_and_results(dirs, stubs):

@@ -293,6 +293,9 @@ class SGLangRolloutEngine(ServerRolloutEngine):
         connect: Callable[[dict], object] | None = None,
         max_running_requests: int = 0,
     ):
+        # The server runs in its log folder: relative directories would be resolved there.
+        policy_path = os.path.abspath(policy_path)
+        draft_path = os.path.abspath(draft_path) if draft_path else draft_path
         self._init_engine(config, policy_path, num_draft_tokens)
         if self.K:
             if not draft_path:
