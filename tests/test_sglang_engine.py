@@ -15,8 +15,10 @@ otherwise (a stub that hangs until the test ends, a process that never serves).
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -144,7 +146,13 @@ def test_server_args_from_config_and_cli(dirs):
         "enable_draft_weights_cpu_backup": True,
         # On CPU (this machine): SGLang's CPU engine, EAGLE-3 on its CPU attention backend.
         **(
-            {"device": "cpu", "attention_backend": "intel_amx", "disable_cuda_graph": True, "max_total_tokens": 8192}
+            {
+                "device": "cpu",
+                "attention_backend": "intel_amx",
+                "disable_cuda_graph": True,
+                "max_total_tokens": 8192,
+                "sleep_on_idle": True,
+            }
             if on_cpu()
             else {}
         ),
@@ -685,3 +693,42 @@ def test_gpu_recipe_checks(dirs, capsys, monkeypatch, tmp_path):
     assert main(["--check", "--config", path]) == 2  # its /models paths are not on this machine
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not a directory" in err
+
+
+def test_server_group_ends_when_the_trainer_is_gone():
+    """The server entry's parent watch (server/titan_spec_sglang_server.py): when the process
+    named in TITAN_SPEC_PARENT_PID dies (here kill -9), the server's whole process group goes,
+    its children included (SGLang's scheduler and detokenizer)."""
+    from titan_spec.rollout.sglang.serving import SERVER_DIR, server_env
+
+    assert server_env(sys.executable)["TITAN_SPEC_PARENT_PID"] == str(os.getpid())
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    code = (
+        "import subprocess, sys, titan_spec_sglang_server as s; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"s._watch_parent({trainer.pid}, poll_s=0.1)"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SERVER_DIR}, start_new_session=True
+    )
+    try:
+        time.sleep(1.0)
+        assert server.poll() is None  # the trainer is alive: the server keeps serving
+        os.killpg(server.pid, 0)
+        trainer.kill()
+        trainer.wait()
+        assert server.wait(timeout=30) == -signal.SIGKILL
+        for _ in range(100):  # the child in its group goes too
+            try:
+                os.killpg(server.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("a process of the server's group outlived the trainer")
+    finally:
+        trainer.kill()
+        try:
+            os.killpg(server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

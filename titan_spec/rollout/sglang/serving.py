@@ -41,20 +41,23 @@ STUB_DIR = os.path.join("lib", "titan_spec_stub")
 def cpu_server_args(speculates: bool) -> dict:
     """The ServerArgs fields a CPU server needs beyond the common ones. EAGLE-3 needs SGLang's
     CPU attention backend (intel_amx), which the server's CPU module lets run without AMX
-    (server/titan_spec_sglang_cpu.py); plain decoding takes torch_native."""
+    (server/titan_spec_sglang_cpu.py); plain decoding takes torch_native. sleep_on_idle: an
+    idle scheduler otherwise spins on a core, which on CPU is one the trainer's step needs."""
     return {
         "device": "cpu",
         "attention_backend": "intel_amx" if speculates else "torch_native",
         "disable_cuda_graph": True,
         "max_total_tokens": CPU_MAX_TOTAL_TOKENS,
+        "sleep_on_idle": True,
     }
 
 
 def server_env(python: str) -> dict[str, str]:
     """Environment variables of the server process: server/ first on PYTHONPATH (the trainer's
     path must not shadow the environment's packages), and on CPU the stub driver and
-    SGLang's CPU engine."""
-    env = {"PYTHONPATH": SERVER_DIR}
+    SGLang's CPU engine. TITAN_SPEC_PARENT_PID: the server ends itself when this process (the
+    trainer) is gone (server/titan_spec_sglang_server.py)."""
+    env = {"PYTHONPATH": SERVER_DIR, "TITAN_SPEC_PARENT_PID": str(os.getpid())}
     if on_cpu():
         venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
         stub = os.path.join(venv, STUB_DIR)

@@ -13,6 +13,10 @@ main script as ``__mp_main__`` before it unpickles its target; so the module-lev
 ``_apply_on_cpu()`` below runs in each of them. (A sitecustomize.py would do it too, but would
 shadow any sitecustomize the venv has, and reach every python started with this PYTHONPATH.)
 
+The server ends its whole process group when the trainer that started it (the pid in
+TITAN_SPEC_PARENT_PID) is gone: it runs in its own session, so a trainer that dies without
+closing its engine (an exception, SIGTERM, kill -9) would otherwise leave it serving.
+
 The trainer learns what was applied from one log line per process,
 ``titan_spec sglang cpu: registered [...] (pid N)``, and from ``/server_info``, which gains
 a ``titan_spec_cpu`` field (this process's ``apply()`` result; empty on GPU).
@@ -21,7 +25,10 @@ a ``titan_spec_cpu`` field (this process's ``apply()`` result; empty on GPU).
 import logging
 import os
 import runpy
+import signal
 import sys
+import threading
+import time
 
 logger = logging.getLogger("titan_spec_sglang_server")
 
@@ -63,9 +70,27 @@ def _report_in_server_info(done: tuple[str, ...]) -> None:
     http_server.build_server_info = build_server_info
 
 
+def _watch_parent(pid: int, poll_s: float = 2.0) -> None:
+    """Block until process ``pid`` is gone, then kill this process group (the server, its
+    scheduler and detokenizer)."""
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:  # alive, another user's
+            pass
+        time.sleep(poll_s)
+    print(f"titan_spec sglang server: parent {pid} is gone; shutting down", file=sys.stderr, flush=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 APPLIED = _apply_on_cpu()
 
 if __name__ == "__main__":
+    parent = int(os.environ.get("TITAN_SPEC_PARENT_PID") or 0)
+    if parent:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _report_in_server_info(APPLIED)
     # alter_sys=False keeps this script as __main__, which the spawned children re-run.
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=False)
