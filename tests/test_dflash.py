@@ -9,6 +9,7 @@ trained on the target's own completions by the kind's loss for a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -411,10 +412,13 @@ def test_a_directory_of_the_other_kind_is_one_line_naming_the_kind(tmp_path):
     with pytest.raises(ValueError) as e:
         KIND.read_arch(str(tmp_path / "eagle3"))
     assert "\n" not in str(e.value) and "set draft.kind = 'eagle3'" in str(e.value), e.value
+    # Without its mask embedding the directory shares the target's row (SpecForge's layout):
+    # it checks, and loading it without the policy's checkpoint is one line.
     os.remove(tmp_path / "dflash" / MASK_FILE)
+    KIND.check_weights(str(tmp_path / "dflash"), draft.arch)
     with pytest.raises(ValueError) as e:
-        KIND.check_weights(str(tmp_path / "dflash"), draft.arch)
-    assert "no mask_embedding.pt" in str(e.value)
+        KIND.load_into(KIND.build(draft.arch), str(tmp_path / "dflash"))
+    assert "\n" not in str(e.value) and "no mask_embedding.pt (SpecForge's layout)" in str(e.value), e.value
 
 
 @pytest.mark.parametrize(
@@ -547,3 +551,109 @@ def test_dflash_taps_outside_the_target_are_one_line_before_the_start(capsys, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "draft.tap_layer_ids" in err[0] and "must be in 0..7" in err[0], err
+
+
+def _specforge_dir(draft, path: str) -> None:
+    """``draft`` as SpecForge writes a DFlash draft (specforge/modeling/draft/dflash.py and its
+    export): config.json with block_size and num_target_layers at the top level and
+    dflash_config's two keys, no draft_vocab_size / target_hidden_size; model.safetensors with
+    the draft's own tensors only (no lm_head: SpecForge trains with the target's frozen one),
+    and no mask_embedding.pt (it embeds a masked position by the target's row)."""
+    from safetensors.torch import save_file
+
+    a = draft.arch
+    os.makedirs(path)
+    conf = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "hidden_size": a.hidden,
+        "intermediate_size": a.intermediate,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "num_hidden_layers": a.n_layers,
+        "vocab_size": a.vocab_size,
+        "rms_norm_eps": a.norm_eps,
+        "rope_theta": a.rope_theta,
+        "max_position_embeddings": a.max_seq_len,
+        "tie_word_embeddings": False,
+        "block_size": a.block_size,
+        "num_target_layers": 8,
+        "dflash_config": {"mask_token_id": a.mask_token_id, "target_layer_ids": list(a.tap_layer_ids)},
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(conf, f)
+    sd = draft.state_dict()
+    own = [k for k in export_keys(a) if k not in ("lm_head.weight", "d2t", "t2d")]
+    save_file({k: sd[k].contiguous() for k in own}, os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_specforge_directory_loads_with_the_targets_head_trains_and_exports(tmp_path, tied):
+    """draft.init_from takes a directory SpecForge wrote: its lm_head and mask embedding are the
+    target's (from the policy's HF checkpoint, as SpecForge trains and vLLM serves it), every
+    other tensor is the directory's; the draft then trains one step and exports titan_spec's
+    own layout, which loads back exactly."""
+    from titan_spec.models.draft.dflash.io import shares_target_head
+    from titan_spec.models.hf_io import save_hf
+
+    from safetensors.torch import load_file
+
+    model, arch = make_target(0)
+    if not tied:  # the same weights with an lm_head of its own (the HF file then holds lm_head.weight)
+        arch = dataclasses.replace(arch, tie_embeddings=False)
+        untied = build_target_config(arch, tap_layer_ids=TAPS, max_seq_len=256).build()
+        untied.init_weights(buffer_device=None)
+        untied.load_state_dict(model.state_dict(), strict=False)
+        with torch.no_grad():
+            untied.lm_head.weight.normal_(0.0, 0.1)  # a head that is not the embedding
+        model = untied.eval()
+    hf = str(tmp_path / "policy")
+    save_hf(model, hf, arch)
+    hf_sd = load_file(os.path.join(hf, "model.safetensors"))
+    assert ("lm_head.weight" in hf_sd) == (not tied)
+    src, cfg = make_draft(arch, 7, block_size=4, n_layers=2)
+    sf = str(tmp_path / "specforge")
+    _specforge_dir(src, sf)
+    assert shares_target_head(sf)
+    found = KIND.read_arch(sf)
+    assert KIND.mismatches(found, src.arch) == []
+    KIND.check_weights(sf, src.arch)
+    draft = KIND.initial(src.arch, None, 99)
+    with pytest.raises(ValueError, match="needs the policy's HF directory") as e:
+        KIND.load_into(draft, sf)
+    assert "\n" not in str(e.value)
+    KIND.load_into(draft, sf, hf)
+    got, want = draft.state_dict(), src.state_dict()
+    embed_VD = model.tok_embeddings.weight.detach()
+    head_VD = embed_VD if tied else hf_sd["lm_head.weight"]
+    assert tied or not torch.equal(head_VD, embed_VD)
+    assert torch.equal(got["lm_head.weight"], head_VD)
+    assert torch.equal(got["mask_embedding"], embed_VD[src.arch.mask_token_id])
+    for k in export_keys(src.arch):
+        if k != "lm_head.weight":
+            assert torch.equal(got[k], want[k]), k
+    # One training step of the loaded draft, then titan_spec's export and a round trip.
+    tok, pos, labels = packed_batch(2)
+    meta = doc_metadata_from_positions(pos)
+    with torch.no_grad():
+        logits, taps = model(tok, pos, meta)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    loss = KIND.loss(draft, logits, taps, pos, labels, meta, cfg, None, lambda c: c).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    opt.step()
+    assert not torch.equal(draft.lm_head.weight.detach(), head_VD)
+    out = str(tmp_path / "exported")
+    KIND.save(draft, out)
+    assert not shares_target_head(out)
+    # vLLM would serve the SpecForge directory with the target's head, which a draft push would
+    # overwrite: refused in one line; the exported directory is served.
+    from titan_spec.rollout.vllm.serving import dflash_misfit
+
+    assert "SpecForge's layout" in dflash_misfit(hf, sf) and dflash_misfit(hf, out) is None
+    back = KIND.build(KIND.read_arch(out))
+    KIND.load_into(back, out)
+    for (n, a), (_, b) in zip(draft.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), n

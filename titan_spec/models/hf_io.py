@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from titan_spec.platform import load_full_state_dict
 from titan_spec.models.moe import expert_biases
 from titan_spec.models.registry import Arch, arch_from_hf_config, arch_to_hf_config, build_target_config
-from titan_spec.models.safetensors_header import HFCheckpointError, read_safetensors_header
+from titan_spec.models.safetensors_header import HFCheckpointError, read_safetensors_header, read_tensor
 
 __all__ = [
     "read_hf_arch",
@@ -107,6 +107,22 @@ def check_hf_weights(path: str, arch: Arch) -> None:
         raise HFCheckpointError(
             f"{path}: tensor shapes do not match its config.json: {'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}"
         )
+
+
+def read_hf_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lm_head [V, D], embed_tokens [V, D]) of the HF checkpoint at ``path``, read alone (the
+    rest of its files is not): what a draft that shares the target's head and embedding needs.
+    A tied checkpoint without lm_head.weight gives the embedding twice."""
+    where: dict[str, str] = {}
+    for file in _weight_files(path):
+        for name in read_safetensors_header(file):
+            where[name] = file
+    embed_name = "model.embed_tokens.weight"
+    if embed_name not in where:
+        raise HFCheckpointError(f"{path}: no {embed_name} in its safetensors")
+    embed_VD = read_tensor(where[embed_name], embed_name)
+    head_VD = read_tensor(where["lm_head.weight"], "lm_head.weight") if "lm_head.weight" in where else embed_VD
+    return head_VD, embed_VD
 
 
 def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from titan_spec.config import ConfigError, TitanSpecConfig
 from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.data.tokenizer import saved_tokenizer_kind
 from titan_spec.models.draft import DraftKind, draft_kind
+from titan_spec.models.draft.dflash.io import shares_target_head
 from titan_spec.models.hf_io import check_hf_weights, read_hf_arch
 from titan_spec.models.registry import flavor_arch, with_vocab
 
@@ -208,4 +209,10 @@ def draft_arch_for(cfg: TitanSpecConfig, arch, made: dict[str, Made] | None = No
                 kind.check_weights(path, d)
             except ValueError as e:
                 raise ConfigError(f"draft.init_from: {e}", key="draft.init_from") from None
+            if d.kind == "dflash" and not cfg.model.hf_checkpoint and shares_target_head(path):
+                raise ConfigError(
+                    f"draft.init_from {path!r} has no lm_head.weight or no mask_embedding.pt (SpecForge's layout): "
+                    "it shares the target's, so it needs model.hf_checkpoint (the policy's HF directory)",
+                    key="draft.init_from",
+                )
     return d

@@ -42,15 +42,18 @@ from titan_spec.models.target import Taps
 __all__ = ["DraftTraining", "initial_draft", "under_dump_folder"]
 
 
-def initial_draft(cfg: DraftConfig, arch, token_counts_V: torch.Tensor | None, seed: int) -> torch.nn.Module:
+def initial_draft(
+    cfg: DraftConfig, arch, token_counts_V: torch.Tensor | None, seed: int, target_dir: str | None = None
+) -> torch.nn.Module:
     """The draft (of kind ``cfg.kind``) before training, unsharded: ``draft.init_from``, else a
     seeded random init (EAGLE-3: with the vocabulary mapping of the most frequent target
-    tokens). Deterministic, so a resumed run rebuilds the same starting draft (the RL
+    tokens). ``target_dir``: the policy's HF checkpoint (a SpecForge DFlash directory takes
+    the target's lm_head and mask row from it). Deterministic, so a resumed run rebuilds the same starting draft (the RL
     frozen-draft baseline uses it)."""
     kind = draft_kind(cfg.kind)
     draft = kind.initial(arch, token_counts_V, seed)
     if cfg.init_from:
-        kind.load_into(draft, cfg.init_from)
+        kind.load_into(draft, cfg.init_from, target_dir)
     return draft
 
 

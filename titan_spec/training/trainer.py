@@ -163,7 +163,9 @@ class SpecTrainer(Trainer):
         if not cfg.draft.init_from and self.config.draft_arch.draft_vocab_size < self.config.arch.vocab_size:
             # The draft vocabulary: the most frequent targets of the first batches.
             counts = self.dataloader.token_counts(cfg.draft.vocab_count_batches, self.config.arch.vocab_size)
-        return initial_draft(cfg.draft, self.config.draft_arch, counts, self.config.debug.seed or 0)
+        return initial_draft(
+            cfg.draft, self.config.draft_arch, counts, self.config.debug.seed or 0, cfg.model.hf_checkpoint or None
+        )
 
     def _build_draft_training(self, start: torch.nn.Module) -> DraftTraining:
         pd = self.parallel_dims

@@ -175,8 +175,9 @@ class DraftKind(ABC):
         """Write the draft directory (atomic)."""
 
     @abstractmethod
-    def load_into(self, model: nn.Module, path: str) -> None:
-        """Initialize ``model`` from a draft directory after checking that it fits."""
+    def load_into(self, model: nn.Module, path: str, target_dir: str | None = None) -> None:
+        """Initialize ``model`` from a draft directory after checking that it fits;
+        ``target_dir``: the policy's HF checkpoint, for what a directory shares with it."""
 
     # --- serving -----------------------------------------------------------------------
 

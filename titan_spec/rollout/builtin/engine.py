@@ -202,7 +202,7 @@ class BuiltinRolloutEngine:
         draft = None
         if draft_arch is not None:
             draft = kind.build(draft_arch).to(device)
-            kind.load_into(draft, draft_path)
+            kind.load_into(draft, draft_path, policy_path)
         return cls(target, draft, config)
 
     # --- validation ---------------------------------------------------------------------

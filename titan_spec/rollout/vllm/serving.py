@@ -35,6 +35,7 @@ import torch
 
 from titan_spec.config.draft_kinds import tap_ids_problem
 from titan_spec.models.draft import draft_kind
+from titan_spec.models.draft.dflash.io import shares_target_head
 from titan_spec.models.draft.directory import kind_of_directory
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.safetensors_header import read_safetensors_header
@@ -106,6 +107,12 @@ def dflash_misfit(policy_path: str, draft_path: str) -> str | None:
     why = tap_ids_problem(d.tap_layer_ids, policy.n_layers)
     if why:
         bad.append(f"dflash_config.target_layer_ids: {why}")
+    if shares_target_head(draft_path):
+        bad.append(
+            "it has no lm_head.weight or no mask_embedding.pt (SpecForge's layout), so vLLM would serve the "
+            "target's head and row, which a draft push would then overwrite; train from it once "
+            "(draft.init_from) and serve the directory that run exports"
+        )
     return f"draft directory {draft_path} does not fit the policy {policy_path}: {'; '.join(bad)}" if bad else None
 
 

@@ -15,6 +15,12 @@ A draft directory holds:
     of a masked position, which vLLM substitutes for embed_tokens[mask_token_id]
     (``DFlashQwen3ForCausalLM._read_mask_embedding``).
 No embedding is written: the known token is embedded by the target. Writes are atomic.
+
+A directory SpecForge writes has neither ``lm_head.weight`` nor ``mask_embedding.pt``: SpecForge
+trains with the target's frozen lm_head and the target's embedding row of mask_token_id, and
+vLLM serves it so (it shares the target's head and embeds a masked position by that row).
+Loading one fills either missing piece from the policy's HF checkpoint in the same way
+(``load_dflash_into(..., target_dir)``); the draft then trains its own copies from there.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from safetensors.torch import load_file
 
 from titan_spec.models.draft.dflash.model import DFlashArch, DFlashDraft
 from titan_spec.models.draft.directory import check_vocab_maps, config_field, is_int, read_config_json, weights_file
-from titan_spec.models.hf_io import write_safetensors_dir
+from titan_spec.models.hf_io import read_hf_head, write_safetensors_dir
 from titan_spec.models.safetensors_header import read_safetensors_header
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "load_dflash_into",
     "read_dflash_arch",
     "save_dflash",
+    "shares_target_head",
 ]
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -186,8 +193,17 @@ def _check_names(path: str, names, arch: DFlashArch) -> None:
     names = {k for k in names if not k.endswith("embed_tokens.weight")}  # the target's, if a checkpoint carries it
     want = set(export_keys(arch))
     missing, unexpected = sorted(want - names), sorted(names - want - set(VOCAB_MAP_KEYS))
+    if missing == ["lm_head.weight"] and arch.draft_vocab_size == arch.vocab_size:
+        missing = []  # SpecForge's layout: the target's head (module docstring)
     if missing or unexpected:
         raise ValueError(f"draft directory {path}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+
+
+def shares_target_head(path: str) -> bool:
+    """The directory lacks lm_head.weight or mask_embedding.pt (SpecForge's layout): loading it
+    needs the target's head or embedding."""
+    names = read_safetensors_header(weights_file(path))
+    return "lm_head.weight" not in names or not os.path.isfile(os.path.join(path, MASK_FILE))
 
 
 def check_dflash_weights(path: str, arch: DFlashArch) -> None:
@@ -196,7 +212,11 @@ def check_dflash_weights(path: str, arch: DFlashArch) -> None:
     _check_names(path, found, arch)
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in DFlashDraft(arch).state_dict().items()}
-    bad = [f"{k} {list(found[k][1])} (needs {list(want[k])})" for k in export_keys(arch) if found[k][1] != want[k]]
+    bad = [
+        f"{k} {list(found[k][1])} (needs {list(want[k])})"
+        for k in export_keys(arch)
+        if k in found and found[k][1] != want[k]
+    ]
     if bad:
         raise ValueError(
             f"draft directory {path}: tensor shapes do not match its config.json and the target: "
@@ -204,13 +224,12 @@ def check_dflash_weights(path: str, arch: DFlashArch) -> None:
         )
     if "d2t" in found:
         check_vocab_maps(weights_file(path), arch)
-    _mask_embedding(path, arch)
+    if os.path.isfile(os.path.join(path, MASK_FILE)):
+        _mask_embedding(path, arch)
 
 
 def _mask_embedding(path: str, arch: DFlashArch) -> torch.Tensor:
     file = os.path.join(path, MASK_FILE)
-    if not os.path.isfile(file):
-        raise ValueError(f"draft directory {path!r} has no {MASK_FILE} (the trained embedding of a masked position)")
     try:
         state = torch.load(file, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same one line
@@ -225,9 +244,10 @@ def _mask_embedding(path: str, arch: DFlashArch) -> torch.Tensor:
     return emb.reshape(-1)
 
 
-def load_dflash_into(draft: DFlashDraft, path: str) -> None:
+def load_dflash_into(draft: DFlashDraft, path: str, target_dir: str | None = None) -> None:
     """Initialize ``draft`` from a DFlash directory after checking that it fits the draft built
-    for the target and the config."""
+    for the target and the config. A missing lm_head or mask embedding (SpecForge's layout) is
+    the target's, read from its HF checkpoint ``target_dir``."""
     bad = dflash_mismatches(read_dflash_arch(path), draft.arch)
     if bad:
         raise ValueError(f"draft directory {path} does not match the target: {'; '.join(bad)}")
@@ -236,8 +256,23 @@ def load_dflash_into(draft: DFlashDraft, path: str) -> None:
     if "d2t" not in sd:  # a full-vocabulary draft: the identity maps
         sd["d2t"] = torch.zeros(draft.arch.draft_vocab_size, dtype=torch.long)
         sd["t2d"] = torch.ones(draft.arch.vocab_size, dtype=torch.bool)
-    sd["mask_embedding"] = _mask_embedding(path, draft.arch)
+    has_mask = os.path.isfile(os.path.join(path, MASK_FILE))
+    if "lm_head.weight" not in sd or not has_mask:
+        if not target_dir:
+            raise ValueError(
+                f"draft directory {path} has no lm_head.weight or no {MASK_FILE} (SpecForge's layout): it shares "
+                "the target's, so loading it needs the policy's HF directory (model.hf_checkpoint)"
+            )
+        head_VD, embed_VD = read_hf_head(target_dir)
+        sd.setdefault("lm_head.weight", head_VD)
+        if not has_mask:
+            sd["mask_embedding"] = embed_VD[draft.arch.mask_token_id]
+    if has_mask:
+        sd["mask_embedding"] = _mask_embedding(path, draft.arch)
     own = draft.state_dict()
+    bad = [f"{k} {list(sd[k].shape)} (needs {list(v.shape)})" for k, v in own.items() if sd[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"draft directory {path} (with the target's head from {target_dir}): {'; '.join(bad[:3])}")
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(sd[k].to(v.dtype))

@@ -142,8 +142,8 @@ class DFlashKind(DraftKind):
     def save(self, model: DFlashDraft, path: str) -> None:
         save_dflash(model, path)
 
-    def load_into(self, model: DFlashDraft, path: str) -> None:
-        load_dflash_into(model, path)
+    def load_into(self, model: DFlashDraft, path: str, target_dir: str | None = None) -> None:
+        load_dflash_into(model, path, target_dir)
 
     # --- serving -----------------------------------------------------------------------
 

@@ -110,8 +110,8 @@ class Eagle3Kind(DraftKind):
     def save(self, model: Eagle3Draft, path: str) -> None:
         save_draft(model, path)
 
-    def load_into(self, model: Eagle3Draft, path: str) -> None:
-        load_draft_into(model, path)
+    def load_into(self, model: Eagle3Draft, path: str, target_dir: str | None = None) -> None:
+        load_draft_into(model, path)  # an EAGLE-3 directory holds its whole draft
 
     # --- serving -----------------------------------------------------------------------
 
