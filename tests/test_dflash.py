@@ -657,3 +657,18 @@ def test_a_specforge_directory_loads_with_the_targets_head_trains_and_exports(tm
     KIND.load_into(back, out)
     for (n, a), (_, b) in zip(draft.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_a_specforge_directory_without_the_policys_checkpoint_is_one_line_before_the_start(tmp_path):
+    """A SpecForge directory shares the target's head: a config that names one as draft.init_from
+    with no model.hf_checkpoint (a random-init policy) is refused by the preflight."""
+    from titan_spec.preflight.plan import validate_run
+
+    base = ["--draft.enable", "true", "--draft.kind", "dflash", "--draft.offline", "true"]
+    base += ["--job.dump_folder", str(tmp_path / "run")]
+    d = validate_run(load_config(None, base, check_paths=False), disk=False).draft_arch
+    sf = str(tmp_path / "specforge")
+    _specforge_dir(KIND.initial(d, None, 1), sf)
+    with pytest.raises(ConfigError, match="SpecForge's layout.*needs model.hf_checkpoint") as e:
+        validate_run(load_config(None, base + ["--draft.init_from", sf], check_paths=False), disk=False)
+    assert "\n" not in str(e.value)
