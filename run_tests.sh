@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY=$(scripts/ensure_env.sh)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PY" -m pytest "$@"
+# --durations: the slowest tests in every log, so a suite that grows says where.
+exec "$PY" -m pytest --durations=20 "$@"
