@@ -96,6 +96,11 @@ def _rope(x_RNH, pos_R, theta):
 def reference_block_logits(draft, taps_TD: list, emb_TH, pos_T, anchor: int, start: int):
     """Logits of the J rows of the block anchored at row ``anchor`` of the document starting at
     ``start``: context rows start .. anchor-1, bidirectional inside the block."""
+    return reference_block_normed(draft, taps_TD, emb_TH, pos_T, anchor, start) @ draft.lm_head.weight.T
+
+
+def reference_block_normed(draft, taps_TD: list, emb_TH, pos_T, anchor: int, start: int):
+    """The final-norm hidden of the J rows of that block (``reference_block_logits`` before the head)."""
     a, p = draft.arch, dict(draft.named_parameters())
     J, eps, th = a.block_size, a.norm_eps, a.rope_theta
     ctx = _rms(torch.cat([t[start:anchor] for t in taps_TD], -1) @ p["fc.weight"].T, p["hidden_norm.weight"], eps)
@@ -130,7 +135,7 @@ def reference_block_logits(draft, taps_TD: list, emb_TH, pos_T, anchor: int, sta
             + (torch.nn.functional.silu(y @ w["mlp.gate_proj.weight"].T) * (y @ w["mlp.up_proj.weight"].T))
             @ w["mlp.down_proj.weight"].T
         )
-    return _rms(h, p["norm.weight"], eps) @ p["lm_head.weight"].T
+    return _rms(h, p["norm.weight"], eps)
 
 
 def reference_loss(draft, logits_TV, taps_TD, emb_TH, pos_T, labels_T, decay):
@@ -265,7 +270,7 @@ def test_cached_block_proposer_equals_the_reference_block():
 # --- speculation in the built-in engine -----------------------------------------------------
 
 
-def train_dflash(model, draft, cfg: DraftConfig, seqs: list[list[int]], steps: int, lr: float = 1e-2):
+def train_dflash(model, draft, cfg: DraftConfig, seqs: list[list[int]], steps: int, lr: float = 1e-2, kind=KIND):
     """``steps`` AdamW steps of the kind's loss on token sequences packed as one row's documents."""
     tok = torch.tensor([t for s in seqs for t in s])[None]
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
@@ -277,7 +282,7 @@ def train_dflash(model, draft, cfg: DraftConfig, seqs: list[list[int]], steps: i
     opt = torch.optim.AdamW(draft.parameters(), lr=lr)
     draft.train()
     for _ in range(steps):
-        loss = KIND.loss(draft, logits, taps, pos, labels, meta, cfg, None, lambda c: c).loss
+        loss = kind.loss(draft, logits, taps, pos, labels, meta, cfg, None, lambda c: c).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -32,7 +32,8 @@ every file; where it says "the batch at hand", the function's docstring says whi
     I   input features of a fused projection
     Sl  cache slots (slot == position; also the positions of a rotary table)
     K   draft tokens per round
-    S   steps of the draft's loss (EAGLE-3: TTT steps; DFlash: a block's J - 1 loss positions)
+    S   steps of the draft's loss (EAGLE-3: TTT steps; DFlash: a block's J - 1 loss positions; DSpark: its J)
+    Mr  rank of a DSpark draft's Markov head
     Sb  TTT branch steps so far (0 .. S - 1)
     J   rows of a DFlash block (draft.dflash block_size)
     A   DFlash blocks (anchors)

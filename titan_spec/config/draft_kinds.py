@@ -13,9 +13,9 @@ from __future__ import annotations
 
 __all__ = ["DRAFT_KINDS", "tap_ids_problem"]
 
-DRAFT_KINDS: dict[str, int] = {"eagle3": 3, "dflash": 0}
+DRAFT_KINDS: dict[str, int] = {"eagle3": 3, "dflash": 0, "dspark": 0}
 """draft.kind -> how many distinct target layers the draft reads (its taps); 0 = any number
-from one up (DFlash's fc reads the concatenation of however many it is given)."""
+from one up (DFlash's and DSpark's fc reads the concatenation of however many it is given)."""
 
 _WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
 

@@ -37,6 +37,7 @@ __all__ = [
     "DraftConfig",
     "Eagle3Config",
     "DFlashConfig",
+    "DSparkConfig",
     "SpeculativeConfig",
     "ServerEngineConfig",
     "SGLangConfig",
@@ -248,13 +249,35 @@ class DFlashConfig:
 
 
 @dataclass(kw_only=True)
+class DSparkConfig:
+    """[draft.dspark]: what only a DSpark draft reads (models/draft/dspark/); its block backbone
+    reads [draft.dflash], where a block of block_size rows proposes block_size tokens."""
+
+    markov_rank: int = 32
+    """Rank of the Markov head's transition bias (previous token -> logits)."""
+
+    confidence_head: bool = True
+    """Build and train the confidence head (per-row acceptance estimate)."""
+
+    ce_weight: float = 0.1
+    """Weight of the cross-entropy against the sampled tokens."""
+
+    l1_weight: float = 0.9
+    """Weight of the L1 distance to the target's distribution."""
+
+    confidence_weight: float = 1.0
+    """Weight of the confidence head's BCE against 1 - L1 / 2."""
+
+
+@dataclass(kw_only=True)
 class DraftConfig:
     enable: bool = False
     """Build the draft and train it from the policy's training forward."""
 
     kind: str = "eagle3"
-    """The draft's kind: "eagle3" (SpecForge/SGLang's EAGLE-3, [draft.eagle3]) or "dflash"
-    (a DFlash block draft in vLLM's layout, [draft.dflash]); docs/draft_kinds.md."""
+    """The draft's kind: "eagle3" (SpecForge/SGLang's EAGLE-3, [draft.eagle3]), "dflash" (a
+    DFlash block draft in vLLM's layout, [draft.dflash]) or "dspark" (DFlash's backbone with
+    Markov and confidence heads, [draft.dspark]); docs/draft_kinds.md."""
 
     offline: bool = False
     """Offline draft training: the target is frozen and only the draft trains on its taps and
@@ -280,7 +303,10 @@ class DraftConfig:
     """Weight of TTT step j is loss_decay**j (DFlash: of block position j + 1)."""
 
     dflash: DFlashConfig = field(default_factory=DFlashConfig)
-    """[draft.dflash]: the DFlash draft's own keys."""
+    """[draft.dflash]: the DFlash draft's own keys (and DSpark's backbone)."""
+
+    dspark: DSparkConfig = field(default_factory=DSparkConfig)
+    """[draft.dspark]: the DSpark draft's own keys."""
 
     loss_weight: float = 1.0
     """lambda in total = policy loss + lambda * draft loss."""

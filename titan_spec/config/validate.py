@@ -120,33 +120,49 @@ def _draft(c: DraftConfig) -> None:
     check(f.num_layers >= 1, "draft.dflash.num_layers", f.num_layers, ">= 1")
     check(f.anchors_per_doc >= 0, "draft.dflash.anchors_per_doc", f.anchors_per_doc, ">= 0 (0 = every position)")
     check(f.mask_token_id >= -1, "draft.dflash.mask_token_id", f.mask_token_id, "a token id, or -1 (the last id)")
+    k = c.dspark
+    check(k.markov_rank >= 1, "draft.dspark.markov_rank", k.markov_rank, ">= 1")
+    for name in ("ce_weight", "l1_weight", "confidence_weight"):
+        check(getattr(k, name) >= 0, f"draft.dspark.{name}", getattr(k, name), ">= 0")
+    check(k.ce_weight + k.l1_weight > 0, "draft.dspark.ce_weight", k.ce_weight, "> 0 where l1_weight is 0")
 
 
 def _draft_block(cfg: TitanSpecConfig, world_size: int) -> None:
-    """A DFlash draft proposes draft.dflash.block_size - 1 tokens per forward: the engine cannot
-    verify more, and a block longer than the completion budget would train positions no rollout
-    has. SGLang serves EAGLE-3 drafts only."""
+    """A block draft proposes what one block predicts (DFlash: block_size - 1 tokens, DSpark:
+    block_size): the engine cannot verify more, and a block longer than the completion budget
+    would train positions no rollout has. SGLang serves EAGLE-3 drafts only; titan_spec does not
+    drive vLLM's DSpark (its Triton runner has no CPU path to test against)."""
     d, block = cfg.draft, cfg.draft.dflash.block_size
-    if d.kind != "dflash" or not (d.enable or cfg.rl.enable):
+    if d.kind not in ("dflash", "dspark") or not (d.enable or cfg.rl.enable):
         return
+    proposes = block if d.kind == "dspark" else block - 1
     if cfg.rl.enable and cfg.rollout.engine == "sglang" and cfg.speculative.enabled:
         raise ConfigError(
-            "draft.kind = 'dflash' is not served by rollout.engine = 'sglang' (titan_spec drives "
-            "SGLang's EAGLE-3 only); allowed: rollout.engine = 'builtin' or 'vllm'",
+            f"draft.kind = {d.kind!r} is not served by rollout.engine = 'sglang' (titan_spec drives "
+            "SGLang's EAGLE-3 only); allowed: rollout.engine = 'builtin'"
+            + (" or 'vllm'" if d.kind == "dflash" else ""),
             key="rollout.engine",
         )
-    if cfg.speculative.enabled and cfg.speculative.num_draft_tokens > block - 1:
+    if d.kind == "dspark" and cfg.rl.enable and cfg.rollout.engine == "vllm" and cfg.speculative.enabled:
+        raise ConfigError(
+            "draft.kind = 'dspark' is not served by rollout.engine = 'vllm' yet: vLLM 0.32 runs DSpark only "
+            "in its Triton model runner (V2), which has no CPU path (docs/draft_kinds.md); allowed: "
+            "rollout.engine = 'builtin'",
+            key="rollout.engine",
+        )
+    what = "block_size" if d.kind == "dspark" else "block_size - 1"
+    if cfg.speculative.enabled and cfg.speculative.num_draft_tokens > proposes:
         raise ConfigError(
             f"speculative.num_draft_tokens = {cfg.speculative.num_draft_tokens} is not allowed with "
-            f"draft.kind = 'dflash' and draft.dflash.block_size = {block}; it must be <= "
-            f"{block - 1} (one block proposes block_size - 1 tokens)",
+            f"draft.kind = {d.kind!r} and draft.dflash.block_size = {block}; it must be <= "
+            f"{proposes} (one block proposes {what} tokens)",
             key="speculative.num_draft_tokens",
         )
-    if cfg.rl.enable and block - 1 > cfg.rl.max_new_tokens:
+    if cfg.rl.enable and proposes > cfg.rl.max_new_tokens:
         raise ConfigError(
             f"draft.dflash.block_size = {block} is larger than the completion budget: it must be <= "
-            f"rl.max_new_tokens + 1 = {cfg.rl.max_new_tokens + 1} (a block predicts block_size - 1 "
-            "tokens of one completion)",
+            f"rl.max_new_tokens{' + 1' if d.kind == 'dflash' else ''} = "
+            f"{cfg.rl.max_new_tokens + block - proposes} (a block predicts {what} tokens of one completion)",
             key="draft.dflash.block_size",
         )
 

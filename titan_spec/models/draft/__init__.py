@@ -12,6 +12,7 @@ from __future__ import annotations
 from titan_spec.config.draft_kinds import DRAFT_KINDS
 from titan_spec.models.draft.base import DraftKind, DraftLossResult
 from titan_spec.models.draft.dflash.kind import KIND as DFLASH
+from titan_spec.models.draft.dspark.kind import KIND as DSPARK
 from titan_spec.models.draft.eagle3.kind import KIND as EAGLE3
 
 __all__ = ["KINDS", "DraftKind", "DraftLossResult", "draft_kind", "kind_of", "register_kind"]
@@ -42,7 +43,7 @@ def kind_of(arch) -> DraftKind:
     return draft_kind(arch.kind)
 
 
-for _kind in (EAGLE3, DFLASH):  # a new kind: its import above and its name here
+for _kind in (EAGLE3, DFLASH, DSPARK):  # a new kind: its import above and its name here
     register_kind(_kind)
 if set(KINDS) != set(DRAFT_KINDS):
     raise ImportError(f"draft kinds registered {sorted(KINDS)} but config/draft_kinds.py allows {sorted(DRAFT_KINDS)}")

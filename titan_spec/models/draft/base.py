@@ -81,10 +81,14 @@ class CachedProposer(Protocol):
 
 class BlockProposer(Protocol):
     """A proposer that drafts a whole block in one forward (DFlash: models/draft/dflash/proposer.py
-    ``CachedBlockDraft``); the built-in engine's ``_propose`` takes its second path for it."""
+    ``CachedBlockDraft``, DSpark: dspark/proposer.py); the built-in engine's ``_propose`` takes
+    its second path for it."""
 
     block_size: int
-    """J > 0: one ``propose`` gives J - 1 proposals; a round verifies the first K <= J - 1."""
+    """J > 0: rows of the block one ``propose`` runs (slots c .. c+J-1)."""
+
+    proposals: int
+    """Proposals one block gives (DFlash J - 1, DSpark J); a round verifies the first K <= proposals."""
 
     cache: Any
 
@@ -96,7 +100,10 @@ class BlockProposer(Protocol):
         """Take in the newly committed positions (their taps); nothing is proposed yet."""
 
     def propose(self, y_B, c_B, n_slots: int, weights=None) -> torch.Tensor:
-        """The block after the pending token y at position c -> logits_B(J-1)Vd of positions c+1 .. c+J-1."""
+        """The block after the pending token y at position c -> what ``row_logits`` reads."""
+
+    def row_logits(self, out_BJ, j: int, prev_B) -> torch.Tensor:
+        """logits_BVd of proposal j (position c+1+j) given the token drafted before it (target ids)."""
 
     def compile(self, backend: str = "inductor") -> None: ...
 

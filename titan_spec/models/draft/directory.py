@@ -26,10 +26,14 @@ __all__ = [
     "weights_file",
 ]
 
-KIND_OF_ARCHITECTURE = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
+KIND_OF_ARCHITECTURE = {
+    "LlamaForCausalLMEagle3": "eagle3",
+    "DFlashDraftModel": "dflash",
+    "Qwen3DSparkModel": "dspark",
+}
 """config.json ``architectures`` -> the draft.kind that reads it."""
 
-_NAMES = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}
+_NAMES = {"eagle3": "an EAGLE-3", "dflash": "a DFlash", "dspark": "a DSpark"}
 
 
 def kind_of_directory(path: str, default: str = "eagle3") -> str:

@@ -153,10 +153,11 @@ class BuiltinRolloutEngine:
             self.draft = draft.to(self.device).eval()
             self._draft = _cached_proposer(self.draft, self._target.embed)
             block = self._draft.block_size
-            if block and self.K > block - 1:
+            if block and self.K > self._draft.proposals:
                 raise ValueError(
                     f"num_draft_tokens = {self.K} is more than the draft's block proposes: it must be "
-                    f"<= {block - 1} (block_size {block} - 1)"
+                    f"<= {self._draft.proposals} (block_size {block}"
+                    + (" - 1)" if self._draft.proposals < block else ")")
                 )
         self.policy_version = 0
         self.draft_version = 0
@@ -450,17 +451,18 @@ class BuiltinRolloutEngine:
         """K draft tokens per row (target ids), their draft-vocab ids and q (None when greedy).
         c_max, trunk.slots: host-side slot bounds (no sync); dw: the draft's batch weights.
         A chain proposes token j from token j-1; a block (DFlash) all K from one forward, each
-        sampled from its own q_j (independent of the others, so the acceptance rule is exact)."""
+        sampled from its own q_j given the tokens before it (DSpark's rows read the previous
+        one; DFlash's do not), so the acceptance rule is exact."""
         block = self._draft.block_size
         if block:
             self._draft.extend(*trunk.joined(), n_slots=trunk.slots, weights=dw)
-            logits_BJVd = self._draft.propose(y_B, c_B, n_slots=c_max + block, weights=dw)
+            out_BJ = self._draft.propose(y_B, c_B, n_slots=c_max + block, weights=dw)
         else:
             h_BH, logits_BVd = self._draft.extend(*trunk.joined(), n_slots=trunk.slots, weights=dw)
         d, d_idx, q = [], [], []
         for j in range(K):
             if block:
-                logits_BVd = logits_BJVd[:, j]
+                logits_BVd = self._draft.row_logits(out_BJ, j, d[-1] if j else y_B)
             elif j:
                 # Step j of the row at c-1 sits at position c-1+j (its branch slot).
                 h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j, n_slots=c_max + j, weights=dw)

@@ -25,6 +25,7 @@ Loading one fills either missing piece from the policy's HF checkpoint in the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -48,7 +49,7 @@ __all__ = [
     "shares_target_head",
 ]
 
-ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE = DFlashArch.architecture
 MASK_FILE = "mask_embedding.pt"
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 
@@ -74,13 +75,14 @@ def export_keys(a: DFlashArch) -> tuple[str, ...]:
         *(f"layers.{i}.{k}" for i in range(a.n_layers) for k in layer),
         "norm.weight",
         "lm_head.weight",
+        *a.head_keys(),
     )
     return keys if a.draft_vocab_size == a.vocab_size else keys + VOCAB_MAP_KEYS
 
 
 def dflash_config_json(a: DFlashArch, dtype: torch.dtype = torch.float32) -> dict:
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": [a.architecture],
         "model_type": "qwen3",
         "hidden_size": a.hidden,
         "intermediate_size": a.intermediate,
@@ -100,6 +102,7 @@ def dflash_config_json(a: DFlashArch, dtype: torch.dtype = torch.float32) -> dic
         "torch_dtype": str(dtype).removeprefix("torch."),
         "block_size": a.block_size,
         "dflash_config": {"mask_token_id": a.mask_token_id, "target_layer_ids": list(a.tap_layer_ids)},
+        **a.config_extra(),
     }
 
 
@@ -118,8 +121,8 @@ def save_dflash(draft: DFlashDraft, path: str, dtype: torch.dtype = torch.float3
     )
 
 
-def read_dflash_arch(path: str) -> DFlashArch:
-    cfg_path, cfg = read_config_json(path, ARCHITECTURE, "dflash")
+def read_dflash_arch(path: str, arch_cls: type[DFlashArch] = DFlashArch):
+    cfg_path, cfg = read_config_json(path, arch_cls.architecture, arch_cls.kind)
     dc = cfg.get("dflash_config")
     if not isinstance(dc, dict):
         raise ValueError(
@@ -140,7 +143,8 @@ def read_dflash_arch(path: str) -> DFlashArch:
         )
     hidden, heads = config_field(cfg_path, cfg, "hidden_size"), config_field(cfg_path, cfg, "num_attention_heads")
     vocab = config_field(cfg_path, cfg, "vocab_size")
-    return DFlashArch(
+    return arch_cls(
+        **arch_cls.extra_from_config(cfg_path, cfg),
         hidden=hidden,
         n_heads=heads,
         n_kv_heads=config_field(cfg_path, cfg, "num_key_value_heads", heads),
@@ -174,6 +178,9 @@ def dflash_mismatches(found: DFlashArch, want: DFlashArch) -> list[str]:
         "block_size",
         "mask_token_id",
     ]
+    checks += [
+        f.name for f in dataclasses.fields(want) if f.name not in {g.name for g in dataclasses.fields(DFlashArch)}
+    ]
     names = {
         "n_layers": "layers (draft.dflash.num_layers)",
         "block_size": "block_size (draft.dflash.block_size)",
@@ -206,12 +213,12 @@ def shares_target_head(path: str) -> bool:
     return "lm_head.weight" not in names or not os.path.isfile(os.path.join(path, MASK_FILE))
 
 
-def check_dflash_weights(path: str, arch: DFlashArch) -> None:
+def check_dflash_weights(path: str, arch: DFlashArch, draft_cls: type[DFlashDraft] = DFlashDraft) -> None:
     """Names and shapes of model.safetensors (header only) and the mask embedding file."""
     found = read_safetensors_header(weights_file(path))
     _check_names(path, found, arch)
     with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in DFlashDraft(arch).state_dict().items()}
+        want = {k: tuple(v.shape) for k, v in draft_cls(arch).state_dict().items()}
     bad = [
         f"{k} {list(found[k][1])} (needs {list(want[k])})"
         for k in export_keys(arch)
@@ -248,7 +255,7 @@ def load_dflash_into(draft: DFlashDraft, path: str, target_dir: str | None = Non
     """Initialize ``draft`` from a DFlash directory after checking that it fits the draft built
     for the target and the config. A missing lm_head or mask embedding (SpecForge's layout) is
     the target's, read from its HF checkpoint ``target_dir``."""
-    bad = dflash_mismatches(read_dflash_arch(path), draft.arch)
+    bad = dflash_mismatches(read_dflash_arch(path, type(draft.arch)), draft.arch)
     if bad:
         raise ValueError(f"draft directory {path} does not match the target: {'; '.join(bad)}")
     sd = {k: v for k, v in load_file(weights_file(path)).items() if not k.endswith("embed_tokens.weight")}

@@ -24,7 +24,7 @@ from titan_spec.models.draft.dflash.proposer import CachedBlockDraft
 from titan_spec.models.draft.halo import TTTHalo
 from titan_spec.models.draft.vocab import build_vocab_mapping
 
-__all__ = ["KIND", "DFlashKind"]
+__all__ = ["KIND", "Blocks", "DFlashKind"]
 
 
 def _is_cp_shard(meta) -> bool:
@@ -33,23 +33,23 @@ def _is_cp_shard(meta) -> bool:
     return meta is not None and not isinstance(meta, DocMetadata)
 
 
-class _Blocks:
+class Blocks:
     """A (micro)batch's blocks and the stream they attend to: the local rows in one process;
-    under context parallelism the global stream (context.py), this rank's blocks only."""
+    under context parallelism the global stream (context.py), this rank's blocks only.
+    ``valid``: per scored block row, (src, valid) (DFlash's ``block_valid``, set by the kind)."""
 
-    def __init__(self, positions_BL, labels_BL, meta, cfg: DraftConfig):
+    def __init__(self, positions_BL, labels_BL, meta, per_doc: int, completion_only: bool = False):
         labels_T = labels_BL.reshape(-1)
         self.stream = CPStream(meta, labels_T.device) if _is_cp_shard(meta) else None
         if self.stream is None:
             self.labels_Tg, self.positions_Tg = labels_T, positions_BL.reshape(-1)
-            self.plan = block_plan(doc_bounds_of(positions_BL), self.labels_Tg, cfg.dflash.anchors_per_doc)
+            bounds, owner, local = doc_bounds_of(positions_BL), None, None
         else:
             st = self.stream
             self.labels_Tg, self.positions_Tg = st.gather_labels(labels_T), st.positions_Tg.to(labels_T.device)
-            self.plan = block_plan(
-                st.doc_bounds, self.labels_Tg, cfg.dflash.anchors_per_doc, st.owner_Tg == st.rank, st.local_Tg
-            )
-        self.valid = block_valid(self.plan, self.labels_Tg, cfg.dflash.block_size)
+            bounds, owner, local = st.doc_bounds, st.owner_Tg == st.rank, st.local_Tg
+        self.plan = block_plan(bounds, self.labels_Tg, per_doc, owner, local, completion_only)
+        self.valid: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def counts(self) -> torch.Tensor:
         return torch.stack([v.sum() for _, v in self.valid])
@@ -100,16 +100,21 @@ class DFlashKind(DraftKind):
 
     # --- training ----------------------------------------------------------------------
 
+    def _blocks(self, positions_BL, labels_BL, meta, cfg: DraftConfig) -> Blocks:
+        blocks = Blocks(positions_BL, labels_BL, meta, cfg.dflash.anchors_per_doc)
+        blocks.valid = block_valid(blocks.plan, blocks.labels_Tg, cfg.dflash.block_size)
+        return blocks
+
     def normalizer_counts(self, positions_BL, labels_BL, meta, cfg: DraftConfig) -> torch.Tensor:
         """Under context parallelism a rank counts the blocks anchored on its rows (their sum
         over the ranks is the one-process count)."""
-        return _Blocks(positions_BL, labels_BL, meta, cfg).counts()
+        return self._blocks(positions_BL, labels_BL, meta, cfg).counts()
 
     def loss(
         self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig, count_S, global_count
     ) -> DraftLossResult:
         T = positions_BL.numel()
-        blocks = _Blocks(positions_BL, labels_BL, meta, cfg)
+        blocks = self._blocks(positions_BL, labels_BL, meta, cfg)
         logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), meta, cfg.dflash.block_size)
         targets = block_targets(model, [(v, x) for (_, v), x in zip(blocks.valid, logits)])
         if count_S is None:

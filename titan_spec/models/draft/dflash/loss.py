@@ -36,7 +36,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_spec.models.draft.base import DraftLossResult
 
-__all__ = ["BlockPlan", "block_loss", "block_plan", "block_targets", "block_valid", "doc_bounds_of"]
+__all__ = ["BlockPlan", "block_hidden", "block_loss", "block_plan", "block_targets", "block_valid", "doc_bounds_of"]
 
 
 class BlockPlan(NamedTuple):
@@ -66,11 +66,19 @@ def doc_bounds_of(positions_BL: torch.Tensor) -> list[int]:
     return starts_BL.reshape(-1).nonzero().squeeze(1).tolist() + [B * L]
 
 
-def block_plan(bounds: list[int], labels_Tg: torch.Tensor, per_doc: int, owner_Tg=None, local_Tg=None) -> BlockPlan:
+def block_plan(
+    bounds: list[int], labels_Tg: torch.Tensor, per_doc: int, owner_Tg=None, local_Tg=None, completion_only=False
+) -> BlockPlan:
     """The blocks of a stream cut at ``bounds``: at most ``per_doc`` rows of each document's
     loss region, evenly spaced. ``owner_Tg`` (a bool per row: this rank's) and ``local_Tg`` (its
-    local row) keep a CP rank's blocks; None: every block, rows_A = anchors_A."""
-    cand = (labels_Tg.cpu() != IGNORE_INDEX).nonzero().squeeze(1)
+    local row) keep a CP rank's blocks; None: every block, rows_A = anchors_A.
+    ``completion_only``: the anchor's own token is in the loss region too (the label of the row
+    before it), so blocks start at the first completion token, where an engine's first block sits."""
+    ok_Tg = labels_Tg.cpu() != IGNORE_INDEX
+    if completion_only:
+        ok_Tg[1:] &= ok_Tg[:-1].clone()
+        ok_Tg[torch.tensor(bounds[:-1], dtype=torch.long)] = False
+    cand = ok_Tg.nonzero().squeeze(1)
     mine = owner_Tg.cpu() if owner_Tg is not None else None
     anchors, ends, groups = [], [], []
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -148,6 +156,23 @@ def _attend(draft: nn.Module, plan: BlockPlan, q_QNHd, k_QKvHd, v_QKvHd, kc_TgKv
     return torch.cat(outs) if outs else q_QNHd * 0
 
 
+def block_hidden(draft: nn.Module, taps, embeds_TH, positions_Tg, plan: BlockPlan, gather=None):
+    """h_QH: the last layer's output (before the final norm) of every block row, the A blocks'
+    J rows flattened (arguments as ``block_loss``)."""
+    J, A, H = draft.arch.block_size, plan.rows_A.numel(), embeds_TH.shape[-1]
+    ctx_TgH = draft.context(tuple(t.detach() for t in taps))
+    if gather is not None:
+        ctx_TgH = gather(ctx_TgH)
+    pos_Q = (positions_Tg[plan.anchors_A][:, None] + torch.arange(J, device=positions_Tg.device)).reshape(-1)
+    known_A1H = embeds_TH.detach()[plan.rows_A][:, None]
+    h_QH = torch.cat([known_A1H, draft.mask_embedding.to(known_A1H.dtype).expand(A, J - 1, H)], dim=1).reshape(A * J, H)
+    for i in range(draft.arch.n_layers):
+        kc_TgKvHd, vc_TgKvHd = draft.context_kv(i, ctx_TgH, positions_Tg)
+        q_QNHd, k_QKvHd, v_QKvHd = draft.block_qkv(i, h_QH, pos_Q)
+        h_QH = draft.block_finish(i, h_QH, _attend(draft, plan, q_QNHd, k_QKvHd, v_QKvHd, kc_TgKvHd, vc_TgKvHd))
+    return h_QH
+
+
 def block_loss(
     draft: nn.Module,
     taps,
@@ -164,17 +189,8 @@ def block_loss(
     the context stream, which ``gather`` makes from the local context rows (None: they are
     it). ``count_S`` (valid rows per block row, summed over the data-parallel ranks)
     normalizes the loss when given, else the local counts do."""
-    J, A, H = draft.arch.block_size, plan.rows_A.numel(), embeds_TH.shape[-1]
-    ctx_TgH = draft.context(tuple(t.detach() for t in taps))
-    if gather is not None:
-        ctx_TgH = gather(ctx_TgH)
-    pos_Q = (positions_Tg[plan.anchors_A][:, None] + torch.arange(J, device=positions_Tg.device)).reshape(-1)
-    known_A1H = embeds_TH.detach()[plan.rows_A][:, None]
-    h_QH = torch.cat([known_A1H, draft.mask_embedding.to(known_A1H.dtype).expand(A, J - 1, H)], dim=1).reshape(A * J, H)
-    for i in range(draft.arch.n_layers):
-        kc_TgKvHd, vc_TgKvHd = draft.context_kv(i, ctx_TgH, positions_Tg)
-        q_QNHd, k_QKvHd, v_QKvHd = draft.block_qkv(i, h_QH, pos_Q)
-        h_QH = draft.block_finish(i, h_QH, _attend(draft, plan, q_QNHd, k_QKvHd, v_QKvHd, kc_TgKvHd, vc_TgKvHd))
+    J, A = draft.arch.block_size, plan.rows_A.numel()
+    h_QH = block_hidden(draft, taps, embeds_TH, positions_Tg, plan, gather=gather)
     logits_AJVd = draft.logits(h_QH).view(A, J, -1)
 
     loss_sum, counts, correct, terms = [], [], [], []

@@ -45,6 +45,8 @@ def default_dflash_tap_ids(n_layers: int, count: int = 3) -> tuple[int, ...]:
 class DFlashArch:
     kind: ClassVar[str] = "dflash"
     """The draft kind (models/draft/__init__.py's registry) this arch belongs to."""
+    architecture: ClassVar[str] = "DFlashDraftModel"
+    """config.json's ``architectures`` entry of its directory (io.py)."""
 
     hidden: int
     n_heads: int
@@ -108,6 +110,19 @@ class DFlashArch:
             raise ValueError(
                 f"draft.dflash.mask_token_id = {self.mask_token_id} must be a target id in 0..{self.vocab_size - 1}"
             )
+
+    def head_keys(self) -> tuple[str, ...]:
+        """Tensors beyond the backbone's in the exported directory (a subclass's heads)."""
+        return ()
+
+    def config_extra(self) -> dict:
+        """config.json fields beyond the backbone's."""
+        return {}
+
+    @staticmethod
+    def extra_from_config(cfg_path: str, cfg: dict) -> dict:
+        """This arch's own fields read back from config.json (``config_extra``'s inverse)."""
+        return {}
 
     def misfits(self, target_vocab: int, target_dim: int) -> list[str]:
         """Why this draft cannot serve a target of this vocabulary and width ([] = it fits)."""

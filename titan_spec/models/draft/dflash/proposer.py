@@ -32,6 +32,7 @@ class CachedBlockDraft:
         require_plain({n: m for n, m in draft.named_modules() if isinstance(m, nn.Linear)}, nn.Linear)
         require_plain({n: m for n, m in draft.named_modules() if isinstance(m, nn.RMSNorm)}, nn.RMSNorm)
         self.block_size = a.block_size
+        self.proposals = a.block_size - 1
         self.scale = a.head_dim**-0.5
         self._gqa = bool(a.n_heads != a.n_kv_heads)
         self.cache: KVCache | None = None
@@ -73,6 +74,15 @@ class CachedBlockDraft:
         rows_BJ = torch.arange(c_B.shape[0], device=c_B.device)[:, None].expand_as(pos_BJ)
         return self._propose(y_B, Step(rows_BJ, pos_BJ, mask), self.cache.k_YBKvSlHd, self.cache.v_YBKvSlHd)
 
+    def row_logits(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
+        """logits_BVd of proposal j from ``propose``'s output (DFlash's rows do not read the
+        previous token)."""
+        return out_BJ[:, j]
+
+    def _block_rows(self, h_BJH: torch.Tensor) -> torch.Tensor:
+        """What ``propose`` returns of the last layer's block rows: rows 1 .. J-1's logits."""
+        return self.draft.logits(h_BJH[:, 1:])
+
     def _extend_core(self, taps_BLCD, st: Step, k_YBKvSlHd, v_YBKvSlHd):
         d = self.draft
         B, L = st.pos_BL.shape
@@ -108,4 +118,4 @@ class CachedBlockDraft:
             h_BJH = d.block_finish(i, h_BJH.reshape(B * J, -1), out_BJNHd.reshape(B * J, *out_BJNHd.shape[2:])).view(
                 B, J, -1
             )
-        return d.logits(h_BJH[:, 1:])
+        return self._block_rows(h_BJH)
