@@ -444,14 +444,16 @@ def test_config_errors_of_the_kind_are_one_line(args, key):
 
 
 @pytest.mark.needs_torch_2_14("pipeline parallelism (pp = 2)")
-def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many, kind):
     """The DFlash kind under each parallelism, against one process on the same 4-row batches:
     FSDP dp = 2 (2 rows a rank, the draft sharded, its normalizer summed over the ranks),
     pp = 2 (1F1B, 4 microbatches of a row, the block loss on the last stage from the taps the
     TapChannel delivers) and cp = 2 (zigzag shards: every rank gathers the documents' context
     rows, trains the blocks anchored on its rows, and reads the target's logits across the
     boundary through the halo). Equal losses, gradient norms and per-position accuracies at
-    every step, and the exported draft (mask embedding included) within Adam's sign-flip bound."""
+    every step, and the exported draft (mask embedding included) within Adam's sign-flip bound.
+    DSpark (the same backbone and blocks, its heads and objective) the same way."""
     from safetensors.torch import load_file
 
     from numerics import assert_adam_weights_close, assert_same_draft_accuracy, assert_same_draft_export
@@ -466,7 +468,7 @@ def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
         "--draft.enable",
         "true",
         "--draft.kind",
-        "dflash",
+        kind,
         "--draft.dflash.block_size",
         "4",
         "--draft.dflash.anchors_per_doc",
@@ -517,7 +519,8 @@ def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
     dumps = [str(tmp_path / "one"), str(tmp_path / "pp1"), str(tmp_path / "pp2"), str(tmp_path / "cp2")]
     (ref,) = many(1, [(dumps[0], one)])
     runs = many(2, [(dumps[1], pp1), (dumps[2], pp2), (dumps[3], cp2)])
-    assert ref[-1]["draft/loss"] < ref[0]["draft/loss"]
+    # DSpark's draft/loss is its CE term, 0.1 of what it trains (mostly L1): not pinned to fall in 3 steps.
+    assert ref[-1]["draft/loss"] < ref[0]["draft/loss"] or kind == "dspark"
     want = load_file(os.path.join(dumps[0], "draft/model.safetensors"))
     mask = torch.load(os.path.join(dumps[0], "draft", MASK_FILE), weights_only=True)["embedding"]
     for label, dump, rows in zip(("fsdp dp2", "pp2", "cp2"), dumps[1:], runs):
@@ -525,7 +528,7 @@ def test_dflash_under_fsdp_dp2_pp2_and_cp2_equals_one_process(tmp_path, many):
         for a, b in zip(ref, rows):
             for key in ("loss", "grad_norm", "draft/loss", "draft/grad_norm"):
                 assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), (label, key, a, b)
-            assert_same_draft_accuracy(a, b, 3, label)
+            assert_same_draft_accuracy(a, b, 4 if kind == "dspark" else 3, label)
         assert_same_draft_export(load_file(os.path.join(dump, "draft/model.safetensors")), want, 3e-3, 3, label)
         got_mask = torch.load(os.path.join(dump, "draft", MASK_FILE), weights_only=True)["embedding"]
         assert_adam_weights_close(got_mask, mask, 3e-3, 3, msg=f"{label}: mask embedding")
