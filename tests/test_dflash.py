@@ -161,20 +161,27 @@ def reference_loss(draft, logits_TV, taps_TD, emb_TH, pos_T, labels_T, decay):
     return sum(decay ** (k - 1) * sums[k - 1] / max(denoms[k - 1], 1) for k in range(1, J)), counts
 
 
-@pytest.mark.parametrize("block_size,n_layers,draft_vocab", [(4, 1, V), (3, 2, 20)])
-def test_block_loss_and_gradients_equal_a_per_block_reference(block_size, n_layers, draft_vocab):
-    model, arch = make_target(0)
-    draft, cfg = make_draft(arch, 1, block_size, draft_vocab, n_layers)
+def loss_in_fp64(kind, model, draft, cfg):
+    """The kind's loss of ``draft`` in fp64 on ``packed_batch(2)`` and its gradients (zeroed on
+    the returned fp64 draft after), with the batch, the target's logits and fp64 taps."""
     tok, pos, labels = packed_batch(2)
     meta = doc_metadata_from_positions(pos)
     with torch.no_grad():
         logits, taps = model(tok, pos, meta)
     draft64 = draft.double()
     taps64 = type(taps)(taps.embeds_BLD.double(), tuple(h.double() for h in taps.hidden))
-    got = KIND.loss(draft64, logits.double(), taps64, pos, labels, meta, cfg, None, lambda c: c)
+    got = kind.loss(draft64, logits.double(), taps64, pos, labels, meta, cfg, None, lambda c: c)
     got.loss.backward()
     got_grads = {n: p.grad.clone() for n, p in draft64.named_parameters()}
     draft64.zero_grad()
+    return draft64, got, got_grads, (tok, pos, labels, logits, taps64)
+
+
+@pytest.mark.parametrize("block_size,n_layers,draft_vocab", [(4, 1, V), (3, 2, 20)])
+def test_block_loss_and_gradients_equal_a_per_block_reference(block_size, n_layers, draft_vocab):
+    model, arch = make_target(0)
+    draft, cfg = make_draft(arch, 1, block_size, draft_vocab, n_layers)
+    draft64, got, got_grads, (tok, pos, labels, logits, taps64) = loss_in_fp64(KIND, model, draft, cfg)
     want, counts = reference_loss(
         draft64,
         logits[0].double(),
@@ -187,7 +194,7 @@ def test_block_loss_and_gradients_equal_a_per_block_reference(block_size, n_laye
     want.backward()
     # The scored rows are the reference's; the normalizer counts them before the draft-vocab mask.
     assert got.count_S.tolist() == counts and min(counts) > 0
-    norm_S = KIND.normalizer_counts(pos, labels, meta, cfg)
+    norm_S = KIND.normalizer_counts(pos, labels, doc_metadata_from_positions(pos), cfg)
     assert (norm_S >= got.count_S).all() and (norm_S == got.count_S).all() == (draft_vocab == V)
     # tolerance: the drafts' rotary runs in float32 (as SGLang's and vLLM's cos/sin tables), the
     # reference's in fp64; everything else is fp64 on both sides.

@@ -21,7 +21,7 @@ from titan_spec.models.draft import draft_kind
 from titan_spec.models.draft.dflash.io import export_keys
 from titan_spec.rollout import BuiltinEngineConfig, BuiltinRolloutEngine, SamplingParams
 
-from test_dflash import TAPS, V, make_target, packed_batch, reference_block_normed
+from test_dflash import TAPS, V, loss_in_fp64, make_target, reference_block_normed
 from test_rollout_engine import (  # noqa: F401  (_one_thread: the module's autouse fixture, shared)
     _one_thread,
     assert_follows_the_policy,
@@ -89,16 +89,7 @@ def reference_loss(draft, logits_TV, taps_TD, emb_TH, pos_T, labels_T, tok_T, cf
 def test_loss_and_gradients_equal_a_per_block_reference(block_size, n_layers, draft_vocab):
     model, arch = make_target(0)
     draft, cfg = make_draft(arch, 1, block_size, draft_vocab, n_layers)
-    tok, pos, labels = packed_batch(2)
-    meta = doc_metadata_from_positions(pos)
-    with torch.no_grad():
-        logits, taps = model(tok, pos, meta)
-    draft64 = draft.double()
-    taps64 = type(taps)(taps.embeds_BLD.double(), tuple(h.double() for h in taps.hidden))
-    got = KIND.loss(draft64, logits.double(), taps64, pos, labels, meta, cfg, None, lambda c: c)
-    got.loss.backward()
-    got_grads = {n: q.grad.clone() for n, q in draft64.named_parameters()}
-    draft64.zero_grad()
+    draft64, got, got_grads, (tok, pos, labels, logits, taps64) = loss_in_fp64(KIND, model, draft, cfg)
     want, counts = reference_loss(
         draft64,
         logits[0].double(),

@@ -25,7 +25,7 @@ from titan_spec.config.schema import SGLangConfig
 from titan_spec.models.draft.eagle3.io import save_draft
 from titan_spec.models.draft.eagle3.model import DraftArch, Eagle3Draft
 from titan_spec.rollout import SamplingParams
-from titan_spec.rollout.server_engine import env_script
+from titan_spec.config.engine_env import env_script
 from titan_spec.rollout.sglang.engine import SGLangRolloutEngine
 
 from helpers.hf_assets import load_target, write_tiny_qwen3

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from titan_spec.config.draft_kinds import DRAFT_KINDS, tap_ids_problem
+from titan_spec.config.engine_env import env_script
 from titan_spec.config.errors import ConfigError
 from titan_spec.config.schema import (
     DraftConfig,
@@ -252,8 +253,6 @@ def _engine_env(c: ServerEngineConfig, engine: str, what: str) -> None:
     """The engine's environment exists or can be built: rollout.<engine>.python is an
     executable, or scripts/ensure_<engine>_env.sh and a Python 3.11 to build it are here."""
     import shutil
-
-    from titan_spec.rollout.server_engine import env_script
 
     key = f"rollout.{engine}.python"
     script = env_script(engine)

@@ -18,7 +18,6 @@ What differs stays in each engine: how a server is launched and reached (``_laun
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import threading
@@ -27,23 +26,16 @@ from typing import Self
 
 import torch
 
+from titan_spec.config.engine_env import env_script
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.rollout.base import NamedTensors, SamplingParams
 from titan_spec.rollout.weight_names import draft_to_export_names, policy_to_hf_names
 
-__all__ = ["ServerRolloutEngine", "env_script", "resolve_python"]
+__all__ = ["ServerRolloutEngine", "resolve_python"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def env_script(engine: str) -> str:
-    """scripts/ensure_<engine>_env.sh: builds (or reuses) that engine's environment."""
-    return os.path.join(_ROOT, "scripts", f"ensure_{engine}_env.sh")
 
 
 def resolve_python(explicit: str, engine: str, error: type[Exception]) -> str:

@@ -39,7 +39,7 @@ from titan_spec.models.draft.dflash.io import shares_target_head
 from titan_spec.models.draft.directory import kind_of_directory
 from titan_spec.models.hf_io import read_hf_arch
 from titan_spec.models.safetensors_header import read_safetensors_header
-from titan_spec.rollout.server_engine import env_script
+from titan_spec.config.engine_env import env_script
 
 __all__ = [
     "ENV_SCRIPT",

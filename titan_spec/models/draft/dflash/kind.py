@@ -69,7 +69,12 @@ class Blocks:
 
 
 class DFlashKind(DraftKind):
+    """DFlash's kind; DSpark's (dspark/kind.py) is this one with its own model, targets and proposer."""
+
     name = DFlashArch.kind
+    arch_cls: type[DFlashArch] = DFlashArch
+    draft_cls: type[DFlashDraft] = DFlashDraft
+    proposer_cls: type[CachedBlockDraft] = CachedBlockDraft
 
     def default_tap_layer_ids(self, n_layers: int) -> tuple[int, ...]:
         return default_dflash_tap_ids(n_layers)
@@ -87,12 +92,12 @@ class DFlashKind(DraftKind):
         return d
 
     def build(self, arch: DFlashArch) -> DFlashDraft:
-        return DFlashDraft(arch)
+        return self.draft_cls(arch)
 
     def initial(self, arch: DFlashArch, token_counts_V: torch.Tensor | None, seed: int) -> DFlashDraft:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)  # the same on every rank, apart from the policy's stream
-            draft = DFlashDraft(arch)
+            draft = self.draft_cls(arch)
             draft.reset_parameters()
         if token_counts_V is not None and arch.draft_vocab_size < arch.vocab_size:
             draft.set_vocab_mapping(*build_vocab_mapping(token_counts_V, arch.draft_vocab_size))
@@ -110,13 +115,17 @@ class DFlashKind(DraftKind):
         over the ranks is the one-process count)."""
         return self._blocks(positions_BL, labels_BL, meta, cfg).counts()
 
+    def _targets(self, model, blocks: Blocks, logits_TV, meta, cfg: DraftConfig):
+        """What the model's forward is trained against, and its objective's settings."""
+        logits = blocks.target_logits(logits_TV, meta, cfg.dflash.block_size)
+        return block_targets(model, [(v, x) for (_, v), x in zip(blocks.valid, logits)]), cfg.loss_decay
+
     def loss(
         self, model, logits_BLV, taps, positions_BL, labels_BL, meta, cfg: DraftConfig, count_S, global_count
     ) -> DraftLossResult:
         T = positions_BL.numel()
         blocks = self._blocks(positions_BL, labels_BL, meta, cfg)
-        logits = blocks.target_logits(logits_BLV.detach().reshape(T, -1), meta, cfg.dflash.block_size)
-        targets = block_targets(model, [(v, x) for (_, v), x in zip(blocks.valid, logits)])
+        targets, objective = self._targets(model, blocks, logits_BLV.detach().reshape(T, -1), meta, cfg)
         if count_S is None:
             count_S = global_count(blocks.counts())
         hidden = tuple(h.detach().reshape(T, -1) for h in taps.hidden)
@@ -128,7 +137,7 @@ class DFlashKind(DraftKind):
             blocks.positions_Tg,
             blocks.plan,
             targets,
-            cfg.loss_decay,
+            objective,
             count_S,
             gather,
         )
@@ -136,13 +145,13 @@ class DFlashKind(DraftKind):
     # --- export / import ---------------------------------------------------------------
 
     def read_arch(self, path: str) -> DFlashArch:
-        return read_dflash_arch(path)
+        return read_dflash_arch(path, self.arch_cls)
 
     def mismatches(self, found: DFlashArch, want: DFlashArch) -> list[str]:
         return dflash_mismatches(found, want)
 
     def check_weights(self, path: str, arch: DFlashArch) -> None:
-        check_dflash_weights(path, arch)
+        check_dflash_weights(path, arch, self.draft_cls)
 
     def save(self, model: DFlashDraft, path: str) -> None:
         save_dflash(model, path)
@@ -153,7 +162,7 @@ class DFlashKind(DraftKind):
     # --- serving -----------------------------------------------------------------------
 
     def cached_proposer(self, model: DFlashDraft, embed) -> CachedBlockDraft:
-        return CachedBlockDraft(model, embed)
+        return self.proposer_cls(model, embed)
 
 
 KIND = DFlashKind()

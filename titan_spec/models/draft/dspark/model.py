@@ -11,6 +11,10 @@ A block of J rows (the known token y at position c, then J - 1 masked rows) prop
 row k predicts position c + k + 1 (vLLM's anchor-as-first layout), so unlike DFlash every row
 is a prediction. The Markov bias makes row k depend on the token drafted at row k - 1 (row 0:
 on y): the backbone runs once, the heads left to right.
+
+The directory is DFlash's (dflash/io.py) with ``architecture``, ``head_keys`` and
+``config_extra`` below. vLLM embeds a masked row by the target's row of mask_token_id and
+ignores mask_embedding.pt, which titan_spec trains and reads back (as for DFlash).
 """
 
 from __future__ import annotations
