@@ -20,6 +20,7 @@ from titan_spec.models.attention import doc_metadata_from_positions
 from titan_spec.models.draft import draft_kind
 from titan_spec.models.draft.dflash.io import export_keys
 from titan_spec.rollout import BuiltinEngineConfig, BuiltinRolloutEngine, SamplingParams
+from titan_spec.rollout.builtin.depth import confidence_depth
 
 from test_dflash import TAPS, V, loss_in_fp64, make_target, reference_block_normed
 from test_rollout_engine import (  # noqa: F401  (_one_thread: the module's autouse fixture, shared)
@@ -33,11 +34,13 @@ from test_rollout_engine import (  # noqa: F401  (_one_thread: the module's auto
 KIND = draft_kind("dspark")
 
 
-def make_draft(arch, seed: int, block_size: int = 4, draft_vocab: int = V, n_layers: int = 1, rank: int = 8):
+def make_draft(
+    arch, seed: int, block_size: int = 4, draft_vocab: int = V, n_layers: int = 1, rank: int = 8, confidence=True
+):
     cfg = DraftConfig(
         kind="dspark",
         dflash=DFlashConfig(block_size=block_size, num_layers=n_layers, anchors_per_doc=0),
-        dspark=DSparkConfig(markov_rank=rank),
+        dspark=DSparkConfig(markov_rank=rank, confidence_head=confidence),
         draft_vocab_size=draft_vocab,
     )
     da = KIND.arch_from_target(arch, TAPS, draft_vocab, cfg)
@@ -210,6 +213,57 @@ def test_sampled_tokens_with_a_dspark_draft_follow_the_policy(fitted):
     assert accepted_per_row > 0.3  # drafts are accepted and rejected: both paths run
 
 
+# --- depth = "confidence": the confidence head picks each round's K --------------------------
+
+
+def test_confidence_depth_is_the_deepest_rows_surviving_prefix():
+    conf_BK = torch.tensor([[0.9, 0.9, 0.2, 0.9], [0.6, 0.6, 0.6, 0.6], [0.1, 1.0, 1.0, 1.0]])
+    for threshold in (0.05, 0.1, 0.2, 0.4, 0.5, 0.7, 0.85):
+        # Brute force: j > 1 is verified when some row's product of confidences 1..j reaches it.
+        want = 1 + sum(any(float(r[:j].prod()) >= threshold for r in conf_BK) for j in range(2, 5))
+        assert confidence_depth(conf_BK, threshold) == want, threshold
+    assert confidence_depth(torch.full((2, 4), 0.01), 0.5) == 1  # the block was paid for: K >= 1
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.5])
+def test_greedy_speculation_at_confidence_depth_equals_plain(fitted, threshold):
+    model, _, draft = fitted
+    plain = BuiltinRolloutEngine(model, None, BuiltinEngineConfig(num_draft_tokens=0))
+    cfg = BuiltinEngineConfig(num_draft_tokens=6, depth="confidence", confidence_threshold=threshold)
+    spec = BuiltinRolloutEngine(model, draft, cfg)
+    depths = []
+    for seed in (3, 4):
+        prompts = random_prompts(6, seed)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=30)
+        want, got = plain.generate(prompts, sp), spec.generate(prompts, sp)
+        check_stats(got, 6)
+        for g, w in zip(got, want):
+            assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+        depths += spec.last_depths
+    assert 1 <= min(depths) < max(depths) <= 6, sorted(set(depths))  # the head really chooses
+
+
+def test_sampled_tokens_at_confidence_depth_follow_the_policy(fitted):
+    model, _, draft = fitted
+    res, accepted_per_row, depths = sampled_tokens_distribution_check(
+        model, draft, 4, SamplingParams(1.0, max_new_tokens=3, seed=0), depth="confidence"
+    )
+    assert_follows_the_policy(res)
+    # One round per row: the first proposals verified, the rest cut (what the rule must not bias).
+    assert accepted_per_row > 0.3 and min(depths) < 4, (accepted_per_row, sorted(set(depths)))
+
+
+def test_confidence_depth_without_a_confidence_head_is_one_line(fitted):
+    from test_dflash import make_draft as make_dflash
+
+    model, arch, _ = fitted
+    drafts = [make_dflash(arch, 1, block_size=4)[0], make_draft(arch, 2, confidence=False)[0]]
+    for draft in drafts:
+        with pytest.raises(ValueError) as e:
+            BuiltinRolloutEngine(model, draft, BuiltinEngineConfig(num_draft_tokens=2, depth="confidence"))
+        assert "\n" not in str(e.value) and "confidence head" in str(e.value), e.value
+
+
 def test_more_draft_tokens_than_the_block_is_one_line(fitted):
     model, _, draft = fitted
     with pytest.raises(ValueError) as e:
@@ -254,6 +308,9 @@ def test_export_is_vllms_layout_and_round_trips(tmp_path):
         (["--rollout.engine", "vllm"], "rollout.engine"),
         (["--rollout.engine", "sglang"], "rollout.engine"),
         (["--draft.dspark.markov_rank", "0"], "draft.dspark.markov_rank"),
+        (["--speculative.depth", "confidence", "--draft.dspark.confidence_head", "false"], "speculative.depth"),
+        (["--speculative.depth", "confidence", "--draft.kind", "eagle3"], "speculative.depth"),
+        (["--speculative.depth", "confidence", "--speculative.confidence_threshold", "0"], "confidence_threshold"),
     ],
 )
 def test_config_errors_of_the_kind_are_one_line(args, key):

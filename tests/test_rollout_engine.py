@@ -273,7 +273,7 @@ def sampled_tokens_distribution_check(model, draft, K, sp, n=6000, prompt=(3, 17
         [(torch.bincount(toks[toks[:, 0] == f, 1], minlength=V), p2_hot[i]) for i, f in enumerate(firsts)]
     )
     accepted = sum(r.accepted_tokens for r in out)
-    if depth == "adaptive":
+    if depth != "fixed":
         return results, accepted / n, engine.last_depths
     return results, accepted / n
 

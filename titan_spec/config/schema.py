@@ -337,11 +337,16 @@ class SpeculativeConfig:
     """K: draft tokens proposed (chain) and verified in one target forward per round; with
     depth = "adaptive" the most a round proposes."""
 
-    depth: Literal["fixed", "adaptive"] = "adaptive"
+    depth: Literal["fixed", "adaptive", "confidence"] = "adaptive"
     """"fixed": every round proposes num_draft_tokens; "adaptive" (built-in engine): each round
-    picks the K that maximises expected tokens per second. See ``effective_depth``."""
+    picks the K that maximises expected tokens per second; "confidence" (built-in engine, a
+    DSpark draft): its confidence head picks each round's K. See ``effective_depth``."""
 
-    def effective_depth(self, engine: str) -> Literal["fixed", "adaptive"]:
+    confidence_threshold: float = 0.5
+    """depth = "confidence": a round verifies draft token j > 1 while some request's estimated
+    probability of reaching and accepting it is at least this."""
+
+    def effective_depth(self, engine: str) -> Literal["fixed", "adaptive", "confidence"]:
         """The depth rollout.engine runs: adaptive depth is the built-in engine's, so the servers
         (SGLang, vLLM) run the fixed chain; setting "adaptive" for them is a config error."""
         return self.depth if engine == "builtin" else "fixed"

@@ -175,11 +175,24 @@ def _speculative(c: SpeculativeConfig) -> None:
         c.num_draft_tokens,
         ">= 1 (turn speculation off with speculative.enabled = false)",
     )
+    check(0 < c.confidence_threshold <= 1, "speculative.confidence_threshold", c.confidence_threshold, "in (0, 1]")
 
 
 def _speculative_depth(cfg: TitanSpecConfig, world_size: int) -> None:
     """Adaptive depth is the built-in engine's. Left at its default, a server engine runs the
-    fixed chain (``SpeculativeConfig.effective_depth``); set explicitly, it is an error."""
+    fixed chain (``SpeculativeConfig.effective_depth``); set explicitly, it is an error.
+    Confidence depth reads a DSpark draft's confidence head (served by the built-in engine only)."""
+    if cfg.speculative.depth == "confidence":
+        d = cfg.draft
+        if d.kind != "dspark" or not d.dspark.confidence_head:
+            raise ConfigError(
+                f"speculative.depth = 'confidence' is not allowed with draft.kind = {d.kind!r}"
+                + (" and draft.dspark.confidence_head = false" if d.kind == "dspark" else "")
+                + "; it reads a confidence head: draft.kind = 'dspark' with draft.dspark.confidence_head = true "
+                "(or depth 'fixed' / 'adaptive')",
+                key="speculative.depth",
+            )
+        return
     if cfg.speculative.depth != "adaptive" or "speculative.depth" not in cfg.origins:
         return
     if cfg.rollout.engine == "vllm":

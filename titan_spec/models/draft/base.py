@@ -90,6 +90,9 @@ class BlockProposer(Protocol):
     proposals: int
     """Proposals one block gives (DFlash J - 1, DSpark J); a round verifies the first K <= proposals."""
 
+    has_confidence: bool
+    """``confidence`` estimates each proposal's acceptance (DSpark's confidence head)."""
+
     cache: Any
 
     def new_cache(self, batch: int, slots: int) -> None: ...
@@ -104,6 +107,9 @@ class BlockProposer(Protocol):
 
     def row_logits(self, out_BJ, j: int, prev_B) -> torch.Tensor:
         """logits_BVd of proposal j (position c+1+j) given the token drafted before it (target ids)."""
+
+    def confidence(self, out_BJ, j: int, prev_B) -> torch.Tensor:
+        """conf_B: the estimate that proposal j is accepted given the ones before it (has_confidence)."""
 
     def compile(self, backend: str = "inductor") -> None: ...
 

@@ -27,6 +27,7 @@ __all__ = [
     "RoundCosts",
     "batch_buckets",
     "choose_depth",
+    "confidence_depth",
     "sampling_mode",
 ]
 
@@ -262,3 +263,17 @@ def choose_depth(alphas: list[float], remaining: list[int], costs: list[float]) 
         if rate > best:
             best_k, best = k, rate
     return best_k
+
+
+def confidence_depth(conf_BK, threshold: float) -> int:
+    """The round's K from a draft's confidence head (depth = "confidence"): conf_BK is each
+    row's estimate that proposal j is accepted given the ones before it, so its running
+    product s_Bj estimates that row reaching and accepting j. The round verifies j = 1 always
+    (the block was paid for) and j > 1 while some row has s_Bj >= threshold.
+
+    Each row's own depth is its count of s_Bj >= threshold; the batch verifies the deepest,
+    since its rows share one verify forward (engine.py) and a shorter window would only lose
+    tokens. Lossless: whether j is verified depends on the row's proposals before j (s_Bj
+    reads d_1..d_{j-1}) and on other rows, never on d_j itself."""
+    survive_K = conf_BK.float().cumprod(1).amax(0)
+    return 1 + int((survive_K[1:] >= threshold).sum())

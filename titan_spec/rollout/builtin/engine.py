@@ -1,5 +1,5 @@
 """The built-in PyTorch rollout engine: batched, KV-cached, lossless speculative decoding with a
-chain draft (EAGLE-3) or a block draft (DFlash).
+chain draft (EAGLE-3) or a block draft (DFlash, DSpark).
 
 One round for every active request: propose (the draft kind's cached proposer, after one
 batched ``extend`` of the trunk rows committed since, trunk.py), verify (ONE target forward
@@ -16,6 +16,8 @@ Depth: ``BuiltinEngineConfig.depth = "fixed"`` runs every round at K = num_draft
 "adaptive" picks K in 0..num_draft_tokens before each round (depth.py: live acceptance
 estimates of the call and the engine's measured, then frozen, cost of a round at the
 current batch size; calibrate.py measures it, ``_timed_rounds``: the same rounds at fixed K).
+"confidence" (a DSpark draft) proposes K and verifies the first K' the confidence head's
+estimates keep (depth.py ``confidence_depth``).
 All rows of a round share its K: they share one verify forward,
 whose cost is set by the longest window, so a shorter window for some rows would only
 lose their tokens. After K = 0 rounds the draft has not seen the committed positions yet:
@@ -43,6 +45,7 @@ from titan_spec.rollout.builtin.depth import (
     AcceptanceState,
     RoundCosts,
     choose_depth,
+    confidence_depth,
     sampling_mode,
 )
 from titan_spec.rollout.builtin.sampling import accept, behaviour_logprobs, sample
@@ -58,11 +61,15 @@ class BuiltinEngineConfig:
     num_draft_tokens: int = 4
     """K: draft tokens proposed and verified per round (chain drafting); 0 = no speculation.
     With depth = "adaptive" the most a round proposes."""
-    depth: Literal["fixed", "adaptive"] = "fixed"
+    depth: Literal["fixed", "adaptive", "confidence"] = "fixed"
     """"fixed": every round proposes num_draft_tokens. "adaptive": each round picks K in
     0..num_draft_tokens maximising expected tokens per second (rollout/builtin/depth.py);
     its choices are a deterministic function of the cost table (``BuiltinRolloutEngine.costs``),
-    so engines sharing a table make the same choices."""
+    so engines sharing a table make the same choices. "confidence": the draft's confidence
+    head picks each round's K in 1..num_draft_tokens (depth.py ``confidence_depth``)."""
+    confidence_threshold: float = 0.5
+    """depth = "confidence": verify proposal j > 1 while some row's estimate of reaching and
+    accepting it is at least this."""
     max_batch_size: int = 0
     """Requests decoded together; larger calls are split. 0 = the whole call at once."""
     compile: bool = False
@@ -80,6 +87,7 @@ class BuiltinEngineConfig:
         return cls(
             num_draft_tokens=speculative.num_draft_tokens if speculative.enabled else 0,
             depth=speculative.effective_depth(rollout.engine),
+            confidence_threshold=speculative.confidence_threshold,
             max_batch_size=rollout.max_batch_size,
             compile=rollout.compile,
             progress=rollout.progress,
@@ -133,8 +141,8 @@ class BuiltinRolloutEngine:
             raise ValueError(
                 f"num_draft_tokens = {config.num_draft_tokens!r} must be an integer >= 0 (0 = no speculation)"
             )
-        if config.depth not in ("fixed", "adaptive"):
-            raise ValueError(f"depth = {config.depth!r} must be 'fixed' or 'adaptive'")
+        if config.depth not in ("fixed", "adaptive", "confidence"):
+            raise ValueError(f"depth = {config.depth!r} must be 'fixed', 'adaptive' or 'confidence'")
         if config.max_batch_size < 0:
             raise ValueError(f"max_batch_size = {config.max_batch_size} must be >= 0 (0 = no limit)")
         if config.num_draft_tokens > 0 and draft is None:
@@ -159,6 +167,13 @@ class BuiltinRolloutEngine:
                     f"<= {self._draft.proposals} (block_size {block}"
                     + (" - 1)" if self._draft.proposals < block else ")")
                 )
+        self.by_confidence = config.depth == "confidence" and self.K > 0
+        if self.by_confidence and not getattr(self._draft, "has_confidence", False):
+            raise ValueError(
+                f"depth = 'confidence' needs a draft with a confidence head (a DSpark draft built with "
+                f"draft.dspark.confidence_head = true); this draft is kind {self.draft.arch.kind!r}"
+                + (" without one" if self.draft.arch.kind == "dspark" else "")
+            )
         self.policy_version = 0
         self.draft_version = 0
         self.adaptive = config.depth == "adaptive" and self.K > 0
@@ -307,8 +322,7 @@ class BuiltinRolloutEngine:
         try:
             batch = self._start_batch(prompts, sp, gen, bar)
             while self._running(batch):
-                K = self._depth(batch.reqs, sp, est)
-                a_host = self._round(batch, K, sp, gen)
+                K, a_host = self._round(batch, self._depth(batch.reqs, sp, est), sp, gen)
                 if est is not None:
                     est.observe(K, a_host)
                 self.last_depths.append(K)
@@ -375,16 +389,18 @@ class BuiltinRolloutEngine:
             batch.keep = None
         return bool(batch.reqs)
 
-    def _round(self, batch: "_Batch", K: int, sp: SamplingParams, gen: torch.Generator) -> list[int]:
+    def _round(self, batch: "_Batch", K: int, sp: SamplingParams, gen: torch.Generator) -> tuple[int, list[int]]:
         """One round at depth K for every running row: propose K tokens, verify [y, d_1..d_K]
         in ONE target forward, accept a of them, append the a+1 committed tokens (their taps
-        feed the draft's next extend). Returns each row's accepted draft count."""
+        feed the draft's next extend). Returns (the K verified: depth = "confidence" may
+        verify fewer than proposed, each row's accepted draft count)."""
         c_max = max(batch.c_host)
         d_BK = d_idx_BK = q_BKVd = None
         if K:
             d_BK, d_idx_BK, q_BKVd = self._propose(
                 batch.trunk, batch.y_B, batch.c_B, c_max, K, sp, gen, batch.dw, batch.d2t_Vd
             )
+            K = d_BK.shape[1]
         verify_BL = torch.cat([batch.y_B[:, None], d_BK], dim=1) if K else batch.y_B[:, None]
         logits_BLV, taps_BLCD = self._target.forward(verify_BL, batch.c_B, n_slots=c_max + K + 1, fused=batch.tw)
         a_B, new_BL = accept(logits_BLV, d_BK, d_idx_BK, q_BKVd, batch.d2t_Vd, sp, gen)
@@ -394,7 +410,7 @@ class BuiltinRolloutEngine:
             batch.trunk.add((taps_BLCD, new_BL, batch.c_B, a_B + 1), K, c_max)
         batch.y_B = new_BL.gather(1, a_B[:, None])[:, 0]
         batch.c_B, batch.c_host = batch.c_B + a_B + 1, [c + a + 1 for c, a in zip(batch.c_host, a_host)]
-        return a_host
+        return K, a_host
 
     def _end_batch(self) -> None:
         """Releases the batch's caches (also after an error)."""
@@ -459,10 +475,12 @@ class BuiltinRolloutEngine:
             out_BJ = self._draft.propose(y_B, c_B, n_slots=c_max + block, weights=dw)
         else:
             h_BH, logits_BVd = self._draft.extend(*trunk.joined(), n_slots=trunk.slots, weights=dw)
-        d, d_idx, q = [], [], []
+        d, d_idx, q, conf = [], [], [], []
         for j in range(K):
             if block:
                 logits_BVd = self._draft.row_logits(out_BJ, j, d[-1] if j else y_B)
+                if self.by_confidence:
+                    conf.append(self._draft.confidence(out_BJ, j, d[-1] if j else y_B))
             elif j:
                 # Step j of the row at c-1 sits at position c-1+j (its branch slot).
                 h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j, n_slots=c_max + j, weights=dw)
@@ -471,6 +489,10 @@ class BuiltinRolloutEngine:
                 q.append(q_BVd)
             d_idx.append(idx_B)
             d.append(d2t_Vd[idx_B])
+        if conf:
+            # depth.py confidence_depth: a host sync before the verify, which then runs K' <= K.
+            K = confidence_depth(torch.stack(conf, 1), self.config.confidence_threshold)
+            d, d_idx, q = d[:K], d_idx[:K], q[:K]
         return torch.stack(d, 1), torch.stack(d_idx, 1), (torch.stack(q, 1) if q else None)
 
     def _emit(self, reqs, done, new_BL, a_B, lp_BL, stop: set[int], sp: SamplingParams, bar, k: int):

@@ -33,6 +33,7 @@ class CachedBlockDraft:
         require_plain({n: m for n, m in draft.named_modules() if isinstance(m, nn.RMSNorm)}, nn.RMSNorm)
         self.block_size = a.block_size
         self.proposals = a.block_size - 1
+        self.has_confidence = False
         self.scale = a.head_dim**-0.5
         self._gqa = bool(a.n_heads != a.n_kv_heads)
         self.cache: KVCache | None = None
@@ -78,6 +79,9 @@ class CachedBlockDraft:
         """logits_BVd of proposal j from ``propose``'s output (DFlash's rows do not read the
         previous token)."""
         return out_BJ[:, j]
+
+    def confidence(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a DFlash draft has no confidence head")
 
     def _block_rows(self, h_BJH: torch.Tensor) -> torch.Tensor:
         """What ``propose`` returns of the last layer's block rows: rows 1 .. J-1's logits."""

@@ -6,6 +6,8 @@ final-norm hidden of its J rows; ``row_logits(out, j, prev)`` adds the Markov bi
 drafted at j - 1 (j = 0: y) to row j's logits, so the engine draws proposal j after proposal
 j - 1 (rollout/builtin/engine.py ``_propose``). Each proposal's q is then the distribution it
 was drawn from given the ones before it, which keeps the acceptance rule exact.
+``confidence(out, j, prev)`` is the confidence head's estimate that proposal j is accepted
+(the engine's depth = "confidence", rollout/builtin/depth.py ``confidence_depth``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ class CachedSparkDraft(CachedBlockDraft):
     def __init__(self, draft: DSparkDraft, embed):
         super().__init__(draft, embed)
         self.proposals = draft.arch.block_size
+        self.has_confidence = draft.confidence_head is not None
 
     def row_logits(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
         d = self.draft
         return d.spark_logits(out_BJ[:, j], d.markov_embed(prev_B))
+
+    def confidence(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
+        d = self.draft
+        return torch.sigmoid(d.confidence_logit(out_BJ[:, j], d.markov_embed(prev_B)))
 
     def _block_rows(self, h_BJH: torch.Tensor) -> torch.Tensor:
         return self.draft.norm(h_BJH)
