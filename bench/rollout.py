@@ -19,6 +19,8 @@
 #              another kind (default: a DFlash block draft), at every fixed K and adaptive, in the
 #              same interleaved passes on the same prompts; its adaptive engine has its own cost
 #              table (a block costs what it costs). "kinds" in the JSON compares the two drafts.
+#   dspark_confidence  (--vs-draft-kind dspark) the DSpark draft at speculative.depth =
+#              "confidence": its confidence head picks each round's K (rollout/builtin/depth.py)
 # Every timed pass runs --requests prompts (or `batch`, when larger) through each engine,
 # `batch` per generate call (batch 1: one request after another), so acceptance and tokens/s
 # are not one prompt's, and adaptive depth carries its acceptance estimate from call to call
@@ -256,6 +258,8 @@ def main(argv=None) -> int:
             f"{vs}_fixed_{k}": engine(k, draft_dir_=args.vs_draft, kind=vs, costs_=vs_costs) for k in range(1, K + 1)
         }
         engines[f"{vs}_adaptive"] = engine(K, "adaptive", args.vs_draft, vs, vs_costs)
+        if vs == "dspark":  # its confidence head picks each round's K (speculative.depth = "confidence")
+            engines[f"{vs}_confidence"] = engine(K, "confidence", args.vs_draft, vs, vs_costs)
     if args.distill_steps:
         engines["distilled"] = engine(K)
         t0 = time.perf_counter()
@@ -413,6 +417,13 @@ def _kinds(rows: list[dict], K: int, main: str, vs: str) -> list[dict]:
                 "speedup_adaptive": adaptive["speedup"],
                 "draft_k_adaptive": adaptive["draft_k"],
             }
+            if f"{prefix}confidence" in cell:
+                conf = cell[f"{prefix}confidence"]
+                row[kind] |= {
+                    "accept_len_confidence": conf["accept_len"],
+                    "speedup_confidence": conf["speedup"],
+                    "draft_k_confidence": conf["draft_k"],
+                }
         out.append(row)
     return out
 
@@ -429,6 +440,12 @@ def _kinds_table(kinds: list[dict], K: int) -> str:
             + " | ".join(
                 f"{r[n]['accept_len_fixed']:.2f} / {r[n]['speedup_fixed']:.2f}x / {r[n]['speedup_adaptive']:.2f}x "
                 f"({r[n]['draft_k_adaptive']:.2f})"
+                + (
+                    f" / confidence {r[n]['accept_len_confidence']:.2f}, {r[n]['speedup_confidence']:.2f}x "
+                    f"({r[n]['draft_k_confidence']:.2f})"
+                    if "accept_len_confidence" in r[n]
+                    else ""
+                )
                 for n in names
             )
             + " |"
