@@ -160,7 +160,7 @@ def test_cached_proposer_equals_the_reference_block_and_heads():
                 + p["markov_head.markov_w1.weight"][prev] @ p["markov_head.markov_w2.weight"].T
             )
             draft.float()
-            got = prop.row_logits(out, j, torch.tensor([prev]))[0]
+            got = prop.row(out, j, torch.tensor([prev]))[0][0]
             # tolerance: the cached proposer in fp32 against the fp64 reference (logits O(1)).
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
             draft.double()

@@ -91,7 +91,7 @@ class BlockProposer(Protocol):
     """Proposals one block gives (DFlash J - 1, DSpark J); a round verifies the first K <= proposals."""
 
     has_confidence: bool
-    """``confidence`` estimates each proposal's acceptance (DSpark's confidence head)."""
+    """``row`` can estimate each proposal's acceptance (DSpark's confidence head)."""
 
     cache: Any
 
@@ -103,13 +103,12 @@ class BlockProposer(Protocol):
         """Take in the newly committed positions (their taps); nothing is proposed yet."""
 
     def propose(self, y_B, c_B, n_slots: int, weights=None) -> torch.Tensor:
-        """The block after the pending token y at position c -> what ``row_logits`` reads."""
+        """The block after the pending token y at position c -> what ``row`` reads."""
 
-    def row_logits(self, out_BJ, j: int, prev_B) -> torch.Tensor:
-        """logits_BVd of proposal j (position c+1+j) given the token drafted before it (target ids)."""
-
-    def confidence(self, out_BJ, j: int, prev_B) -> torch.Tensor:
-        """conf_B: the estimate that proposal j is accepted given the ones before it (has_confidence)."""
+    def row(self, out_BJ, j: int, prev_B, confidence: bool = False):
+        """Proposal j (position c+1+j) given the token drafted before it (target ids) ->
+        (logits_BVd, conf_B: the estimate that it is accepted given the ones before it, or None
+        unless ``confidence``, which needs has_confidence)."""
 
     def compile(self, backend: str = "inductor") -> None: ...
 

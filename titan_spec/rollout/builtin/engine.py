@@ -478,9 +478,9 @@ class BuiltinRolloutEngine:
         d, d_idx, q, conf = [], [], [], []
         for j in range(K):
             if block:
-                logits_BVd = self._draft.row_logits(out_BJ, j, d[-1] if j else y_B)
-                if self.by_confidence:
-                    conf.append(self._draft.confidence(out_BJ, j, d[-1] if j else y_B))
+                logits_BVd, conf_B = self._draft.row(out_BJ, j, d[-1] if j else y_B, self.by_confidence)
+                if conf_B is not None:
+                    conf.append(conf_B)
             elif j:
                 # Step j of the row at c-1 sits at position c-1+j (its branch slot).
                 h_BH, logits_BVd = self._draft.step(h_BH, d[-1], c_B - 1 + j, n_slots=c_max + j, weights=dw)

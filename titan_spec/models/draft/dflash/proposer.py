@@ -75,13 +75,10 @@ class CachedBlockDraft:
         rows_BJ = torch.arange(c_B.shape[0], device=c_B.device)[:, None].expand_as(pos_BJ)
         return self._propose(y_B, Step(rows_BJ, pos_BJ, mask), self.cache.k_YBKvSlHd, self.cache.v_YBKvSlHd)
 
-    def row_logits(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
-        """logits_BVd of proposal j from ``propose``'s output (DFlash's rows do not read the
-        previous token)."""
-        return out_BJ[:, j]
-
-    def confidence(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("a DFlash draft has no confidence head")
+    def row(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor, confidence: bool = False):
+        """(logits_BVd of proposal j from ``propose``'s output, None): DFlash's rows do not read
+        the previous token, and it has no confidence head."""
+        return out_BJ[:, j], None
 
     def _block_rows(self, h_BJH: torch.Tensor) -> torch.Tensor:
         """What ``propose`` returns of the last layer's block rows: rows 1 .. J-1's logits."""

@@ -2,11 +2,11 @@
 where every block row is a proposal and the heads run left to right.
 
 ``propose`` runs the block [y, mask, ..., mask] at positions c .. c+J-1 once and returns the
-final-norm hidden of its J rows; ``row_logits(out, j, prev)`` adds the Markov bias of the token
+final-norm hidden of its J rows; ``row(out, j, prev)`` adds the Markov bias of the token
 drafted at j - 1 (j = 0: y) to row j's logits, so the engine draws proposal j after proposal
 j - 1 (rollout/builtin/engine.py ``_propose``). Each proposal's q is then the distribution it
 was drawn from given the ones before it, which keeps the acceptance rule exact.
-``confidence(out, j, prev)`` is the confidence head's estimate that proposal j is accepted
+With ``confidence`` it also gives the confidence head's estimate that proposal j is accepted
 (the engine's depth = "confidence", rollout/builtin/depth.py ``confidence_depth``).
 """
 
@@ -26,13 +26,11 @@ class CachedSparkDraft(CachedBlockDraft):
         self.proposals = draft.arch.block_size
         self.has_confidence = draft.confidence_head is not None
 
-    def row_logits(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
-        d = self.draft
-        return d.spark_logits(out_BJ[:, j], d.markov_embed(prev_B))
-
-    def confidence(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor) -> torch.Tensor:
-        d = self.draft
-        return torch.sigmoid(d.confidence_logit(out_BJ[:, j], d.markov_embed(prev_B)))
+    def row(self, out_BJ: torch.Tensor, j: int, prev_B: torch.Tensor, confidence: bool = False):
+        d, hn_BH = self.draft, out_BJ[:, j]
+        m_BMr = d.markov_embed(prev_B)
+        conf_B = torch.sigmoid(d.confidence_logit(hn_BH, m_BMr)) if confidence else None
+        return d.spark_logits(hn_BH, m_BMr), conf_B
 
     def _block_rows(self, h_BJH: torch.Tensor) -> torch.Tensor:
         return self.draft.norm(h_BJH)
