@@ -25,6 +25,8 @@ engine knows it (it tracks positions on the host) and passes it as ``n_slots``; 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -120,3 +122,18 @@ def require_plain(modules: dict[str, nn.Module], kind: type) -> None:
         raise ValueError(
             f"the torch rollout engine needs plain {kind.__name__} modules; these are not: {', '.join(bad)}"
         )
+
+
+def compile_decode(fn: Callable, backend: str = "inductor") -> Callable:
+    """torch.compile a cached forward: dynamic shapes; fullgraph, because a graph break would
+    make dynamo run the whole forward eager, silently, and a clear error is better. Called with
+    the modules' float attributes (eps, norm_type) as constants: traced as symbols they make
+    dynamo restart its analysis, so every new graph would be traced twice."""
+    compiled = torch.compile(fn, dynamic=True, backend=backend, fullgraph=True)
+
+    @functools.wraps(fn)
+    def call(*args):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return call

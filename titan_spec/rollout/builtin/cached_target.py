@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_spec.models.fused import FusedLinearWeight
-from titan_spec.models.kv_cache import KVCache, Step, attend, require_plain, rms, step_indices, write_kv
+from titan_spec.models.kv_cache import KVCache, Step, compile_decode, attend, require_plain, rms, step_indices, write_kv
 
 __all__ = ["CachedTarget"]
 
@@ -98,9 +98,7 @@ class CachedTarget:
         self._core = self._forward_core
 
     def compile(self, backend: str = "inductor") -> None:
-        # fullgraph: a graph break would make dynamo run the whole forward eager (correct but
-        # much slower, silently); a clear error is better.
-        self._core = torch.compile(self._forward_core, dynamic=True, backend=backend, fullgraph=True)
+        self._core = compile_decode(self._forward_core, backend)
 
     def new_cache(self, batch: int, slots: int) -> None:
         p = self.model.tok_embeddings.weight

@@ -18,7 +18,16 @@ import torch
 import torch.nn as nn
 
 from titan_spec.models.draft.dflash.model import DFlashDraft
-from titan_spec.models.kv_cache import KVCache, Step, attend, causal_slot_mask, require_plain, step_indices, write_kv
+from titan_spec.models.kv_cache import (
+    KVCache,
+    Step,
+    compile_decode,
+    attend,
+    causal_slot_mask,
+    require_plain,
+    step_indices,
+    write_kv,
+)
 
 __all__ = ["CachedBlockDraft"]
 
@@ -40,8 +49,8 @@ class CachedBlockDraft:
         self._extend, self._propose = self._extend_core, self._propose_core
 
     def compile(self, backend: str = "inductor") -> None:
-        self._extend = torch.compile(self._extend_core, dynamic=True, backend=backend, fullgraph=True)
-        self._propose = torch.compile(self._propose_core, dynamic=True, backend=backend, fullgraph=True)
+        self._extend = compile_decode(self._extend_core, backend)
+        self._propose = compile_decode(self._propose_core, backend)
 
     def new_cache(self, batch: int, slots: int) -> None:
         a, p = self.draft.arch, self.draft.fc.weight

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from titan_spec.models.draft.eagle3.model import Eagle3Draft
 from titan_spec.models.draft.rotary import RotaryTable, rotate_half
 from titan_spec.models.fused import FusedLinearWeight
-from titan_spec.models.kv_cache import KVCache, Step, attend, require_plain, rms, step_indices, write_kv
+from titan_spec.models.kv_cache import KVCache, Step, compile_decode, attend, require_plain, rms, step_indices, write_kv
 
 __all__ = ["CachedDraft"]
 
@@ -72,8 +72,8 @@ class CachedDraft:
         self._extend, self._step = self._extend_core, self._step_core
 
     def compile(self, backend: str = "inductor") -> None:
-        self._extend = torch.compile(self._extend_core, dynamic=True, backend=backend, fullgraph=True)
-        self._step = torch.compile(self._step_core, dynamic=True, backend=backend, fullgraph=True)
+        self._extend = compile_decode(self._extend_core, backend)
+        self._step = compile_decode(self._step_core, backend)
 
     def new_cache(self, batch: int, slots: int) -> None:
         a, p = self.draft.arch, self.draft.fc.weight
