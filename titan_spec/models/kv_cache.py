@@ -1,4 +1,4 @@
-"""The pieces of a forward over a KV cache: the cache, its slot rule, write, attend, RMSNorm.
+"""The pieces of a forward over a KV cache: the cache, its slot rule, write, attend, RMSNorm, compile.
 
 The cache uses "slot == position": the K/V of the token at position t of a request sits in
 slot t of its row. A query at position p attends to slots <= p of its row, so one

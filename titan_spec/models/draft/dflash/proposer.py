@@ -21,9 +21,9 @@ from titan_spec.models.draft.dflash.model import DFlashDraft
 from titan_spec.models.kv_cache import (
     KVCache,
     Step,
-    compile_decode,
     attend,
     causal_slot_mask,
+    compile_decode,
     require_plain,
     step_indices,
     write_kv,

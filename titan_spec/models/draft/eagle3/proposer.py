@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from titan_spec.models.draft.eagle3.model import Eagle3Draft
 from titan_spec.models.draft.rotary import RotaryTable, rotate_half
 from titan_spec.models.fused import FusedLinearWeight
-from titan_spec.models.kv_cache import KVCache, Step, compile_decode, attend, require_plain, rms, step_indices, write_kv
+from titan_spec.models.kv_cache import KVCache, Step, attend, compile_decode, require_plain, rms, step_indices, write_kv
 
 __all__ = ["CachedDraft"]
 
