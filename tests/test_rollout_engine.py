@@ -106,6 +106,7 @@ def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
 def check_stats(rollouts, K):
     for r in rollouts:
         assert r.verify_steps >= 1 and 0 <= r.accepted_tokens <= K * r.verify_steps
+        assert r.verify_steps + r.accepted_tokens == len(r.output_ids)
         assert r.acceptance_length == pytest.approx(len(r.output_ids) / r.verify_steps)
         assert len(r.logprobs) == len(r.output_ids)
 

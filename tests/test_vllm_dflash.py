@@ -6,8 +6,7 @@ One server for the module (tests/test_vllm_engine.py's policy shape: head_dim 32
 vLLM's CPU attention serves), started from a tiny transformers-written Qwen3 and a DFlash
 draft fitted to it by the kind's own loss. Greedy speculation equals plain greedy, and
 vLLM's accepted tokens equal the built-in engine's request by request (the same draft from
-the same context), within one token per request for near-ties of the draft's argmax in
-other fp32 kernels. Pushes through vLLM's weight-update bracket, the mask embedding through
+the same context). Pushes through vLLM's weight-update bracket, the mask embedding through
 the served directory's file, land as the built-in engine sees
 them. Skipped, with the reason, only where the vLLM environment cannot be built.
 """
@@ -65,9 +64,10 @@ def served(tmp_path_factory):
     cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=K + 1, anchors_per_doc=0))
     rand = KIND.initial(KIND.arch_from_target(arch, TAPS, V, cfg), None, seed=3)
     plain = BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0))
-    seqs = [
-        r.prompt_ids + r.output_ids for r in plain.generate(_prompts(48, 11), SamplingParams(0.0, max_new_tokens=24))
-    ]
+    # Fitted on the greedy completions of the prompts the tests serve (and 48 others), the
+    # draft's argmax is confident, far from near-ties that other fp32 kernels could flip.
+    fit_prompts = _prompts(48, 11) + _prompts(12, 5) + _prompts(8, 6)
+    seqs = [r.prompt_ids + r.output_ids for r in plain.generate(fit_prompts, SamplingParams(0.0, max_new_tokens=24))]
     fitted = KIND.build(rand.arch)
     fitted.load_state_dict(rand.state_dict())
     fitted = train_dflash(target, fitted, cfg, seqs, steps=200, lr=3e-3)
@@ -90,22 +90,19 @@ def _same_as_builtin(served, draft, prompts):
     plain = _builtin(served, None, 0).generate(prompts, sp)
     for g, w, p in zip(got, want, plain):
         assert g.output_ids == w.output_ids == p.output_ids
-    # The same draft proposes the same blocks from the same context, up to a near-tie of the
-    # draft's argmax computed by other kernels (fp32): measured equal request by request for
-    # the fitted draft, one request off by one token for a draft with a negated mask embedding.
-    # Tolerance: 1 token per request, 10% (at least 1) of the total.
+    # The same draft proposes the same blocks from the same context, and both engines count
+    # a verify step cut at the budget alike: the same accepted tokens, request by request.
     got_a, want_a = [r.accepted_tokens for r in got], [r.accepted_tokens for r in want]
-    assert all(abs(a - b) <= 1 for a, b in zip(got_a, want_a)), (got_a, want_a)
-    assert abs(sum(got_a) - sum(want_a)) <= max(1, sum(want_a) // 10), (got_a, want_a)
+    assert got_a == want_a
     return sum(got_a)
 
 
 def test_vllm_serves_the_exported_dflash_draft_as_the_builtin_engine_does(served):
     assert served.engine.llm_kwargs["speculative_config"]["method"] == "dflash"
     accepted = _same_as_builtin(served, served.fitted, _prompts(12, 5))
-    # The fitted draft is accepted (10 tokens over these 12 prompts on this random policy,
-    # measured 2026-12-03): the per-request equality is not vacuous.
-    assert accepted >= 5, accepted
+    # The fitted draft is accepted (the built-in engine: 102 tokens over these 12 prompts):
+    # the per-request equality is not vacuous.
+    assert accepted >= 50, accepted
 
 
 def test_dflash_draft_push_with_its_mask_embedding_lands(served):
