@@ -144,9 +144,9 @@ def reference_loss(draft, logits_TV, taps_TD, emb_TH, pos_T, labels_T, decay):
     d2t_ids = torch.arange(draft.arch.draft_vocab_size) + draft.d2t
     sums, counts, denoms = [0.0] * (J - 1), [0] * (J - 1), [0] * (J - 1)
     for s, e in zip(starts[:-1], starts[1:]):
-        for anchor in range(s, e):
-            if labels_T[anchor] == IGNORE_INDEX:
-                continue
+        for anchor in range(s + 1, e):
+            if labels_T[anchor - 1] == IGNORE_INDEX or labels_T[anchor] == IGNORE_INDEX:
+                continue  # a block's known token and its row-1 token are completion tokens
             out = torch.log_softmax(reference_block_logits(draft, taps_TD, emb_TH, pos_T, anchor, s), -1)
             for k in range(1, J):
                 src = anchor + k - 1
@@ -158,7 +158,9 @@ def reference_loss(draft, logits_TV, taps_TD, emb_TH, pos_T, labels_T, decay):
                 p = torch.softmax(logits_TV[src][d2t_ids], -1)
                 sums[k - 1] = sums[k - 1] - (p * out[k]).sum()
                 counts[k - 1] += 1
-    return sum(decay ** (k - 1) * sums[k - 1] / max(denoms[k - 1], 1) for k in range(1, J)), counts
+    # SpecForge's decay-weighted mean over the scored rows
+    weights = [decay ** (k - 1) for k in range(1, J)]
+    return sum(w * t for w, t in zip(weights, sums)) / sum(w * n for w, n in zip(weights, denoms)), counts
 
 
 def loss_in_fp64(kind, model, draft, cfg):
@@ -210,18 +212,18 @@ def test_anchors_per_document_are_capped_evenly_and_deterministically():
 
     pos = torch.cat([torch.arange(30), torch.arange(10)])[None]
     labels = torch.ones(40, dtype=torch.long)
-    labels[:5] = IGNORE_INDEX  # doc 1: rows 5..29 are candidates (25), doc 2: rows 30..39 (10)
+    labels[:5] = IGNORE_INDEX  # doc 1: rows 6..29 are anchors (24), doc 2: rows 31..39 (9)
     bounds = doc_bounds_of(pos)
     assert bounds == [0, 30, 40]
     plan = block_plan(bounds, labels, 4)
-    assert plan.anchors_A.tolist() == plan.rows_A.tolist() == [5, 11, 17, 23, 30, 32, 35, 37]
+    assert plan.anchors_A.tolist() == plan.rows_A.tolist() == [6, 12, 18, 24, 31, 33, 35, 37]
     assert plan.groups == [(0, 4, 0, 30), (4, 8, 30, 40)]
-    assert block_plan(bounds, labels, 0).anchors_A.tolist() == list(range(5, 40))
+    assert block_plan(bounds, labels, 0).anchors_A.tolist() == list(range(6, 30)) + list(range(31, 40))
     # A CP rank keeps the blocks anchored on its rows, at their local rows.
     mine = torch.zeros(40, dtype=torch.bool)
-    mine[[11, 23, 32]] = True
+    mine[[12, 24, 33]] = True
     kept = block_plan(bounds, labels, 4, mine, torch.arange(40) + 100)
-    assert kept.anchors_A.tolist() == [11, 23, 32] and kept.rows_A.tolist() == [111, 123, 132]
+    assert kept.anchors_A.tolist() == [12, 24, 33] and kept.rows_A.tolist() == [112, 124, 133]
     assert kept.groups == [(0, 2, 0, 30), (2, 3, 30, 40)]
 
 
@@ -335,7 +337,7 @@ def test_greedy_speculation_with_a_block_draft_equals_plain(fitted, which, K):
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
             tokens, steps = tokens + len(g.output_ids), steps + g.verify_steps
     if which == "fitted" and K == 7:
-        assert tokens / steps > 1.5, tokens / steps  # it really speculates: the equality is not vacuous
+        assert tokens / steps > 1.2, tokens / steps  # it accepts drafted tokens: the equality is not vacuous
 
 
 def test_adaptive_depth_with_a_block_draft_equals_plain(fitted):

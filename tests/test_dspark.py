@@ -120,7 +120,7 @@ def test_blocks_start_at_the_first_completion_token():
     pos = torch.cat([torch.arange(30), torch.arange(10)])[None]
     labels = torch.ones(40, dtype=torch.long)
     labels[:5] = IGNORE_INDEX  # doc 1: labels from row 5 (its last prompt row), doc 2: every row
-    plan = block_plan(doc_bounds_of(pos), labels, 0, completion_only=True)
+    plan = block_plan(doc_bounds_of(pos), labels, 0)
     assert plan.anchors_A.tolist() == list(range(6, 30)) + list(range(31, 40))
 
 

@@ -38,7 +38,7 @@ class Blocks:
     under context parallelism the global stream (context.py), this rank's blocks only.
     ``valid``: per scored block row, (src, valid) (DFlash's ``block_valid``, set by the kind)."""
 
-    def __init__(self, positions_BL, labels_BL, meta, per_doc: int, completion_only: bool = False):
+    def __init__(self, positions_BL, labels_BL, meta, per_doc: int):
         labels_T = labels_BL.reshape(-1)
         self.stream = CPStream(meta, labels_T.device) if _is_cp_shard(meta) else None
         if self.stream is None:
@@ -48,7 +48,7 @@ class Blocks:
             st = self.stream
             self.labels_Tg, self.positions_Tg = st.gather_labels(labels_T), st.positions_Tg.to(labels_T.device)
             bounds, owner, local = st.doc_bounds, st.owner_Tg == st.rank, st.local_Tg
-        self.plan = block_plan(bounds, self.labels_Tg, per_doc, owner, local, completion_only)
+        self.plan = block_plan(bounds, self.labels_Tg, per_doc, owner, local)
         self.valid: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def counts(self) -> torch.Tensor:

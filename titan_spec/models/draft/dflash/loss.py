@@ -14,10 +14,14 @@ Mirrors inference (proposer.py): a block anchored at row a
     (DFlash's exp(-(k - 1) / gamma)).
 Block row k is masked when a + k - 1 leaves the document, when that row is outside the loss
 region (labels == IGNORE), or when the target's argmax there is not in the draft vocab.
+loss = sum_k decay**(k - 1) * (row k's cross-entropies) / sum_k decay**(k - 1) * (row k's
+count): a decay-weighted mean, as SpecForge's DFlash loss.
 
-Anchors: the rows a of the loss region (labels[a] != IGNORE, so block row 1 trains), at most
-``per_doc`` of them per document, evenly spaced (deterministic: a run, its resume and its
-parallel layouts draw the same blocks). Everything read from the target is detached.
+Anchors: the rows a whose own token and next token are completion tokens (labels[a - 1] and
+labels[a] != IGNORE), so the first block sits on the first completion token, where an engine's
+first block sits; at most ``per_doc`` of them per document, evenly spaced (deterministic: a
+run, its resume and its parallel layouts draw the same blocks). Everything read from the
+target is detached.
 
 Attention runs per document (its anchors' J rows against its context rows and their own
 blocks) so memory grows with a document's length, not the batch's. Under context
@@ -66,18 +70,14 @@ def doc_bounds_of(positions_BL: torch.Tensor) -> list[int]:
     return starts_BL.reshape(-1).nonzero().squeeze(1).tolist() + [B * L]
 
 
-def block_plan(
-    bounds: list[int], labels_Tg: torch.Tensor, per_doc: int, owner_Tg=None, local_Tg=None, completion_only=False
-) -> BlockPlan:
-    """The blocks of a stream cut at ``bounds``: at most ``per_doc`` rows of each document's
-    loss region, evenly spaced. ``owner_Tg`` (a bool per row: this rank's) and ``local_Tg`` (its
-    local row) keep a CP rank's blocks; None: every block, rows_A = anchors_A.
-    ``completion_only``: the anchor's own token is in the loss region too (the label of the row
-    before it), so blocks start at the first completion token, where an engine's first block sits."""
+def block_plan(bounds: list[int], labels_Tg: torch.Tensor, per_doc: int, owner_Tg=None, local_Tg=None) -> BlockPlan:
+    """The blocks of a stream cut at ``bounds``: at most ``per_doc`` anchors of each document
+    (rows a with labels[a - 1] and labels[a] in the loss region), evenly spaced. ``owner_Tg``
+    (a bool per row: this rank's) and ``local_Tg`` (its local row) keep a CP rank's blocks;
+    None: every block, rows_A = anchors_A."""
     ok_Tg = labels_Tg.cpu() != IGNORE_INDEX
-    if completion_only:
-        ok_Tg[1:] &= ok_Tg[:-1].clone()
-        ok_Tg[torch.tensor(bounds[:-1], dtype=torch.long)] = False
+    ok_Tg[1:] &= ok_Tg[:-1].clone()
+    ok_Tg[torch.tensor(bounds[:-1], dtype=torch.long)] = False
     cand = ok_Tg.nonzero().squeeze(1)
     mine = owner_Tg.cpu() if owner_Tg is not None else None
     anchors, ends, groups = [], [], []
@@ -193,20 +193,19 @@ def block_loss(
     h_QH = block_hidden(draft, taps, embeds_TH, positions_Tg, plan, gather=gather)
     logits_AJVd = draft.logits(h_QH).view(A, J, -1)
 
-    loss_sum, counts, correct, terms = [], [], [], []
+    loss_sum, counts, correct = [], [], []
     for k, (valid, tgt_p_AVd) in enumerate(targets, start=1):
         logits_AVd = logits_AJVd[:, k]
         ce_A = -(tgt_p_AVd * F.log_softmax(_at_least_fp32(logits_AVd), dim=-1)).sum(-1)
-        step_sum = (ce_A * valid).sum()
-        n = valid.sum()
-        denom = (count_S[k - 1] if count_S is not None else n).clamp(min=1)
-        terms.append((decay ** (k - 1)) * step_sum / denom)
-        loss_sum.append(step_sum.detach())
-        counts.append(n)
+        loss_sum.append((ce_A * valid).sum())
+        counts.append(valid.sum())
         correct.append(((logits_AVd.argmax(-1) == tgt_p_AVd.argmax(-1)) & valid).sum())
+    sum_S = torch.stack(loss_sum)
+    decay_S = decay ** torch.arange(J - 1, device=sum_S.device, dtype=sum_S.dtype)
+    denom = (decay_S * (torch.stack(counts) if count_S is None else count_S).to(sum_S.dtype)).sum()
     return DraftLossResult(
-        loss=torch.stack(terms).sum(),
-        loss_sum_S=torch.stack(loss_sum),
+        loss=(decay_S * sum_S).sum() / denom.clamp(min=1e-6),
+        loss_sum_S=sum_S.detach(),
         count_S=torch.stack(counts),
         correct_S=torch.stack(correct),
     )

@@ -32,7 +32,7 @@ class DSparkKind(DFlashKind):
         return d
 
     def _blocks(self, positions_BL, labels_BL, meta, cfg: DraftConfig) -> Blocks:
-        blocks = Blocks(positions_BL, labels_BL, meta, cfg.dflash.anchors_per_doc, completion_only=True)
+        blocks = Blocks(positions_BL, labels_BL, meta, cfg.dflash.anchors_per_doc)
         blocks.valid = spark_valid(blocks.plan, blocks.labels_Tg, cfg.dflash.block_size)
         return blocks
 

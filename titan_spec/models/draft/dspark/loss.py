@@ -4,8 +4,8 @@ prediction, with SpecForge's DSpark objective.
 A block anchored at row a (its known token x[a] at pos[a], then J - 1 masked rows) attends as a
 DFlash block does. Block row k (0 .. J - 1) predicts x[a + k + 1], the token the target's row
 a + k predicted; its previous token is x[a + k] (teacher forcing: row 0's is the known token).
-Anchors start at the first completion token (``block_plan(completion_only=True)``), so every
-row's previous token is a label of the stream.
+Anchors start at the first completion token (DFlash's ``block_plan``), so every row's
+previous token is a label of the stream.
 
 Per row, with logits = lm_head(norm(h)) + markov bias of the previous token, over the draft vocab:
   - ce:   cross-entropy against the sampled token x[a + k + 1];
