@@ -241,7 +241,8 @@ class DFlashConfig:
     """Decoder layers of the draft."""
 
     anchors_per_doc: int = 64
-    """Training blocks per packed document at most, evenly spaced (0 = a block at every position)."""
+    """Training blocks per packed document at most, evenly spaced over its completion from the
+    first token (0 = a block at every such position)."""
 
     mask_token_id: int = -1
     """The target token id that stands for a masked position in the exported config;
