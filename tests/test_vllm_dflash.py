@@ -64,8 +64,8 @@ def served(tmp_path_factory):
     cfg = DraftConfig(kind="dflash", dflash=DFlashConfig(block_size=K + 1, anchors_per_doc=0))
     rand = KIND.initial(KIND.arch_from_target(arch, TAPS, V, cfg), None, seed=3)
     plain = BuiltinRolloutEngine(target, None, BuiltinEngineConfig(num_draft_tokens=0))
-    # Fitted on the greedy completions of the prompts the tests serve (and 48 others), the
-    # draft's argmax is confident, far from near-ties that other fp32 kernels could flip.
+    # Fitted on the greedy completions of the prompts the tests serve (and 48 others), so most
+    # of its blocks are accepted there and the request-by-request equality is not vacuous.
     fit_prompts = _prompts(48, 11) + _prompts(12, 5) + _prompts(8, 6)
     seqs = [r.prompt_ids + r.output_ids for r in plain.generate(fit_prompts, SamplingParams(0.0, max_new_tokens=24))]
     fitted = KIND.build(rand.arch)

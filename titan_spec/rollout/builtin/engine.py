@@ -516,10 +516,10 @@ class BuiltinRolloutEngine:
             r.out += toks
             r.logprobs += row[L + 1 : L + 1 + n]
             r.verify_steps += 1
-            # Every verify step emits one target token, and a row cut at a stop token or the
-            # budget counts one fewer draft: completion = verify_steps + accepted, as vLLM and
-            # SGLang count it (rollout/vllm/engine.py, rollout/sglang/engine.py).
-            r.accepted += min(a, n - 1)
+            # n <= a + 1 always; a verify step counts one emitted token as the target's own
+            # (a step cut at a stop token or the budget too): completion = verify_steps +
+            # accepted, as vLLM and SGLang count it (rollout/vllm/engine.py, sglang/engine.py).
+            r.accepted += n - 1
             r.drafted += k
             emitted += n
             a_host.append(a)
